@@ -1,0 +1,126 @@
+"""Clusters: the GPU, its node and its network, as the cost model sees them.
+
+Rates are datasheet figures (``shared/reference/calibration.md`` section 4) times an achievable fraction
+that belongs to the hardware, never to a model. A cluster is a preset name or a JSON file with the same
+fields (any field omitted takes the ``a100-80g`` value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from partc.errors import PartcError
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass(kw_only=True, slots=True)
+class Cluster:
+    name: str
+    """Preset name or file stem."""
+    gpu: str
+    """GPU model, for people."""
+    gpus_per_node: int = 8
+    memory_bytes: int
+    """HBM per GPU, as the driver reports it."""
+    memory_reserve_bytes: int = 4 * GiB
+    """Held back from `memory_bytes`: CUDA context, NCCL buffers, allocator fragmentation and workspace. A
+    plan must fit in ``memory_bytes - memory_reserve_bytes``."""
+    peak_flops: float
+    """Dense 16-bit tensor-core FLOP/s (datasheet)."""
+    gemm_efficiency: float = 0.75
+    """Fraction of `peak_flops` that a large, well-shaped GEMM reaches."""
+    gemm_half_size: float = 96.0
+    """A GEMM dimension of this many elements halves the efficiency: smaller GEMMs run below peak
+    (efficiency per dimension d is d / (d + gemm_half_size))."""
+    memory_bandwidth: float
+    """HBM bytes/s (datasheet)."""
+    memory_efficiency: float = 0.8
+    """Fraction of `memory_bandwidth` that memory-bound kernels (elementwise, norms, softmax) reach."""
+    intra_node_bandwidth: float
+    """Bytes/s each way per GPU inside a node (NVLink), datasheet."""
+    inter_node_bandwidth: float
+    """Bytes/s each way per GPU across nodes (InfiniBand), datasheet."""
+    intra_node_efficiency: float = 0.8
+    """Fraction of `intra_node_bandwidth` that ring collectives reach (NCCL bus bandwidth)."""
+    inter_node_efficiency: float = 0.9
+    """Fraction of `inter_node_bandwidth` that ring collectives reach."""
+    intra_node_latency: float = 5e-6
+    """Seconds per ring step inside a node."""
+    inter_node_latency: float = 10e-6
+    """Seconds per ring step across nodes."""
+    dp_overlap: float = 0.0
+    """Fraction of the data-parallel gradient reduction hidden behind backward compute."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict, *, name: str | None = None) -> "Cluster":
+        base = dataclasses.asdict(PRESETS["a100-80g"])
+        known = {f.name for f in dataclasses.fields(Cluster)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PartcError(f"unknown cluster field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        base.update(data)
+        if name is not None and "name" not in data:
+            base["name"] = name
+        try:
+            cluster = Cluster(**base)
+        except TypeError as e:  # pragma: no cover - all fields have values from the base preset
+            raise PartcError(f"bad cluster description: {e}") from None
+        for f in dataclasses.fields(Cluster):
+            value = getattr(cluster, f.name)
+            if f.name in ("name", "gpu"):
+                if not isinstance(value, str):
+                    raise PartcError(f"cluster field {f.name} must be a string, got {value!r}")
+            elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise PartcError(f"cluster field {f.name} must be a non-negative number, got {value!r}")
+        if cluster.gpus_per_node < 1 or int(cluster.gpus_per_node) != cluster.gpus_per_node:
+            raise PartcError(f"cluster gpus_per_node must be a positive integer, got {cluster.gpus_per_node!r}")
+        if cluster.memory_bytes <= cluster.memory_reserve_bytes:
+            raise PartcError("cluster memory_bytes must exceed memory_reserve_bytes")
+        return cluster
+
+
+# Datasheet rates from calibration.md section 4 (NVLink: per direction; InfiniBand: 8x 200 Gb/s HDR per 8-GPU
+# node = 25 GB/s per GPU each way; NDR 400 Gb/s = 50 GB/s for Hopper nodes).
+PRESETS: dict[str, Cluster] = {
+    "a100-80g": Cluster(
+        name="a100-80g", gpu="NVIDIA A100 SXM 80GB", memory_bytes=81920 * MiB,
+        peak_flops=312e12, memory_bandwidth=2.039e12,
+        intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
+    ),
+    "h100-80g": Cluster(
+        name="h100-80g", gpu="NVIDIA H100 SXM 80GB", memory_bytes=81559 * MiB,
+        peak_flops=989e12, memory_bandwidth=3.35e12,
+        intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
+    ),
+    "h200-141g": Cluster(
+        name="h200-141g", gpu="NVIDIA H200 SXM 141GB", memory_bytes=143771 * MiB,
+        peak_flops=989e12, memory_bandwidth=4.8e12,
+        intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
+    ),
+}
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset name, or a path to a JSON file of `Cluster` fields."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if spec.endswith(".json") or path.exists():
+        if not path.is_file():
+            raise PartcError(f"cluster file {spec} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PartcError(f"cannot read cluster file {spec}: {e}") from None
+        if not isinstance(data, dict):
+            raise PartcError(f"cluster file {spec} must hold a JSON object")
+        return Cluster.from_dict(data, name=path.stem)
+    raise PartcError(f"unknown cluster {spec!r}; presets: {', '.join(PRESETS)}, or a path to a JSON file")

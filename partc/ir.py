@@ -1,0 +1,159 @@
+"""The layer graph: what the passes know about a traced model.
+
+Everything here is per *sample* (micro-batch size 1) and unsharded; the cost model scales by micro-batch size
+and divides by parallel degrees. Names are module FQNs as in ``model.named_modules()``.
+
+- A `Layer` is a weight-bearing leaf module (Linear, HF Conv1D, Embedding, a norm, ...): the unit of a
+  tensor-parallel decision.
+- A `Unit` is what a pipeline stage owns: one repeated block (``blocks.3``, ``model.layers.3``) or another
+  top-level weight-bearing module (``tok``, ``ln_f``, ``lm_head``). Units are listed in execution order.
+- An `Edge` is a data-flow path between two layers that passes through no other layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+# Activations are trained in 16-bit (bf16 / fp16); masks and indices keep their own size.
+ACTIVATION_BYTES = 2
+
+
+@dataclass(kw_only=True, slots=True)
+class Gemm:
+    """One matrix product in a forward pass for one sample: [batch] x (m x k) @ (k x n)."""
+
+    batch: int
+    """Batch of a bmm (1 for an mm)."""
+    m: int
+    n: int
+    k: int
+    batch_scales: bool
+    """True when `batch` grows with the micro-batch size (attention bmm); else `m` does (tokens of a Linear)."""
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.m * self.n * self.k
+
+
+@dataclass(kw_only=True, slots=True)
+class Layer:
+    """A weight-bearing leaf module."""
+
+    fqn: str
+    type: str
+    """Class name of the module: ``Linear``, ``Conv1D``, ``Embedding``, ``LayerNorm``, ``LlamaRMSNorm``..."""
+    kind: str
+    """``linear`` (Linear, HF Conv1D), ``embedding``, ``norm`` or ``other``. Only linear and embedding layers
+    can be split by tensor parallelism; the others are replicated."""
+    unit: str
+    """FQN of the `Unit` that owns this layer."""
+    params: dict[str, tuple[int, ...]]
+    """Full parameter FQN -> shape, for the parameters this module owns directly (tied duplicates included)."""
+    num_params: int
+    """Parameters owned by this layer, tied parameters counted once (at their first owner in execution order)."""
+    in_features: int = 0
+    """Input feature size (Linear/Conv1D), embedding dimension (Embedding), normalized size (norms)."""
+    out_features: int = 0
+    """Output feature size (Linear/Conv1D); vocabulary size (Embedding)."""
+    col_groups: int = 0
+    """A colwise split must divide this: attention heads for a projection whose output is viewed as heads (KV
+    heads for K/V projections), else `out_features`. For an Embedding, ``rowwise`` shards the vocabulary and
+    must divide `out_features`; ``colwise`` shards the embedding dimension."""
+    row_groups: int = 0
+    """A rowwise split must divide this: heads when the input was reshaped from heads, else `in_features`."""
+    fused: int = 1
+    """How many tensors the output is split into along features (3 for a fused QKV projection)."""
+    gemms: list[Gemm] = field(default_factory=list)
+    fwd_flops: float = 0.0
+    out_bytes: int = 0
+    """Bytes of the layer output (16-bit activations)."""
+    saved_bytes: int = 0
+    """Bytes this layer's ops save for backward (parameters excluded)."""
+    memory_bytes: int = 0
+    """Bytes read and written by its non-GEMM ops (memory-bound time)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Unit:
+    """What a pipeline stage owns: a repeated block or another top-level weight-bearing module."""
+
+    fqn: str
+    kind: str
+    """``block`` (an element of a repeated ModuleList), or ``module``."""
+    layers: list[str]
+    """Layer FQNs in execution order."""
+    num_params: int
+    """Parameters owned by this unit, tied parameters counted once (at their first owner)."""
+    param_bytes_per_tied: dict[str, int] = field(default_factory=dict)
+    fwd_flops: float = 0.0
+    """All forward FLOPs of the unit (its layers and the ops between them)."""
+    core_gemms: list[Gemm] = field(default_factory=list)
+    """GEMMs outside layers (attention scores and context); split over heads under TP."""
+    saved_bytes: int = 0
+    """All activation bytes saved for backward by the unit's ops (parameters excluded)."""
+    saved_bytes_core: int = 0
+    """The part of `saved_bytes` that selective recomputation drops: tensors saved by ops outside layers that
+    carry two sequence-length dimensions (attention scores, softmax, dropout over them)."""
+    saved_bytes_replicated: int = 0
+    """The part of `saved_bytes` that TP does not divide (norm and residual inputs of the block)."""
+    input_bytes: int = 0
+    """Bytes of activations entering the unit: what full recomputation keeps per micro-batch."""
+    memory_bytes: int = 0
+    """Bytes read and written by non-GEMM ops outside layers (memory-bound time)."""
+    signature: str = ""
+    """Equal for units of identical structure (same layer types and shapes): TP decisions are shared."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Edge:
+    """Data flow from the output of layer `src` to an input of layer `dst` through non-layer ops."""
+
+    src: str
+    dst: str
+    bytes: int
+    """Bytes of the tensor leaving `src` (16-bit)."""
+    shard_ok: bool
+    """True when a feature-sharded `src` output can reach `dst` still sharded on its input features (only
+    per-feature / per-head ops in between), so a colwise -> rowwise pair needs no collective."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelGraph:
+    """The traced model, summarized for the passes."""
+
+    name: str
+    num_params: int
+    """Trainable parameters, tied ones counted once."""
+    seq_len: int
+    """Tokens per sample (for tokens/s)."""
+    units: list[Unit]
+    layers: dict[str, Layer]
+    edges: list[Edge]
+    cut_bytes: list[int]
+    """cut_bytes[i]: bytes per sample that cross a pipeline boundary placed after units[i] (len(units) - 1)."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """Parameter FQN -> the FQN of the parameter it shares storage with (first in execution order)."""
+    first_unit_required: list[str] = field(default_factory=list)
+    """Units that must be on the first stage (the embedding)."""
+    last_unit_required: list[str] = field(default_factory=list)
+    """Units that must be on the last stage (the head feeding the loss)."""
+    info: dict[str, object] = field(default_factory=dict)
+    """Free-form model facts for the plan's ``model`` section (hidden size, heads, vocab...)."""
+
+    def unit(self, fqn: str) -> Unit:
+        for u in self.units:
+            if u.fqn == fqn:
+                return u
+        raise KeyError(fqn)
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Layers as nodes (with their attributes), edges as data flow."""
+        g = nx.DiGraph()
+        for layer in self.layers.values():
+            g.add_node(layer.fqn, type=layer.type, kind=layer.kind, unit=layer.unit,
+                       num_params=layer.num_params, fwd_flops=layer.fwd_flops)
+        for e in self.edges:
+            g.add_edge(e.src, e.dst, bytes=e.bytes, shard_ok=e.shard_ok)
+        return g
