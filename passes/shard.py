@@ -1,0 +1,288 @@
+"""Which tensors of a traced graph stay feature-sharded when Linear outputs are split colwise.
+
+Megatron-LM's tensor parallelism keeps a layer's output split along its features (the last dim) until a layer
+that can take a split input (a rowwise Linear) consumes it. That is only correct when every op in between treats
+the split dimension as a batch dimension: elementwise ops, views that split features into heads, transposes,
+attention over heads, softmax over another dim. This pass propagates a "sharded dim" from the output of every
+Linear layer through the exported ATen graph and records, for each op, whether it is provably per-shard.
+
+The result answers three questions for the planner:
+- can a colwise layer feed a rowwise layer with no collective (`Region.reaches[layer] is True`);
+- how many independent groups (attention heads) the split must respect (`Region.groups`);
+- is the output split into fused pieces (a fused QKV projection: `Region.fused`).
+An op it does not know makes the region invalid: the planner then gathers instead of guessing.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+
+# Ops that return their (first) input's layout unchanged, up to right-aligned broadcasting.
+_PASSTHROUGH = {
+    aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default,
+    aten.dropout.default, aten.lift_fresh_copy.default,
+}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
+_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
+_REDUCE = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
+_MATMUL = {aten.matmul.default, aten.bmm.default}
+_SDPA = {aten.scaled_dot_product_attention.default}
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    if isinstance(val, torch.Tensor):
+        return tuple(int(s) for s in val.shape)
+    return None
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> tuple[int | None, int | None]:
+    """Where dim `dim` of shape `src` lands in `dst` after a view: (dst dim, groups).
+
+    Shapes are matched as runs of dims with equal products. If `dim` is split into several dims, the outermost
+    of them carries the split and `groups` is its size (features -> (heads, head_dim): groups = heads). If several
+    dims merge and `dim` is the outermost non-1 of them, the merged dim carries the split. Else (None, None)."""
+    dst = list(dst)
+    if -1 in dst:
+        known = math.prod(s for s in dst if s != -1)
+        dst[dst.index(-1)] = math.prod(src) // max(known, 1)
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        # Consume one group of dims with equal products.
+        i0, j0 = i, j
+        ps = src[i] if i < len(src) else 1
+        pd = dst[j] if j < len(dst) else 1
+        i += 1
+        j += 1
+        while ps != pd:
+            if ps < pd and i < len(src):
+                ps *= src[i]
+                i += 1
+            elif j < len(dst):
+                pd *= dst[j]
+                j += 1
+            else:
+                return None, None
+        if i0 <= dim < i:
+            src_group = [d for d in range(i0, min(i, len(src))) if src[d] != 1]
+            dst_group = [d for d in range(j0, min(j, len(dst))) if dst[d] != 1]
+            if not dst_group:
+                return None, None
+            if len(src_group) <= 1:
+                # dim split into dst_group (or kept): the outermost carries the split.
+                return dst_group[0], dst[dst_group[0]]
+            if src_group[0] == dim and len(dst_group) == 1:
+                return dst_group[0], src[dim]
+            if src_group == [d for d in range(i0, i) if src[d] != 1] and len(dst_group) == len(src_group):
+                # Same dims, only size-1 dims moved.
+                return dst_group[src_group.index(dim)], None
+            return None, None
+    return None, None
+
+
+@dataclass(kw_only=True, slots=True)
+class Region:
+    """What happens downstream of one Linear's output when it is split along features."""
+
+    valid: bool = True
+    reason: str = ""
+    """The first op that cannot be proven per-shard (empty when valid)."""
+    groups: int = 0
+    """gcd of the group counts the split must respect (heads); 0 when no view splits the features."""
+    fused: int = 1
+    """Pieces the output is split into along features right after the layer (3 for fused QKV)."""
+    reaches: dict[str, bool] = field(default_factory=dict)
+    """Layer FQN -> True when the split tensor arrives there on its last dim (a rowwise input)."""
+    nodes: set = field(default_factory=set)
+
+
+class ShardAnalysis:
+    """Joint propagation from every Linear output (the Megatron hypothesis: all of them split colwise)."""
+
+    def __init__(self, graph: torch.fx.Graph, layer_of: dict[Node, str], linear_outputs: dict[str, Node]):
+        self.layer_of = layer_of
+        self.dims: dict[Node, int | tuple] = {}
+        self.sources: dict[Node, set[str]] = {}
+        self.regions = {name: Region() for name in linear_outputs}
+        self.bad: dict[Node, str] = {}
+        # 1. Propagate dims from every linear output (a BFS in graph order is enough: FX graphs are topological).
+        for name, out in linear_outputs.items():
+            shape = _shape(out)
+            if shape is None:
+                self.regions[name].valid = False
+                self.regions[name].reason = f"{out.name} has no tensor shape"
+                continue
+            self.dims[out] = len(shape) - 1
+            self.sources[out] = {name}
+        seeds = set(self.dims)
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            ins = [a for a in node.all_input_nodes if a in self.dims]
+            if not ins:
+                continue
+            srcs = set().union(*(self.sources[a] for a in ins))
+            layer = self.layer_of.get(node)
+            if layer is not None and layer not in srcs:
+                # Entering another layer: record whether the split arrives on the input features.
+                for a in ins:
+                    shape = _shape(a)
+                    dim = self.dims[a]
+                    ok = isinstance(dim, int) and shape is not None and dim == len(shape) - 1
+                    for s in self.sources[a]:
+                        prev = self.regions[s].reaches.get(layer, True)
+                        self.regions[s].reaches[layer] = prev and ok
+                continue
+            if layer is not None or node in seeds:
+                continue  # ops inside the source layer itself (e.g. Conv1D's view around addmm)
+            out_dim, groups, fused, why = self._rule(node, ins)
+            for s in srcs:
+                r = self.regions[s]
+                r.nodes.add(node)
+                if why and r.valid:
+                    r.valid = False
+                    r.reason = f"{node.target} ({node.name}): {why}"
+                if groups:
+                    r.groups = math.gcd(r.groups, groups) if r.groups else groups
+                if fused > 1:
+                    r.fused = max(r.fused, fused)
+            if why:
+                self.bad[node] = why
+                continue
+            if out_dim is not None:
+                self.dims[node] = out_dim
+                self.sources[node] = srcs
+        # 2. A split tensor that reaches the graph output (logits, loss) is not per-shard.
+        for node in graph.nodes:
+            if node.op == "output":
+                for a in node.all_input_nodes:
+                    if a in self.dims:
+                        for s in self.sources[a]:
+                            r = self.regions[s]
+                            if r.valid:
+                                r.valid = False
+                                r.reason = f"{a.name} reaches the model output"
+
+    def _rule(self, node: Node, ins: list[Node]):
+        """(out dim, groups, fused, why-not) for one op with split inputs `ins`."""
+        t = node.target
+        x = ins[0]
+        dim = self.dims[x]
+        in_shape, out_shape = _shape(x), _shape(node)
+        if t is operator.getitem:
+            idx = node.args[1]
+            if isinstance(dim, tuple) and isinstance(idx, int) and idx < len(dim):
+                return dim[idx], 0, 1, ""  # one piece of a split / dropout
+            return None, 0, 1, "getitem of an unsupported value"
+        if not isinstance(dim, int) or in_shape is None:
+            return None, 0, 1, "unsupported input"
+        if t in _SPLITS:
+            split_dim = _norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(in_shape)) \
+                if t is not aten.unbind.int else _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
+            n = len(node.meta.get("val") or ())
+            if t is aten.unbind.int:
+                if split_dim == dim:
+                    return None, 0, 1, "unbind along the split dimension"
+                d = dim - (1 if split_dim < dim else 0)
+                return tuple([d] * n), 0, 1, ""
+            return tuple([dim] * n), 0, (n if split_dim == dim else 1), ""
+        if out_shape is None:
+            return None, 0, 1, "no output shape"
+        if torch.Tag.pointwise in getattr(t, "tags", ()) or t in _PASSTHROUGH:
+            out = dim + len(out_shape) - len(in_shape)
+            for a in ins[1:]:
+                sa = _shape(a)
+                if sa is not None and self.dims[a] + len(out_shape) - len(sa) != out:
+                    return None, 0, 1, "operands split on different dimensions"
+            return out, 0, 1, ""
+        if t is aten.native_dropout.default:
+            return (dim, dim), 0, 1, ""
+        if t in _VIEWS:
+            out, groups = view_dim_map(in_shape, out_shape, dim)
+            if out is None:
+                return None, 0, 1, f"view {list(in_shape)} -> {list(out_shape)} moves the split dimension"
+            g = groups if (groups is not None and len(out_shape) > len(in_shape) and groups != in_shape[dim]) else 0
+            return out, g, 1, ""
+        if t is aten.transpose.int:
+            a, b = (_norm_dim(d, len(in_shape)) for d in node.args[1:3])
+            return (b if dim == a else a if dim == b else dim), 0, 1, ""
+        if t is aten.t.default:
+            return 1 - dim, 0, 1, ""
+        if t is aten.permute.default:
+            perm = [_norm_dim(d, len(in_shape)) for d in node.args[1]]
+            return perm.index(dim), 0, 1, ""
+        if t is aten.unsqueeze.default:
+            d = _norm_dim(node.args[1], len(out_shape))
+            return (dim + 1 if d <= dim else dim), 0, 1, ""
+        if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            out, groups = view_dim_map(in_shape, out_shape, dim)
+            return (out, 0, 1, "") if out is not None else (None, 0, 1, "squeeze of the split dimension")
+        if t is aten.expand.default:
+            out = dim + len(out_shape) - len(in_shape)
+            if in_shape[dim] != out_shape[out]:
+                return None, 0, 1, "expand of the split dimension"
+            return out, 0, 1, ""
+        if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default):
+            d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
+            if d == dim and not (t is aten.slice.Tensor and out_shape[d] == in_shape[d]):
+                return None, 0, 1, "slice of the split dimension"
+            return (dim - 1 if t is aten.select.int and d < dim else dim), 0, 1, ""
+        if t is aten.cat.default:
+            d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
+            if d == dim or any(a not in self.dims for a in node.args[0]):
+                return None, 0, 1, "cat with unsplit operands or along the split dimension"
+            return dim, 0, 1, ""
+        if t in (aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor):
+            d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+            if d is None:
+                return None, 0, 1, "repeat_interleave over a flattened tensor"
+            return dim, 0, 1, ""
+        if t in _SOFTMAX:
+            if _norm_dim(node.args[1], len(in_shape)) == dim:
+                return None, 0, 1, "softmax over the split dimension"
+            return dim, 0, 1, ""
+        if t in _REDUCE:
+            dims = node.args[1] if len(node.args) > 1 else None
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            dims = [_norm_dim(d, len(in_shape)) for d in (dims if isinstance(dims, (list, tuple)) else [dims])] \
+                if dims is not None else list(range(len(in_shape)))
+            if dim in dims:
+                return None, 0, 1, "reduction over the split dimension"
+            return (dim if keep else dim - sum(1 for d in dims if d < dim)), 0, 1, ""
+        if t in _MATMUL or t in _SDPA:
+            return self._batched(node, t)
+        return None, 0, 1, "op not known to be per-shard"
+
+    def _batched(self, node: Node, t):
+        """matmul / bmm / attention: the split must be a batch dim shared by the operands."""
+        operands = node.args[:3] if t in _SDPA else node.args[:2]
+        out_shape = _shape(node)
+        out_dims = set()
+        for a in operands:
+            sa = _shape(a)
+            if sa is None:
+                continue
+            if a not in self.dims:
+                continue
+            d = self.dims[a]
+            if not isinstance(d, int) or d >= len(sa) - 2:
+                return None, 0, 1, "contraction or matrix dimension split"
+            out_dims.add(d + len(out_shape) - len(sa))
+        if len(out_dims) != 1:
+            return None, 0, 1, "operands split on different dimensions"
+        out = out_dims.pop()
+        # An unsplit operand (a replicated K/V, a mask) is sliced to the local part by each rank: valid.
+        return out, 0, 1, ""
