@@ -1,0 +1,235 @@
+"""`compile_model`: the whole pipeline, one named step a line.
+
+    load model file -> trace on meta -> layer graph -> search (TP solve, stage split, cost model) -> plan
+
+Each step is a function over typed data; `--dump-dir` writes the intermediate results (`graph.txt`,
+`costs.json`) and `--from-plan` replaces the search by a plan read back from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from partc.cluster import Cluster, load_cluster
+from partc.errors import PartcError
+from partc.ir import ModelGraph
+from partc.parallel import Parallel
+from partc.plan import Plan, Stage, check_batching, read_plan, write_plan
+from partc.passes import cost
+from partc.passes.load import ModelSpec, build_on_meta, load_model_file
+from partc.passes.search import Candidate, Pins, SearchResult, search
+from partc.passes.tp import evaluate_tp
+from partc.passes.trace import Traced, trace
+
+DEFAULT_BATCH_TOKENS = 2 * 1024 * 1024
+"""Default global batch: the smallest multiple of the GPU count holding at least this many tokens (about 2M,
+the scale GPT-3 and Megatron-LM trained at), or of samples when the model has no sequence."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileResult:
+    plan: Plan
+    best: Candidate
+    graph: ModelGraph
+    spec: ModelSpec
+    traced: Traced
+    search: SearchResult | None
+    """None with `--from-plan`."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds: trace (export + measure on meta), passes (graph build), solve (search), total."""
+
+
+def default_global_batch(gpus: int, seq_len: int | None) -> int:
+    samples = -(-DEFAULT_BATCH_TOKENS // seq_len) if seq_len else 1
+    return max(gpus, -(-samples // gpus) * gpus)
+
+
+def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | Cluster = "a100-80g",
+                  gpus_per_node: int | None = None, global_batch_size: int | None = None,
+                  seq_len: int | None = None, pins: Pins | None = None, from_plan: str | None = None,
+                  out_dir: str | Path | None = None, dump_dir: str | Path | None = None) -> CompileResult:
+    t0 = time.perf_counter()
+    if gpus < 1:
+        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
+    clus = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    if gpus_per_node is not None:
+        if gpus_per_node < 1:
+            raise PartcError(f"--gpus-per-node must be a positive integer, got {gpus_per_node}")
+        clus = Cluster.from_dict({**clus.to_dict(), "gpus_per_node": gpus_per_node})
+    if global_batch_size is not None and global_batch_size < 1:
+        raise PartcError(f"--global-batch-size must be a positive integer, got {global_batch_size}")
+    plan_in = read_plan(from_plan) if from_plan else None
+    if plan_in is not None and pins is not None and any(getattr(pins, f) is not None for f in Pins.__slots__):
+        raise PartcError("--from-plan takes the place of the pins (--tp, --pp, --dp, --micro-batch-size, --zero, "
+                         "--recompute, --schedule); edit the plan instead")
+
+    # 1. Load the model file and build the model on the meta device.
+    spec = load_model_file(path, entry=entry, seq_len=seq_len)
+    model = build_on_meta(spec)
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(1)
+
+    # 2. Trace (torch.export on meta) and build the layer graph.
+    traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=path)
+    graph = traced.graph
+    t_trace = time.perf_counter()
+
+    # 3. Search, or re-predict a plan read from disk.
+    if plan_in is None:
+        gbs = global_batch_size or default_global_batch(gpus, spec.seq_len)
+        result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
+        if result.best is None:
+            raise PartcError(_no_fit_message(clus, result))
+        best = result.best
+    else:
+        result = None
+        best = _replan(graph, clus, gpus, plan_in, global_batch_size)
+    t_solve = time.perf_counter()
+
+    # 4. The plan.
+    plan = make_plan(graph, clus, best, result, path=path, entry=entry)
+    if plan_in is not None:
+        plan.alternatives = []
+    if out_dir is not None:
+        write_plan(plan, out_dir)
+    if dump_dir is not None:
+        dump(graph, clus, best, dump_dir)
+    t_end = time.perf_counter()
+    timings = {"trace": traced.trace_s, "passes": traced.measure_s, "solve": t_solve - t_trace,
+               "total": t_end - t0}
+    return CompileResult(plan=plan, best=best, graph=graph, spec=spec, traced=traced, search=result,
+                         timings=timings)
+
+
+def _no_fit_message(clus: Cluster, result: SearchResult) -> str:
+    usable = clus.memory_bytes - clus.memory_reserve_bytes
+    gib = 1024**3
+    if result.least_memory is None:
+        return f"no plan fits in {usable / gib:.1f} GiB per GPU on {clus.name}"
+    c = result.least_memory_candidate
+    p = c.parallel
+    return (f"the model fits no plan: the least memory any plan needs is {result.least_memory / gib:.1f} GiB per "
+            f"GPU (dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero} recompute={p.recompute} micro-batch "
+            f"{p.micro_batch_size}), but a {clus.gpu} has {usable / gib:.1f} GiB usable "
+            f"({clus.memory_bytes / gib:.1f} GiB minus a {clus.memory_reserve_bytes / gib:.1f} GiB reserve); "
+            f"use more GPUs or a larger GPU")
+
+
+def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batch_size: int | None) -> Candidate:
+    """Validate a plan from disk against the model and cluster, and predict it again."""
+    par = plan.parallel
+    if par.world_size != gpus:
+        raise PartcError(f"the plan is for dp x tp x pp = {par.dp} x {par.tp} x {par.pp} = {par.world_size} GPUs, "
+                         f"but --gpus is {gpus}")
+    if global_batch_size is not None and global_batch_size != par.global_batch_size:
+        raise PartcError(f"the plan's global batch is {par.global_batch_size}, but --global-batch-size is "
+                         f"{global_batch_size}")
+    if plan.cluster.get("name") not in (None, clus.name):
+        raise PartcError(f"the plan was made for cluster {plan.cluster.get('name')!r}; pass --cluster "
+                         f"{plan.cluster.get('name')} (or the same cluster file)")
+    if par.tp > clus.gpus_per_node:
+        raise PartcError(f"tp {par.tp} exceeds the {clus.gpus_per_node} GPUs of a node")
+    check_batching(par)
+    want = par.pp * par.virtual_stages
+    if len(plan.stages) != want:
+        raise PartcError(f"the plan has {len(plan.stages)} stages; pp x virtual_stages = {want}")
+    index = {u.fqn: i for i, u in enumerate(graph.units)}
+    bounds, pos = [], 0
+    for s in plan.stages:
+        for m in s.modules:
+            if m not in index:
+                raise PartcError(f"stage {s.index} names {m!r}, which is not a unit of the model (units: "
+                                 f"{', '.join(u.fqn for u in graph.units[:6])}, ...)")
+        ids = [index[m] for m in s.modules]
+        if ids != list(range(pos, pos + len(ids))):
+            raise PartcError(f"stage {s.index} must hold the next units in execution order, starting at "
+                             f"{graph.units[pos].fqn if pos < len(graph.units) else '(none left)'}")
+        bounds.append((pos, pos + len(ids)))
+        pos += len(ids)
+    if pos != len(graph.units):
+        raise PartcError(f"the stages cover {pos} of the model's {len(graph.units)} units; missing "
+                         f"{graph.units[pos].fqn} and after")
+    unknown = sorted(set(plan.tp) - set(graph.layers))
+    if unknown:
+        raise PartcError(f"the plan's tp map names {unknown[0]!r}, which is not a layer of the model")
+    missing = [f for f in graph.layers if f not in plan.tp]
+    if missing:
+        raise PartcError(f"the plan's tp map has no style for layer {missing[0]!r} ({len(missing)} missing)")
+    tp = evaluate_tp(graph, par.tp, plan.tp, clus, par.micro_batch_size)
+    pred = cost.predict(graph, clus, par, tp, bounds)
+    if not cost.fits(clus, pred.memory_per_gpu):
+        gib = 1024**3
+        raise PartcError(f"the plan needs {pred.memory_per_gpu.total / gib:.1f} GiB per GPU but a {clus.gpu} has "
+                         f"{(clus.memory_bytes - clus.memory_reserve_bytes) / gib:.1f} GiB usable")
+    return Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
+
+
+def _predicted(pred: cost.Prediction) -> dict:
+    return {
+        "step_time_s": pred.step_time_s, "tokens_per_s": pred.tokens_per_s,
+        "model_tflops_per_gpu": pred.model_tflops_per_gpu, "mfu": pred.mfu,
+        "bubble_fraction": pred.bubble_fraction, "memory_per_gpu": pred.memory_per_gpu.to_dict(),
+        "breakdown_s": {"compute": pred.compute_s, "tp_comm": pred.tp_comm_s, "pp_comm": pred.pp_comm_s,
+                        "bubble": pred.bubble_s, "dp_comm": pred.dp_comm_s, "optimizer": pred.optimizer_s},
+    }
+
+
+def _parallel_dict(par: Parallel) -> dict:
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero, "micro_batch_size": par.micro_batch_size,
+            "num_microbatches": par.num_microbatches, "global_batch_size": par.global_batch_size,
+            "schedule": par.schedule, "virtual_stages": par.virtual_stages, "recompute": par.recompute}
+
+
+def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchResult | None, *, path: str,
+              entry: str) -> Plan:
+    par, pred = best.parallel, best.prediction
+    stages = []
+    for k, (lo, hi) in enumerate(best.bounds):
+        rank = pred.stages[k % par.pp]
+        stages.append(Stage(index=k, rank=k % par.pp, modules=[u.fqn for u in graph.units[lo:hi]],
+                            predicted={"time_s": rank.time_s, "memory_bytes": int(round(rank.memory.total))}))
+    model = {"name": graph.name, "path": path, "entry": entry, "num_params": graph.num_params,
+             "num_units": len(graph.units), **{k: v for k, v in graph.info.items() if v is not None}}
+    alternatives = []
+    for c in (result.alternatives[:5] if result else []):
+        alternatives.append({"parallel": _parallel_dict(c.parallel), "step_time_s": c.step_time_s,
+                             "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
+                             "mfu": c.prediction.mfu})
+    return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
+                predicted=_predicted(pred), alternatives=alternatives)
+
+
+def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path) -> None:
+    """`graph.txt` (units, layers, edges) and `costs.json` (per-unit costs under the chosen plan)."""
+    out = Path(dump_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {graph.name}: {graph.num_params:,} parameters, {len(graph.units)} units, "
+             f"{len(graph.layers)} layers, seq_len {graph.seq_len} (per sample, unsharded)"]
+    for u in graph.units:
+        lines.append(f"unit {u.fqn} [{u.kind}] params={u.num_params:,} fwd_flops={u.fwd_flops:.4g} "
+                     f"saved={u.saved_bytes:,}B core={u.saved_bytes_core:,}B input={u.input_bytes:,}B")
+        for m in u.layers:
+            layer = graph.layers[m]
+            lines.append(f"  layer {m} {layer.type} ({layer.kind}) in={layer.in_features} out={layer.out_features} "
+                         f"col_groups={layer.col_groups} row_groups={layer.row_groups} fused={layer.fused} "
+                         f"params={layer.num_params:,} fwd_flops={layer.fwd_flops:.4g} tp={best.tp.styles.get(m)}")
+    for e in graph.edges:
+        lines.append(f"edge {e.src} -> {e.dst} bytes={e.bytes:,} shard_ok={e.shard_ok}")
+    (out / "graph.txt").write_text("\n".join(lines) + "\n")
+    par = best.parallel
+    parts = cost.unit_time_parts(graph, clus, par, best.tp)
+    params = cost.unit_param_counts(graph, par, best.tp)
+    acts = cost.unit_activation_bytes(graph, par, best.tp)
+    units = [{"unit": u.fqn, "compute_s": parts[i].compute_s, "tp_comm_s": parts[i].tp_comm_s,
+              "params_per_gpu": params[i], "activation_bytes_per_microbatch": acts[i],
+              "collectives": [{"kind": c.kind, "phase": c.phase, "bytes_per_sample": c.nbytes, "reason": c.reason}
+                              for c in best.tp.collectives.get(u.fqn, [])]}
+             for i, u in enumerate(graph.units)]
+    data = {"parallel": _parallel_dict(par), "units": units, "prediction": best.prediction.to_dict(),
+            "cut_bytes_per_sample": graph.cut_bytes}
+    (out / "costs.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,165 @@
+"""plan.json: the readable, editable result of `partc compile` (schema_version 1).
+
+A plan holds the choices (``parallel``, ``tp``, ``stages``) and what the cost model predicts for them
+(``predicted``). `--from-plan` reads the choices back, validates them against the model and the cluster and
+predicts again; the file is written with sorted keys and no timestamps, so the same inputs give the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from partc.errors import PartcError
+from partc.parallel import RECOMPUTE, SCHEDULES, TP_STYLES, Parallel
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class Stage:
+    index: int
+    """Model chunk index in pipeline order (0 .. pp * virtual_stages - 1)."""
+    rank: int
+    """Pipeline rank that runs it: index % pp."""
+    modules: list[str]
+    """Units the chunk owns, in execution order (block FQNs like ``blocks.3`` and top-level modules)."""
+    predicted: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    model: dict
+    cluster: dict
+    parallel: Parallel
+    tp: dict[str, str]
+    stages: list[Stage]
+    predicted: dict = field(default_factory=dict)
+    alternatives: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        p = self.parallel
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "cluster": self.cluster,
+            "parallel": {
+                "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero,
+                "micro_batch_size": p.micro_batch_size, "num_microbatches": p.num_microbatches,
+                "global_batch_size": p.global_batch_size, "schedule": p.schedule,
+                "virtual_stages": p.virtual_stages, "recompute": p.recompute,
+            },
+            "tp": dict(self.tp),
+            "stages": [{"index": s.index, "rank": s.rank, "modules": list(s.modules), "predicted": s.predicted}
+                       for s in self.stages],
+            "predicted": self.predicted,
+            "alternatives": self.alternatives,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def write_plan(plan: Plan, out_dir: str | Path) -> Path:
+    """Write ``OUT/plan.json`` atomically (a crash never leaves a half-written plan)."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PartcError(f"cannot create output directory {out}: {e.strerror}") from None
+    if not out.is_dir():
+        raise PartcError(f"output path {out} is not a directory")
+    target = out / "plan.json"
+    fd, tmp = tempfile.mkstemp(prefix=".plan.", suffix=".json", dir=out)
+    with os.fdopen(fd, "w") as f:
+        f.write(plan.to_json())
+    os.replace(tmp, target)
+    return target
+
+
+def _get(d: dict, key: str, typ, where: str):
+    if key not in d:
+        raise PartcError(f"{where}: missing field '{key}'")
+    value = d[key]
+    if typ is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise PartcError(f"{where}: field '{key}' must be an integer, got {value!r}")
+    if typ is str and not isinstance(value, str):
+        raise PartcError(f"{where}: field '{key}' must be a string, got {value!r}")
+    if typ in (dict, list) and not isinstance(value, typ):
+        raise PartcError(f"{where}: field '{key}' must be a JSON {typ.__name__.replace('dict', 'object')}")
+    return value
+
+
+def read_plan(path: str | Path) -> Plan:
+    """Parse and check the structure of a plan file (the model-level checks happen in `validate`)."""
+    where = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise PartcError(f"plan file {where} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PartcError(f"cannot read plan file {where}: {e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PartcError(f"plan file {where} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(data, dict):
+        raise PartcError(f"plan file {where} must hold a JSON object")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PartcError(f"plan file {where} has schema_version {version!r}; this partc reads {SCHEMA_VERSION}")
+    par = _get(data, "parallel", dict, where)
+    w = f"{where}: parallel"
+    values = {k: _get(par, k, int, w) for k in ("dp", "tp", "pp", "zero", "micro_batch_size", "global_batch_size")}
+    values["virtual_stages"] = _get(par, "virtual_stages", int, w) if "virtual_stages" in par else 1
+    values["schedule"] = _get(par, "schedule", str, w) if "schedule" in par else "1f1b"
+    values["recompute"] = _get(par, "recompute", str, w) if "recompute" in par else "none"
+    for k in ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages"):
+        if values[k] < 1:
+            raise PartcError(f"{w}.{k} must be >= 1, got {values[k]}")
+    if values["zero"] not in (0, 1, 2, 3):
+        raise PartcError(f"{w}.zero must be 0, 1, 2 or 3, got {values['zero']}")
+    if values["schedule"] not in SCHEDULES:
+        raise PartcError(f"{w}.schedule must be one of {', '.join(SCHEDULES)}, got {values['schedule']!r}")
+    if values["recompute"] not in RECOMPUTE:
+        raise PartcError(f"{w}.recompute must be one of {', '.join(RECOMPUTE)}, got {values['recompute']!r}")
+    parallel = Parallel(**values)
+    check_batching(parallel)
+    if "num_microbatches" in par and par["num_microbatches"] != parallel.num_microbatches:
+        raise PartcError(f"{w}.num_microbatches is {par['num_microbatches']} but global_batch_size / (dp * "
+                         f"micro_batch_size) = {parallel.num_microbatches}")
+    tp = _get(data, "tp", dict, where)
+    for fqn, style in tp.items():
+        if style not in TP_STYLES:
+            raise PartcError(f"{where}: tp[{fqn!r}] must be one of {', '.join(TP_STYLES)}, got {style!r}")
+    stages_raw = _get(data, "stages", list, where)
+    stages = []
+    for i, s in enumerate(stages_raw):
+        ws = f"{where}: stages[{i}]"
+        if not isinstance(s, dict):
+            raise PartcError(f"{ws} must be a JSON object")
+        modules = _get(s, "modules", list, ws)
+        if not modules or not all(isinstance(m, str) for m in modules):
+            raise PartcError(f"{ws}.modules must be a non-empty list of module names")
+        stages.append(Stage(index=i, rank=i % parallel.pp, modules=modules))
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    cluster = data.get("cluster") if isinstance(data.get("cluster"), dict) else {}
+    return Plan(model=model, cluster=cluster, parallel=parallel, tp=dict(tp), stages=stages)
+
+
+def check_batching(par: Parallel) -> None:
+    """Global batch = dp * micro-batch * micro-batches; interleaving needs m to be a multiple of p."""
+    if par.global_batch_size % (par.dp * par.micro_batch_size):
+        raise PartcError(f"global batch size {par.global_batch_size} is not divisible by dp x micro-batch size "
+                         f"= {par.dp} x {par.micro_batch_size}")
+    if par.schedule == "interleaved-1f1b":
+        if par.pp < 2 or par.virtual_stages < 2:
+            raise PartcError("interleaved-1f1b needs pp >= 2 and virtual_stages >= 2")
+        if par.num_microbatches % par.pp:
+            raise PartcError(f"interleaved-1f1b needs the micro-batches ({par.num_microbatches}) to be a multiple "
+                             f"of pp ({par.pp})")
+    elif par.virtual_stages != 1:
+        raise PartcError(f"virtual_stages must be 1 for schedule {par.schedule}")

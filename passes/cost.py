@@ -1,0 +1,448 @@
+"""The cost model: time and memory of a plan on a cluster, as pure functions over the IR.
+
+Sources (``shared/reference/calibration.md``): Narayanan et al. 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM" (section 1: bubble, in-flight micro-batches, TP/PP traffic, model
+FLOPs); Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (section 2:
+activation bytes); Rajbhandari et al. 2020, "ZeRO" (section 3: model states, DP traffic). Hardware rates come
+from `passes.hw`. The IR is per sample and unsharded: here it is multiplied by the micro-batch size b and divided
+by the TP degree t. Symbols as in calibration.md: b, s, h, a, t, p, m, v, Ψ, N_d.
+
+Mesh assumed (as torchtitan): axes ("pp", "dp", "tp"), tp innermost. A TP group crosses nodes when
+t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop when the world exceeds one node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Protocol, Sequence
+
+from partc.cluster import Cluster
+from partc.errors import PartcError
+from partc.ir import ModelGraph, Unit
+from partc.parallel import TP_STYLES, Parallel
+
+from . import hw
+
+# hw.gemm_time's `split` per style: colwise shards output features (n), rowwise input features (k, partial sums).
+GEMM_SPLIT = {"colwise": "n", "rowwise": "k", "replicate": None}
+
+# Mixed-precision Adam (ZeRO section 3): 2 bytes 16-bit params + 2 bytes 16-bit grads + K = 12 bytes of optimizer
+# states (fp32 master params, momentum, variance) per parameter.
+PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
+
+# HBM bytes of one Adam step per local parameter (memory-bound): read the fp32 master, momentum and variance (12)
+# and the 16-bit gradient (2); write the three fp32 states (12) and the 16-bit parameter (2).
+ADAM_STEP_BYTES = 28
+
+
+class TPPlan(Protocol):
+    """What the cost model reads of a `passes.tp.TPSolution` (duck-typed; None: everything replicated)."""
+
+    styles: dict[str, str]
+    """Layer FQN -> colwise | rowwise | replicate (a missing layer is replicated)."""
+    collectives: dict[str, list]
+    """Unit FQN -> collectives with ``kind``, ``phase`` (fwd | bwd) and ``nbytes`` per sample."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Memory:
+    """Bytes on one GPU."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    """Saved activations of the micro-batches in flight plus transient working memory."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def to_dict(self) -> dict:
+        return {k: int(round(getattr(self, k))) for k in ("params", "grads", "optimizer", "activations", "total")}
+
+
+@dataclass(kw_only=True, slots=True)
+class UnitTime:
+    """Seconds per micro-batch of one unit on one GPU."""
+
+    compute_s: float
+    """Forward + backward (2x forward) + recomputed forward: GEMMs and memory-bound ops."""
+    tp_comm_s: float
+    """TP collectives (forward, backward, and forward again under full recomputation)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StagePrediction:
+    index: int
+    """Pipeline rank (it holds model chunks index, index + p, index + 2p, ... when interleaved)."""
+    time_s: float
+    """Seconds per micro-batch on this rank: all its chunks, forward + backward, TP and p2p comm included."""
+    memory: Memory
+    num_params: int = 0
+    """Parameters on one GPU of this rank after TP sharding (before ZeRO sharding)."""
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    """Half-open unit ranges [start, end) of the model chunks on this rank."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Prediction:
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    memory_per_gpu: Memory
+    """Memory of the most loaded pipeline rank."""
+    stages: list[StagePrediction]
+    # The step on the slowest rank, split up: step_time_s is the sum of these six.
+    compute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    pp_comm_s: float = 0.0
+    bubble_s: float = 0.0
+    dp_comm_s: float = 0.0
+    optimizer_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("memory_per_gpu", "stages")}
+        out["memory_per_gpu"] = self.memory_per_gpu.to_dict()
+        out["stages"] = [{"index": s.index, "time_s": s.time_s, "num_params": s.num_params,
+                          "chunks": [list(c) for c in s.chunks], "memory": s.memory.to_dict()}
+                         for s in self.stages]
+        return out
+
+
+# --- 1. Helpers: styles, recomputation, mesh placement -----------------------------------------------------------
+
+def style_of(tp: TPPlan | None, layer_fqn: str) -> str:
+    style = "replicate" if tp is None else tp.styles.get(layer_fqn, "replicate")
+    assert style in TP_STYLES, f"unknown TP style {style!r} for {layer_fqn}"
+    return style
+
+
+def is_split(par: Parallel, tp: TPPlan | None, unit: Unit) -> bool:
+    """True when TP shards this unit: some layer is colwise/rowwise and t > 1 (then its heads are split too)."""
+    return par.tp > 1 and any(style_of(tp, f) != "replicate" for f in unit.layers)
+
+
+def recompute_mode(unit: Unit, par: Parallel) -> str:
+    """Recomputation applies to repeated blocks only, as torchtitan wraps each block (not embedding, head)."""
+    return par.recompute if unit.kind == "block" else "none"
+
+
+def chunks_per_rank(par: Parallel) -> int:
+    """v: model chunks per pipeline rank (1 unless interleaved)."""
+    return par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+
+
+def mesh_spans(cluster: Cluster, par: Parallel) -> dict[str, bool]:
+    """Whether the groups of each mesh axis cross nodes (mesh ("pp", "dp", "tp"), tp innermost)."""
+    g = cluster.gpus_per_node
+    return {"tp": par.tp > g, "dp": par.dp * par.tp > g, "pp": par.pp > 1 and par.world_size > g}
+
+
+def _unit_list(graph: ModelGraph, units: Sequence[int] | Sequence[Unit]) -> list[Unit]:
+    return [graph.units[u] if isinstance(u, int) else u for u in units]
+
+
+# --- 2. Time of one unit per micro-batch -------------------------------------------------------------------------
+
+def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+                   unit: Unit) -> tuple[float, float]:
+    """(forward seconds of the unit, of which the attention-core GEMMs) for one micro-batch on one GPU."""
+    t, b = par.tp, par.micro_batch_size
+    split = is_split(par, tp, unit)
+    fwd = 0.0
+    for fqn in unit.layers:
+        layer, style = graph.layers[fqn], style_of(tp, fqn)
+        # A colwise layer's output (and so its bias add / elementwise traffic) is sharded; a rowwise output is the
+        # full partial sum. An embedding is a lookup, not a GEMM: rowwise (vocab shards) costs only the gather.
+        mem_div = t if style == "colwise" else 1
+        fwd += hw.memory_time(cluster, layer.memory_bytes * b / mem_div)
+        if layer.kind == "embedding":
+            continue
+        for g in layer.gemms:
+            fwd += hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT[style], degree=t)
+    # Attention scores/context: Megatron TP splits them over heads, i.e. the bmm batch (Narayanan et al.).
+    core = sum(hw.gemm_time(cluster, g, micro_batch_size=b, split="batch" if split else None, degree=t)
+               for g in unit.core_gemms)
+    # Non-layer ops (softmax, dropout, activation, residual): the IR has no per-op split, so the share one GPU
+    # handles is that of the saved bytes (elementwise ops read what they save): (rep + (saved - rep)/t) / saved.
+    share = 1.0
+    if split and unit.saved_bytes > 0:
+        rep = unit.saved_bytes_replicated
+        share = (rep + (unit.saved_bytes - rep) / t) / unit.saved_bytes
+    fwd += core + hw.memory_time(cluster, unit.memory_bytes * b * share)
+    return fwd, core
+
+
+def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None) -> list[UnitTime]:
+    """Compute and TP-communication seconds per micro-batch of each unit on one GPU.
+
+    Backward = 2 x forward (two GEMMs per forward GEMM: input and weight gradients; Narayanan et al. count
+    3 x forward FLOPs per step without recompute, 4 x with full recompute). Full recomputation adds one more
+    forward; selective adds the attention-core GEMMs' forward (Korthikanti et al.: about s/(6h) extra FLOPs).
+    """
+    t, b = par.tp, par.micro_batch_size
+    spans_tp = mesh_spans(cluster, par)["tp"]
+    out = []
+    for unit in graph.units:
+        fwd, core = _forward_times(graph, cluster, par, tp, unit)
+        mode = recompute_mode(unit, par)
+        compute = 3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
+        comm = 0.0
+        for c in ([] if tp is None else tp.collectives.get(unit.fqn, [])):
+            once = hw.collective_time(cluster, c.kind, c.nbytes * b, t, spans_nodes=spans_tp)
+            # Recomputing a whole block replays its forward, collectives included.
+            comm += 2 * once if (mode == "full" and c.phase == "fwd") else once
+        out.append(UnitTime(compute_s=compute, tp_comm_s=comm))
+    return out
+
+
+def unit_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None) -> list[float]:
+    """Seconds per micro-batch (forward + backward, recompute forward included, TP collectives included) of each
+    unit on one GPU."""
+    return [u.compute_s + u.tp_comm_s for u in unit_time_parts(graph, cluster, par, tp)]
+
+
+# --- 3. Parameters and model states ------------------------------------------------------------------------------
+
+def _param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> dict[str, int]:
+    """Parameter (canonical FQN of a tied one) -> elements one GPU holds, for one unit.
+
+    colwise/rowwise shard every weight (ndim >= 2) t ways; a 1-D parameter (bias) is sharded by colwise only
+    (a rowwise bias is added after the reduction, so it is replicated); norms and replicate layers stay whole.
+    """
+    t = par.tp
+    out: dict[str, int] = {}
+    in_layers = 0
+    for fqn in unit.layers:
+        layer, style = graph.layers[fqn], style_of(tp, fqn)
+        in_layers += layer.num_params
+        for name, shape in layer.params.items():
+            n = math.prod(shape)
+            if t > 1 and style != "replicate" and (len(shape) >= 2 or style == "colwise"):
+                n = -(-n // t)
+            key = graph.tied.get(name, name)
+            out[key] = max(out.get(key, 0), n)
+    if unit.num_params > in_layers:  # parameters owned by the unit outside any layer: replicated
+        out[f"{unit.fqn}:<direct>"] = unit.num_params - in_layers
+    return out
+
+
+def unit_param_counts(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[int]:
+    """Parameters each unit holds on one GPU after TP sharding; a tied parameter counts on every unit holding it,
+    once within the unit."""
+    return [sum(_param_shards(graph, par, tp, u).values()) for u in graph.units]
+
+
+def stage_param_count(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
+                      units: Sequence[int] | Sequence[Unit]) -> int:
+    """Parameters on one GPU of a stage (or rank) holding `units`, tied parameters counted once."""
+    merged: dict[str, int] = {}
+    for u in _unit_list(graph, units):
+        for key, n in _param_shards(graph, par, tp, u).items():
+            merged[key] = max(merged.get(key, 0), n)
+    return sum(merged.values())
+
+
+def model_state_bytes(num_params: float, par: Parallel) -> Memory:
+    """ZeRO model states per GPU (Rajbhandari et al.; calibration.md section 3), mixed-precision Adam, K = 12:
+        stage 0: 2Ψ + 2Ψ + 12Ψ = 16Ψ          stage 2: 2Ψ + (2 + 12)Ψ/N_d
+        stage 1: 2Ψ + 2Ψ + 12Ψ/N_d            stage 3: (2 + 2 + 12)Ψ/N_d
+    with Ψ = `num_params` (already divided by TP and PP) and N_d = par.dp."""
+    psi, nd = float(num_params), par.dp
+    return Memory(params=PARAM_BYTES * psi / (nd if par.zero >= 3 else 1),
+                  grads=GRAD_BYTES * psi / (nd if par.zero >= 2 else 1),
+                  optimizer=OPTIMIZER_BYTES * psi / (nd if par.zero >= 1 else 1))
+
+
+# --- 4. Activations ----------------------------------------------------------------------------------------------
+
+def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[float]:
+    """Bytes one micro-batch leaves saved on one GPU for each unit (Korthikanti et al., per transformer layer):
+        none       s·b·h·(10 + 24/t + 5·a·s/(h·t))   = rep + (saved - rep) / t
+        selective  s·b·h·(10 + 24/t)                 = rep + (saved - rep - core) / t
+        full       2·s·b·h                           = input_bytes
+    where rep = saved_bytes_replicated (norm/residual inputs, the "10") and core = saved_bytes_core (the
+    5·a·s²·b of scores, softmax and dropout). A unit with no split layer keeps everything (rep = 0, t = 1)."""
+    return [_saved_bytes(par, tp, u, recompute_mode(u, par)) for u in graph.units]
+
+
+def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> float:
+    if mode == "full":
+        return float(unit.input_bytes * par.micro_batch_size)
+    split = is_split(par, tp, unit)
+    rep = unit.saved_bytes_replicated if split else 0
+    sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
+    return (rep + sharded / (par.tp if split else 1)) * par.micro_batch_size
+
+
+def in_flight(par: Parallel, stage: int) -> float:
+    """Micro-batches whose activations pipeline rank `stage` (i) holds at peak. GPipe: m. 1F1B (Narayanan et
+    al.): i runs p - i forwards before its first backward: min(p - i, m). Interleaved, v chunks a rank: Megatron's
+    and torch.distributed.pipelining's schedules run W = (v - 1)·p + 2·(p - 1 - i) chunk forwards before the first
+    backward, then one more; a chunk is 1/v of the rank, so min(W + 1, m·v) / v. For rank 0, p + (p - 1)/v =
+    p·(1 + (p - 1)/(p·v)): Korthikanti et al.'s factor, whose "m" is the number of interleaved chunks (v here),
+    not of micro-batches as calibration.md section 2 reads. Later ranks hold more than (p - i)·(1 + ...)."""
+    p, m = par.pp, par.num_microbatches
+    assert 0 <= stage < p, stage
+    if par.schedule == "gpipe":
+        return float(m)
+    v = chunks_per_rank(par)
+    if v == 1:
+        return float(min(p - stage, m))
+    warmup = (v - 1) * p + 2 * (p - 1 - stage)
+    return min(warmup + 1, m * v) / v
+
+
+def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
+                      units_in_stage: Sequence[int] | Sequence[Unit]) -> float:
+    """Transient working memory of a stage besides the saved activations, for one micro-batch:
+    - full recompute: the backward of a block first rebuilds all its activations (as without recomputation):
+      the largest recomputed unit's; selective: the largest recomputed attention core;
+    - ZeRO-3: 16-bit parameters of the two largest units gathered at once (current + prefetched, as FSDP2) and the
+      16-bit gradients of one before its reduce-scatter;
+    - last stage: the logits upcast to fp32 for the loss, out_bytes of the model's last layer x 2 x b (16-bit ->
+      fp32; kept whole even when the head is colwise, since a loss-parallel head is not assumed).
+    """
+    units = _unit_list(graph, units_in_stage)
+    working = [0.0]
+    for u in units:
+        mode = recompute_mode(u, par)
+        if mode == "none":
+            continue
+        rebuilt = _saved_bytes(par, tp, u, "none")  # full: the block's activations, rebuilt for its backward
+        if mode == "selective":
+            rebuilt -= _saved_bytes(par, tp, u, "selective")  # only the attention core is rebuilt
+        working.append(rebuilt)
+    extra = max(working)
+    if par.zero >= 3 and par.dp > 1:
+        sizes = sorted((sum(_param_shards(graph, par, tp, u).values()) for u in units), reverse=True)
+        extra += PARAM_BYTES * sum(sizes[:2]) + GRAD_BYTES * (sizes[0] if sizes else 0)
+    last = graph.units[-1]
+    if any(u.fqn == last.fqn for u in units) and last.layers:
+        extra += graph.layers[last.layers[-1]].out_bytes * 2 * par.micro_batch_size
+    return extra
+
+
+# --- 5. Pipeline, data-parallel and optimizer terms --------------------------------------------------------------
+
+def bubble_fraction(par: Parallel) -> float:
+    """Idle fraction of the step (Narayanan et al.): (p - 1)/(m + p - 1) for GPipe and 1F1B; interleaved with v
+    chunks per rank the bubble shrinks v times: ((p - 1)/v) / (m + (p - 1)/v)."""
+    p, m, v = par.pp, par.num_microbatches, chunks_per_rank(par)
+    return ((p - 1) / v) / (m + (p - 1) / v)
+
+
+def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_nodes: bool) -> float:
+    """Exposed data-parallel traffic per step for 16-bit gradients (ZeRO, calibration.md section 3), 2Ψ bytes:
+    stage 0 all-reduce; stages 1, 2 reduce-scatter + all-gather (the same 2Ψ volume as a ring all-reduce);
+    stage 3 reduce-scatter + an all-gather of parameters in forward and another in backward (1.5x).
+    The exposed part is (1 - cluster.dp_overlap) of the total."""
+    kinds = (["all_reduce"] if par.zero == 0 else
+             ["reduce_scatter", "all_gather"] + (["all_gather"] if par.zero >= 3 else []))
+    total = sum(hw.collective_time(cluster, k, GRAD_BYTES * params_per_gpu, par.dp, spans_nodes=spans_nodes)
+                for k in kinds)
+    return (1.0 - cluster.dp_overlap) * total
+
+
+def _p2p_round_trip(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
+    """One boundary per micro-batch: the activation forward and its gradient backward (same size)."""
+    if par.pp <= 1 or nbytes_per_sample <= 0:
+        return 0.0
+    return 2 * hw.collective_time(cluster, "p2p", nbytes_per_sample * par.micro_batch_size, 2,
+                                  spans_nodes=spans_nodes)
+
+
+def p2p_time(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
+    """Pipeline traffic per micro-batch of one rank (Narayanan et al.: b·s·h per micro-batch between stages, v
+    times as much when interleaved): one send forward and one backward per chunk."""
+    return chunks_per_rank(par) * _p2p_round_trip(cluster, par, nbytes_per_sample, spans_nodes)
+
+
+def optimizer_time(cluster: Cluster, par: Parallel, params_per_gpu: float) -> float:
+    """Adam step, memory-bound: ADAM_STEP_BYTES per parameter this GPU updates (Ψ/N_d with ZeRO >= 1)."""
+    local = params_per_gpu / (par.dp if par.zero >= 1 else 1)
+    return hw.memory_time(cluster, ADAM_STEP_BYTES * local)
+
+
+def fits(cluster: Cluster, mem: Memory) -> bool:
+    return mem.total <= cluster.memory_bytes - cluster.memory_reserve_bytes
+
+
+# --- 6. The whole step -------------------------------------------------------------------------------------------
+
+def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, int]]) -> None:
+    """`bounds`: one half-open unit range [start, end) per model chunk, contiguous, covering every unit."""
+    want = par.pp * chunks_per_rank(par)
+    if len(bounds) != want:
+        raise PartcError(f"expected {want} pipeline chunks (pp x virtual stages), got {len(bounds)}")
+    prev = 0
+    for lo, hi in bounds:
+        if lo != prev or hi <= lo:
+            raise PartcError(f"pipeline chunks must be contiguous, non-empty [start, end) ranges: {list(bounds)}")
+        prev = hi
+    if prev != len(graph.units):
+        raise PartcError(f"pipeline chunks cover {prev} of {len(graph.units)} units")
+
+
+def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+            bounds: list[tuple[int, int]]) -> Prediction:
+    """Step time, throughput and memory of a plan. Pipeline (Narayanan et al.): every rank runs m micro-batches;
+    the slowest rank, T_max seconds per micro-batch (compute + TP comm + p2p), sets the steady-state pace, and
+    filling and draining the pipeline costs p - 1 more slots (an upper bound when stages are unbalanced):
+        1F1B, GPipe:      (m + p - 1) · T_max
+        interleaved 1F1B: (m + (p - 1)/v) · T_max, T_max summing the v chunks of a rank: the ideal time is still
+                          m · T_max, and the fill/drain slot is one chunk, T_max / v (bubble (1/v)·(p - 1)/m).
+    Then the exposed DP gradient traffic and the optimizer step of the rank with the most parameters.
+    """
+    check_bounds(graph, par, bounds)
+    p, v, m, b = par.pp, chunks_per_rank(par), par.num_microbatches, par.micro_batch_size
+    if m < 1:
+        raise PartcError(f"global batch {par.global_batch_size} is smaller than dp x micro-batch ({par.dp} x {b})")
+    parts = unit_time_parts(graph, cluster, par, tp)
+    acts = unit_activation_bytes(graph, par, tp)
+    spans, cut = mesh_spans(cluster, par), graph.cut_bytes
+
+    stages, comps = [], []
+    for r in range(p):
+        chunks = [tuple(bounds[r + j * p]) for j in range(v)]
+        idx = [i for lo, hi in chunks for i in range(lo, hi)]
+        compute = sum(parts[i].compute_s for i in idx)
+        tp_comm = sum(parts[i].tp_comm_s for i in idx)
+        # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
+        cuts = [max(cut[lo - 1] if lo > 0 else 0, cut[hi - 1] if hi <= len(cut) else 0) for lo, hi in chunks]
+        pp_comm = sum(_p2p_round_trip(cluster, par, c, spans["pp"]) for c in cuts)
+        params = stage_param_count(graph, par, tp, idx)
+        mem = model_state_bytes(params, par)
+        mem.activations = in_flight(par, r) * sum(acts[i] for i in idx) + stage_extra_bytes(graph, par, tp, idx)
+        stages.append(StagePrediction(index=r, time_s=compute + tp_comm + pp_comm, memory=mem,
+                                      num_params=params, chunks=chunks))
+        comps.append((compute, tp_comm, pp_comm))
+
+    slow = max(range(p), key=lambda r: stages[r].time_s)
+    t_max = stages[slow].time_s
+    bubble_s = (p - 1) / v * t_max
+    max_params = max(s.num_params for s in stages)
+    dp_s = dp_comm_time(cluster, par, max_params, spans["dp"])
+    opt_s = optimizer_time(cluster, par, max_params)
+    step = m * t_max + bubble_s + dp_s + opt_s
+
+    # Model FLOPs: 3 x forward (forward + backward, no recompute) over the global batch; for a GPT, Megatron's
+    # 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) (Korthikanti et al.; Narayanan et al.'s 96 counts the recompute).
+    model_flops = 3.0 * par.global_batch_size * sum(u.fwd_flops for u in graph.units)
+    tflops = model_flops / step / par.world_size / 1e12
+    compute, tp_comm, pp_comm = comps[slow]
+    return Prediction(
+        step_time_s=step,
+        tokens_per_s=par.global_batch_size * graph.seq_len / step,
+        model_tflops_per_gpu=tflops,
+        mfu=tflops * 1e12 / cluster.peak_flops,
+        bubble_fraction=bubble_fraction(par),
+        memory_per_gpu=max((s.memory for s in stages), key=lambda mem: mem.total),
+        stages=stages,
+        compute_s=m * compute, tp_comm_s=m * tp_comm, pp_comm_s=m * pp_comm,
+        bubble_s=bubble_s, dp_comm_s=dp_s, optimizer_s=opt_s,
+    )

@@ -1,0 +1,473 @@
+"""Load a user's model file (``partc compile model.py``) into a `ModelSpec`.
+
+The file contract (``examples/gpt.py`` is a complete example)::
+
+    def model() -> nn.Module                        # the entry; another name with --entry NAME
+    def example_inputs(batch_size) -> tuple | dict  # positional or keyword arguments for batch_size samples
+    def example_targets(batch_size)                 # optional
+    def loss_fn(outputs, targets) -> Tensor         # optional
+
+partc calls ``model()`` under ``with torch.device("meta"):``, so building a 175B model costs no memory; the tracer
+calls ``example_inputs`` under the meta device too, and the runtime calls it under the real device. Functions
+therefore create tensors without a ``device=`` argument.
+
+Inputs. A tuple is positional arguments, a dict keyword arguments. Values are tensors whose dim 0 is the batch
+(the runtime splits micro-batches along it), or Python scalars (``use_cache=False``); at least one tensor.
+
+Hugging Face models (a ``transformers.PreTrainedModel``; transformers is optional) need no ``example_inputs``:
+- token models (``main_input_name == "input_ids"``): ``input_ids`` LongTensor [batch, seq_len] drawn uniformly from
+  [0, vocab_size), plus ``decoder_input_ids`` of the same shape for encoder-decoder models. ``seq_len`` is the
+  caller's (``--seq-len``), default ``min(max_position_embeddings, 1024)`` (1024 when the config has no limit):
+  long enough for realistic costs, short enough that an 128k-context config does not mean 128k-token samples;
+- image models (``main_input_name == "pixel_values"``): ``pixel_values`` [batch, num_channels, image_size, image_size]
+  from the standard normal;
+- ``use_cache=False`` whenever ``forward`` takes ``use_cache`` (no KV cache in training).
+
+Targets, when the file has no ``example_targets``: class indices drawn with ``torch.randint`` from the ambient RNG
+on the ambient device, shaped like the logits without their last dim, in [0, V) where V is the logits' last dim:
+- Hugging Face models, by class name (their forward cannot run eagerly on the meta device): ``*LMHeadModel``,
+  ``*ForCausalLM``, ``*ForMaskedLM``, ``*ForConditionalGeneration``: shaped like ``input_ids`` (``decoder_input_ids``
+  if present), V = vocab_size; ``*ForTokenClassification``: the same shape, V = num_labels; other
+  ``*For*Classification``: [batch], V = num_labels.
+- any other model: V and the shape come from one forward on the meta device at batch size 1 (done on the first
+  call, then cached; dim 0 of the logits is the batch).
+Only if that fails does ``targets`` raise, asking for ``example_targets``: models it cannot handle still load,
+compile and trace.
+
+Loss, when the file has no ``loss_fn``: ``F.cross_entropy(logits.flatten(0, -2), targets.flatten())`` (mean,
+``ignore_index=-100``), where logits are ``outputs`` itself, ``outputs.logits`` (a Hugging Face ``ModelOutput``),
+``outputs["logits"]`` or ``outputs[0]``.
+
+Every problem a user can cause raises `PartcError` with one line naming the file and what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import re
+import sys
+import sysconfig
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from partc.errors import PartcError
+
+DEFAULT_MAX_SEQ_LEN = 1024
+"""Default tokens per sample for a Hugging Face token model: min(this, the config's max positions)."""
+
+_SCALARS = (bool, int, float, str, type(None))
+_HF_LM_SUFFIXES = ("LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSpec:
+    """What partc needs from a model file. All callables raise `PartcError` for mistakes in the file."""
+
+    path: str
+    """Absolute path of the model file."""
+    name: str
+    """The file's stem (``gpt`` for ``examples/gpt.py``): a short name for output files and reports."""
+    module: ModuleType
+    """The imported file, for optional extras a pass may look up."""
+    build: Callable[[], nn.Module]
+    """Calls the entry and checks it returned an ``nn.Module``; builds on the ambient device (see `build_on_meta`)."""
+    inputs: Callable[[int], tuple[tuple, dict]]
+    """batch_size -> (args, kwargs) for ``model(*args, **kwargs)``, on the ambient device, validated."""
+    targets: Callable[[int], Any]
+    """batch_size -> targets for `loss_fn`, on the ambient device (the default is described in the module doc)."""
+    loss_fn: Callable[[Any, Any], Tensor]
+    """(outputs, targets) -> scalar loss. The file's own ``loss_fn`` is returned unwrapped."""
+    seq_len: int | None
+    """Tokens per sample: the synthesized length, else dim 1 of ``input_ids`` (or of the first positional
+    integer tensor) from ``example_inputs``; None when there is no such input."""
+
+
+def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = None) -> ModelSpec:
+    """Imports the model file at `path` and checks the contract in the module doc.
+
+    `seq_len` sets the tokens per sample of synthesized Hugging Face inputs; it is an error for a file with its own
+    ``example_inputs``, which sets the length itself. To report mistakes early, this calls ``example_inputs(1)`` on
+    the meta device, or for a file without it ``model()`` on the meta device (to recognize a Hugging Face model).
+    """
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise PartcError(f"model file {path} does not exist")
+    if file.is_dir():
+        raise PartcError(f"{path} is a directory; pass the Python file that defines {entry}()")
+    if file.suffix != ".py":
+        raise PartcError(f"{path} is not a Python file (.py); pass the file that defines {entry}()")
+    file = file.resolve()
+    shown = _shown(file)
+    module = _import_file(file, shown)
+
+    fn = getattr(module, entry, None)
+    if fn is None:
+        found = _callables(module)
+        listing = f"it defines: {', '.join(found)}" if found else "it defines no functions or classes"
+        raise PartcError(f"{shown} has no '{entry}' ({listing}); define {entry}() returning the nn.Module "
+                         f"or pass --entry NAME")
+    if not callable(fn):
+        raise PartcError(f"{shown}: '{entry}' is a {type(fn).__name__}, not a function; define {entry}() "
+                         f"returning the nn.Module or pass --entry NAME")
+
+    def build() -> nn.Module:
+        m = _call_user(fn, f"{entry}()", shown)
+        if not isinstance(m, nn.Module):
+            raise PartcError(f"{shown}: {entry}() returned {type(m).__name__}, expected a torch.nn.Module")
+        return m
+
+    user_inputs = getattr(module, "example_inputs", None)
+    user_targets = getattr(module, "example_targets", None)
+    user_loss = getattr(module, "loss_fn", None)
+    for fname, obj in (("example_inputs", user_inputs), ("example_targets", user_targets), ("loss_fn", user_loss)):
+        if obj is not None and not callable(obj):
+            raise PartcError(f"{shown}: '{fname}' is a {type(obj).__name__}, not a function")
+    if seq_len is not None and seq_len < 1:
+        raise PartcError(f"--seq-len must be at least 1, got {seq_len}")
+
+    if user_inputs is not None:
+        if seq_len is not None:
+            raise PartcError(f"--seq-len applies only to inputs partc synthesizes for a Hugging Face model; "
+                             f"{shown} defines example_inputs, so set the sequence length there")
+
+        def inputs(batch_size: int) -> tuple[tuple, dict]:
+            raw = _call_user(user_inputs, f"example_inputs({batch_size})", shown, batch_size)
+            return _normalize_inputs(raw, batch_size, f"{shown}: example_inputs({batch_size})")
+
+        with torch.device("meta"):
+            args, kwargs = inputs(1)
+        seq_len = _infer_seq_len(args, kwargs)
+    else:
+        hf = _hf_inputs(_build_on_meta(build), shown, seq_len)
+        if hf is None:
+            raise PartcError(f"{shown} defines no example_inputs(batch_size); add one returning the inputs for "
+                             f"batch_size samples as a tuple (positional) or dict (keyword) of tensors")
+        inputs, seq_len = hf
+
+    if user_targets is not None:
+        def targets(batch_size: int) -> Any:
+            out = _call_user(user_targets, f"example_targets({batch_size})", shown, batch_size)
+            if not _has_tensor(out):
+                raise PartcError(f"{shown}: example_targets({batch_size}) returned {type(out).__name__}, "
+                                 f"expected a tensor (or a tuple/dict of tensors)")
+            return out
+    else:
+        targets = _default_targets(build, inputs, shown)
+
+    return ModelSpec(path=str(file), name=file.stem, module=module, build=build, inputs=inputs, targets=targets,
+                     loss_fn=user_loss if user_loss is not None else default_loss, seq_len=seq_len)
+
+
+def build_on_meta(spec: ModelSpec) -> nn.Module:
+    """Builds the model on the meta device: shapes and dtypes only, no memory, no initialization cost."""
+    return _build_on_meta(spec.build)
+
+
+def _build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    with torch.device("meta"):
+        return build()  # `build` checks the result is an nn.Module
+
+
+def default_loss(outputs: Any, targets: Tensor) -> Tensor:
+    """Cross-entropy of logits [..., V] against class indices [...] (mean over positions, -100 ignored)."""
+    logits = _logits(outputs)
+    if logits is None:
+        raise PartcError(f"cannot find logits in the model's outputs ({type(outputs).__name__}); define "
+                         f"loss_fn(outputs, targets) in the model file")
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Importing the file
+
+
+def _import_file(file: Path, shown: str) -> ModuleType:
+    """Imports `file` under a name unique to its path, with its directory first on sys.path during the import.
+
+    Sibling modules it imports (``from gpt import GPT``) land in sys.modules under their own names, as in
+    ``python model.py``; only imports at the file's top level see the directory on sys.path.
+    """
+    stem = re.sub(r"\W", "_", file.stem)
+    name = f"_partc_model_{stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:10]}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved_path = list(sys.path)
+    sys.path.insert(0, str(file.parent))
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[name]
+        if isinstance(e, Exception):
+            raise _import_error(e, shown) from None
+        raise
+    finally:
+        sys.path[:] = saved_path
+    return module
+
+
+def _import_error(e: Exception, shown: str) -> PartcError:
+    if isinstance(e, SyntaxError):
+        where = f"{_shown(Path(e.filename))}:{e.lineno}" if e.filename else shown
+        return PartcError(f"{where}: syntax error: {e.msg}; fix the model file")
+    if isinstance(e, ModuleNotFoundError) and e.name:
+        return PartcError(f"{_where(e, shown)}: no module named '{e.name}'; install it or fix the import")
+    if isinstance(e, ImportError):
+        return PartcError(f"{_where(e, shown)}: {_one_line(e)}; fix the import")
+    return PartcError(f"{_where(e, shown)}: {_describe(e)} (raised while importing {shown})")
+
+
+def _where(e: BaseException, shown: str) -> str:
+    """Where an import failed: 'file:line', naming the model file too when the line is in a module it imports."""
+    where = _user_frame(e)
+    if where is None:
+        return f"importing {shown}"
+    return where if where.rpartition(":")[0] == shown else f"{where} (imported by {shown})"
+
+
+def _callables(module: ModuleType) -> list[str]:
+    """Public functions and classes defined in the file itself (not imported into it)."""
+    return sorted(k for k, v in vars(module).items()
+                  if not k.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calling user code
+
+
+def _call_user(fn: Callable, what: str, shown: str, *args: Any) -> Any:
+    """Calls a function of the file, turning its exceptions into one line with the user's file:line."""
+    try:
+        return fn(*args)
+    except PartcError:
+        raise
+    except Exception as e:
+        where = _user_frame(e) or shown
+        raise PartcError(f"{where}: {what} raised {_describe(e)}") from None
+
+
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs.add(str(Path(__file__).resolve().parent))
+    dirs.add(str(Path(sys.modules[PartcError.__module__].__file__).resolve().parent))
+    return tuple(d.rstrip("/") + "/" for d in dirs)
+
+
+def _user_frame(e: BaseException) -> str | None:
+    """'file:line' of the innermost frame of `e` in user code (not the standard library, an installed package
+    or partc); None if there is none."""
+    libs = _library_dirs()
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        f = frame.filename
+        if f.startswith("<") or "site-packages" in f or "dist-packages" in f:
+            continue
+        resolved = str(Path(f).resolve())
+        if resolved.startswith(libs):
+            continue
+        return f"{_shown(Path(resolved))}:{frame.lineno}"
+    return None
+
+
+def _shown(file: Path) -> str:
+    """A path as the user would write it: relative to the working directory when under it."""
+    try:
+        return str(file.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(file)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _describe(e: BaseException) -> str:
+    text = _one_line(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs and targets
+
+
+def _normalize_inputs(raw: Any, batch_size: int, what: str) -> tuple[tuple, dict]:
+    """Checks `raw` is a tuple (positional) or dict (keyword) of tensors with the batch in dim 0, or scalars."""
+    if isinstance(raw, tuple):
+        args, kwargs, items = raw, {}, [(f"item {i}", v) for i, v in enumerate(raw)]
+    elif isinstance(raw, dict):
+        if not all(isinstance(k, str) for k in raw):
+            raise PartcError(f"{what} returned a dict with non-string keys; keys must be argument names")
+        args, kwargs, items = (), dict(raw), [(f"'{k}'", v) for k, v in raw.items()]
+    else:
+        hint = "; return (x,) for a single positional input" if isinstance(raw, Tensor) else ""
+        raise PartcError(f"{what} returned {type(raw).__name__}, expected a tuple (positional arguments) or "
+                         f"dict (keyword arguments) of tensors{hint}")
+    for label, v in items:
+        if isinstance(v, Tensor):
+            if v.dim() == 0 or v.shape[0] != batch_size:
+                raise PartcError(f"{what}: input {label} has shape {tuple(v.shape)}; dim 0 of every tensor input "
+                                 f"must be the batch ({batch_size})")
+        elif not isinstance(v, _SCALARS):
+            raise PartcError(f"{what}: input {label} is {type(v).__name__}; inputs must be tensors "
+                             f"(or Python scalars such as use_cache=False)")
+    if not any(isinstance(v, Tensor) for _, v in items):
+        raise PartcError(f"{what} returned no tensors; return the model's tensor inputs")
+    return tuple(args), kwargs
+
+
+def _infer_seq_len(args: tuple, kwargs: dict) -> int | None:
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = next((a for a in args if isinstance(a, Tensor)), None)
+    if isinstance(ids, Tensor) and ids.dim() >= 2 and not ids.is_floating_point() and not ids.is_complex():
+        return int(ids.shape[1])
+    return None
+
+
+def _has_tensor(x: Any) -> bool:
+    if isinstance(x, Tensor):
+        return True
+    if isinstance(x, (tuple, list)):
+        return bool(x) and all(_has_tensor(v) for v in x)
+    if isinstance(x, dict):
+        return bool(x) and all(_has_tensor(v) for v in x.values())
+    return False
+
+
+def _logits(outputs: Any) -> Tensor | None:
+    if isinstance(outputs, Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(outputs, dict) and isinstance(outputs.get("logits"), Tensor):
+        return outputs["logits"]
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], Tensor):
+        return outputs[0]
+    return None
+
+
+def _default_targets(build: Callable[[], nn.Module], inputs: Callable[[int], tuple[tuple, dict]],
+                     shown: str) -> Callable[[int], Tensor]:
+    """Random class indices shaped like the logits without their last dim (see the module doc)."""
+    found: list[tuple[tuple[int, ...], int]] = []  # [(shape after the batch dim, number of classes)], cached
+
+    def shape_and_classes() -> tuple[tuple[int, ...], int]:
+        if found:
+            return found[0]
+        try:
+            with torch.device("meta"), torch.no_grad():
+                model = build()
+                args, kwargs = inputs(1)
+                rule = _hf_targets(model, args, kwargs)
+                logits = None if rule else _logits(model(*args, **kwargs))
+        except Exception as e:  # a PartcError from build/inputs too: the hint is what matters here
+            raise PartcError(f"{shown} defines no example_targets, and partc could not infer them from a forward on "
+                             f"the meta device ({_describe(e)}); define example_targets(batch_size)") from None
+        if rule is None:
+            if logits is None or logits.dim() < 2 or logits.shape[0] != 1:
+                raise PartcError(f"{shown} defines no example_targets, and the model's outputs have no logits "
+                                 f"[batch, ..., classes]; define example_targets(batch_size) and "
+                                 f"loss_fn(outputs, targets)")
+            rule = (tuple(logits.shape[1:-1]), int(logits.shape[-1]))
+        found.append(rule)
+        return rule
+
+    def targets(batch_size: int) -> Tensor:
+        rest, classes = shape_and_classes()
+        return torch.randint(0, classes, (batch_size, *rest))
+
+    return targets
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hugging Face models
+
+
+def _is_hf(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # a PreTrainedModel means the file imported transformers
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _hf_inputs(model: nn.Module, shown: str, seq_len: int | None
+               ) -> tuple[Callable[[int], tuple[tuple, dict]], int | None] | None:
+    """(inputs, seq_len) synthesized for a Hugging Face model; None if `model` is not one."""
+    if not _is_hf(model):
+        return None
+    config = model.config
+    cls = type(model).__name__
+    main = getattr(model, "main_input_name", "input_ids")
+    scalars = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    cannot = f"{shown}: partc cannot synthesize inputs for {cls}"
+
+    if main == "input_ids":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(text, "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < 1:
+            raise PartcError(f"{cannot} (its config has no vocab_size); define example_inputs(batch_size)")
+        limit = getattr(text, "max_position_embeddings", None)
+        limit = limit if isinstance(limit, int) and limit > 0 else None
+        if seq_len is None:
+            seq_len = min(limit, DEFAULT_MAX_SEQ_LEN) if limit else DEFAULT_MAX_SEQ_LEN
+        elif limit is not None and seq_len > limit:
+            raise PartcError(f"--seq-len {seq_len} exceeds the {limit} positions of {cls} in {shown}; "
+                             f"pass --seq-len {limit} or less")
+        names = ("input_ids", "decoder_input_ids") if getattr(config, "is_encoder_decoder", False) else ("input_ids",)
+        shape = seq_len
+
+        def inputs(batch_size: int) -> tuple[tuple, dict]:
+            return (), {**{n: torch.randint(0, vocab, (batch_size, shape)) for n in names}, **scalars}
+
+        return inputs, seq_len
+
+    if main == "pixel_values":
+        if seq_len is not None:
+            raise PartcError(f"--seq-len does not apply to {cls} in {shown}, an image model")
+        size = getattr(config, "image_size", None)
+        size = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, (list, tuple)) else None
+        if size is None or len(size) != 2:
+            raise PartcError(f"{cannot} (its config has no image_size); define example_inputs(batch_size)")
+        channels = int(getattr(config, "num_channels", 3))
+
+        def pixels(batch_size: int) -> tuple[tuple, dict]:
+            return (), {"pixel_values": torch.randn(batch_size, channels, *size), **scalars}
+
+        return pixels, None
+
+    raise PartcError(f"{cannot} (main input '{main}'); define example_inputs(batch_size) in the file")
+
+
+def _hf_targets(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], int] | None:
+    """(target shape after the batch dim, number of classes) of a Hugging Face model, read from its class name
+    and config (its forward cannot run on the meta device); None if not a Hugging Face model or not recognized."""
+    if not _is_hf(model):
+        return None
+    cls = type(model).__name__
+    config = model.config
+    ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
+    if ids is None and args and isinstance(args[0], Tensor):
+        ids = args[0]
+    positions = tuple(ids.shape[1:]) if isinstance(ids, Tensor) else None
+    if cls.endswith(_HF_LM_SUFFIXES) and positions is not None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(text, "vocab_size", None)
+        return (positions, vocab) if isinstance(vocab, int) else None
+    labels = getattr(config, "num_labels", None)
+    if not isinstance(labels, int) or "For" not in cls:
+        return None
+    if cls.endswith("ForTokenClassification") and positions is not None:
+        return positions, labels
+    if cls.endswith("Classification"):
+        return (), labels
+    return None

@@ -1,0 +1,231 @@
+"""The outer search: every parallel configuration the pins allow, each with its best TP map and stage split.
+
+Candidates are (dp, tp, pp) factorizations of the GPU count (tp inside a node unless pinned), micro-batch sizes
+dividing the per-replica batch, ZeRO stages 0-3, recomputation none/selective/full and the schedules 1F1B,
+GPipe and interleaved 1F1B (v chunks a rank). For each, `passes.tp` picks the per-layer TP styles and
+`passes.stages` the stage boundaries; `passes.cost.predict` gives the step time and memory.
+
+Pruning never loses the optimum of the cost model: a candidate is evaluated in full only while a lower bound of
+its step time, (m + (p - 1)/v) * sum(unit times) / p (a rank runs at least its share of the units, m times plus
+the fill/drain slots), is below the k-th best step time found so far. `prune=False` evaluates all of them (the
+tests compare the two).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from partc.cluster import Cluster
+from partc.errors import PartcError
+from partc.ir import ModelGraph
+from partc.parallel import RECOMPUTE, SCHEDULES, Parallel
+from partc.passes import cost
+from partc.passes.stages import partition_stages
+from partc.passes.tp import TPSolution, solve_tp
+
+
+@dataclass(kw_only=True, slots=True)
+class Pins:
+    """Choices fixed by the user (None: searched)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch_size: int | None = None
+    zero: int | None = None
+    recompute: str | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Candidate:
+    parallel: Parallel
+    tp: TPSolution
+    bounds: list[tuple[int, int]]
+    prediction: cost.Prediction
+
+    @property
+    def step_time_s(self) -> float:
+        return self.prediction.step_time_s
+
+
+@dataclass(kw_only=True, slots=True)
+class SearchResult:
+    best: Candidate | None
+    alternatives: list[Candidate]
+    """The next best candidates after `best`, fastest first."""
+    evaluated: int
+    considered: int
+    least_memory: float | None = None
+    """When nothing fits: the least peak memory per GPU any candidate needs."""
+    least_memory_candidate: Candidate | None = None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_pins(gpus: int, pins: Pins, cluster: Cluster, num_units: int) -> None:
+    if gpus < 1:
+        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
+    for name in ("tp", "pp", "dp"):
+        value = getattr(pins, name)
+        if value is not None and (value < 1 or gpus % value):
+            raise PartcError(f"--{name} {value} does not divide the GPU count {gpus}")
+    fixed = [getattr(pins, n) for n in ("tp", "pp", "dp") if getattr(pins, n) is not None]
+    if fixed and gpus % math.prod(fixed):
+        raise PartcError(f"the pinned degrees {' x '.join(map(str, fixed))} do not divide the GPU count {gpus}")
+    if len(fixed) == 3 and math.prod(fixed) != gpus:
+        raise PartcError(f"dp x tp x pp = {math.prod(fixed)} but --gpus is {gpus}")
+    if pins.pp is not None and pins.pp > num_units:
+        raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model has units ({num_units})")
+    if pins.micro_batch_size is not None and pins.micro_batch_size < 1:
+        raise PartcError(f"--micro-batch-size must be >= 1, got {pins.micro_batch_size}")
+
+
+def _configs(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch: int, pins: Pins):
+    """Every Parallel the pins allow."""
+    n_units = len(graph.units)
+    for tp in divisors(gpus):
+        if pins.tp is not None and tp != pins.tp:
+            continue
+        if pins.tp is None and tp > cluster.gpus_per_node:
+            continue
+        for pp in divisors(gpus // tp):
+            if (pins.pp is not None and pp != pins.pp) or pp > n_units:
+                continue
+            dp = gpus // (tp * pp)
+            if pins.dp is not None and dp != pins.dp:
+                continue
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            for b in divisors(per_replica):
+                if pins.micro_batch_size is not None and b != pins.micro_batch_size:
+                    continue
+                m = per_replica // b
+                for zero in (0, 1, 2, 3):
+                    if (pins.zero is not None and zero != pins.zero) or (pins.zero is None and dp == 1 and zero):
+                        continue
+                    for recompute in RECOMPUTE:
+                        if pins.recompute is not None and recompute != pins.recompute:
+                            continue
+                        for schedule in SCHEDULES:
+                            if pins.schedule is not None and schedule != pins.schedule:
+                                continue
+                            if pins.schedule is None and pp == 1 and schedule != "1f1b":
+                                continue  # one stage: every schedule is the same
+                            vs = [1]
+                            if schedule == "interleaved-1f1b":
+                                if pp < 2 or m % pp:
+                                    continue
+                                vs = [v for v in range(2, n_units // pp + 1) if n_units >= pp * v]
+                                if pins.virtual_stages is not None:
+                                    vs = [v for v in vs if v == pins.virtual_stages]
+                            for v in vs:
+                                yield Parallel(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b,
+                                               global_batch_size=global_batch, schedule=schedule,
+                                               virtual_stages=v, recompute=recompute)
+
+
+class _Costs:
+    """Per-(tp, b, recompute) caches: the TP solve and unit times do not depend on the other choices."""
+
+    def __init__(self, graph: ModelGraph, cluster: Cluster, tp_pins: dict[str, str] | None):
+        self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
+        self._tp: dict[tuple[int, int], TPSolution] = {}
+        self._times: dict[tuple, list[float]] = {}
+
+    def tp(self, par: Parallel) -> TPSolution:
+        key = (par.tp, par.micro_batch_size)
+        if key not in self._tp:
+            self._tp[key] = solve_tp(self.graph, par.tp, self.cluster, par.micro_batch_size, self.tp_pins)
+        return self._tp[key]
+
+    def times(self, par: Parallel) -> list[float]:
+        key = (par.tp, par.micro_batch_size, par.recompute, cost.mesh_spans(self.cluster, par)["tp"])
+        if key not in self._times:
+            self._times[key] = cost.unit_times(self.graph, self.cluster, par, self.tp(par))
+        return self._times[key]
+
+
+def lower_bound(times: list[float], par: Parallel) -> float:
+    p, v, m = par.pp, cost.chunks_per_rank(par), par.num_microbatches
+    return (m + (p - 1) / v) * sum(times) / p
+
+
+def split_stages(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPSolution, times: list[float], *,
+                 mem_limit: float) -> list[tuple[int, int]] | None:
+    """Stage boundaries of least max time that fit `mem_limit` (None if none fits)."""
+    v = cost.chunks_per_rank(par)
+    chunks = par.pp * v
+    spans = cost.mesh_spans(cluster, par)["pp"]
+    cut_time = [cost._p2p_round_trip(cluster, par, c, spans) for c in graph.cut_bytes]
+    params = cost.unit_param_counts(graph, par, tp)
+    static = [cost.model_state_bytes(n, par).total for n in params]
+    acts = cost.unit_activation_bytes(graph, par, tp)
+    all_units = list(range(len(graph.units)))
+    extra_any = cost.stage_extra_bytes(graph, par, tp, all_units[:-1] or all_units)
+    extra_last = cost.stage_extra_bytes(graph, par, tp, all_units)
+    # Chunk k runs on rank k % p. With v chunks a rank, each chunk gets 1/v of the memory (checked exactly by
+    # `predict` afterwards).
+    in_flight = [cost.in_flight(par, k % par.pp) for k in range(chunks)]
+    extra = [extra_any] * (chunks - 1) + [extra_last]
+    part = partition_stages(times, cut_time, static, acts, num_stages=chunks, in_flight=in_flight,
+                            mem_limit=mem_limit / v, extra_mem=extra,
+                            first_required=len(graph.first_unit_required),
+                            last_required=len(graph.last_unit_required))
+    return None if part is None else [tuple(b) for b in part.bounds]
+
+
+def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size: int, pins: Pins | None = None,
+           tp_pins: dict[str, str] | None = None, keep: int = 6, prune: bool = True) -> SearchResult:
+    """The fastest plan that fits, and the next `keep - 1`."""
+    pins = pins or Pins()
+    check_pins(gpus, pins, cluster, len(graph.units))
+    mem_limit = cluster.memory_bytes - cluster.memory_reserve_bytes
+    costs = _Costs(graph, cluster, tp_pins)
+    configs = list(_configs(graph, cluster, gpus, global_batch_size, pins))
+    if not configs:
+        raise PartcError(f"no parallel configuration of {gpus} GPUs matches the pins and a global batch of "
+                         f"{global_batch_size} (it must be divisible by dp x micro-batch size)")
+    # Order by lower bound (ties: the order of enumeration, which is deterministic).
+    bounded = sorted(((lower_bound(costs.times(par), par), i, par) for i, par in enumerate(configs)),
+                     key=lambda x: (x[0], x[1]))
+    best: list[tuple[float, int, Candidate]] = []  # max-heap by step time via negation
+    evaluated = 0
+    least: tuple[float, int, Candidate] | None = None
+    for lb, i, par in bounded:
+        if prune and len(best) >= keep and lb > -best[0][0]:
+            break
+        tp = costs.tp(par)
+        times = costs.times(par)
+        bounds = split_stages(graph, cluster, par, tp, times, mem_limit=mem_limit)
+        evaluated += 1
+        if bounds is None:
+            if not best:
+                loose = split_stages(graph, cluster, par, tp, times, mem_limit=math.inf)
+                if loose is not None:
+                    pred = cost.predict(graph, cluster, par, tp, loose)
+                    total = pred.memory_per_gpu.total
+                    if least is None or total < least[0]:
+                        least = (total, i, Candidate(parallel=par, tp=tp, bounds=loose, prediction=pred))
+            continue
+        pred = cost.predict(graph, cluster, par, tp, bounds)
+        if not cost.fits(cluster, pred.memory_per_gpu):
+            if least is None or pred.memory_per_gpu.total < least[0]:
+                least = (pred.memory_per_gpu.total, i, Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred))
+            continue
+        cand = Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
+        item = (-pred.step_time_s, -i, cand)
+        if len(best) < keep:
+            heapq.heappush(best, item)
+        elif item > best[0]:
+            heapq.heapreplace(best, item)
+    ranked = [c for _, _, c in sorted(best, key=lambda x: (-x[0], -x[1]))]
+    return SearchResult(best=ranked[0] if ranked else None, alternatives=ranked[1:], evaluated=evaluated,
+                        considered=len(configs), least_memory=least[0] if least and not ranked else None,
+                        least_memory_candidate=least[2] if least and not ranked else None)

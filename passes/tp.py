@@ -1,0 +1,383 @@
+"""Tensor-parallel style of every layer (Megatron-LM), chosen with OR-Tools CP-SAT.
+
+Styles and the state of a layer's output (Shoeybi et al. 2019, "Megatron-LM", section 3):
+
+    replicate -> R (replicated)     colwise -> S (sharded on the feature dim)     rowwise -> P (partial sums)
+
+An Embedding rowwise shards the vocabulary (masked lookup, output P); colwise shards the embedding dim (output S).
+Norms and other layers are replicate only. A consumer needs its input in state R (colwise, replicate) or S
+(rowwise) and hands back its input gradient in state P (colwise: Megatron's "f", identity forward and all-reduce
+backward), S (rowwise) or R (replicate). The loss is a replicate consumer of every layer without out-edges;
+graph inputs (token ids) are R and need no gradient.
+
+Conversions happen once per source layer and phase: one converted tensor serves every consumer (a local split
+of R gives S for free), and gradients are summed before the conversion (R and S gradients fold into a P sum for
+free: R/t, zero-padded S). "S needed across an edge with shard_ok False" means the path reshapes the features,
+so the shards do not line up: gather to R, then split locally.
+
+    forward,  source S:  all_gather      if a consumer needs R, or S across a shard_ok False edge
+    forward,  source P:  all_reduce      same condition; otherwise reduce_scatter if a consumer needs S
+    backward, source R or P (needs an R gradient):  all_reduce if a gradient is P, else all_gather if one is S
+    backward, source S (needs an S gradient):       reduce_scatter if a gradient is P, else all_gather if an S
+                                                    gradient crosses a shard_ok False edge
+
+Seconds: collective  passes.hw.collective_time(cluster, kind, bytes * b, t)  (ring formulas, calibration.md
+section 5), bytes = the source's output per sample (the largest of its out-edges, else `Layer.out_bytes`);
+compute  3 * sum of passes.hw.gemm_time over the layer's GEMMs (forward + backward, backward = 2 x forward as in
+Narayanan et al. 2021), colwise splitting n and rowwise k. time_s = compute + collectives, per micro-batch.
+
+Units of one `Unit.signature` share their styles: the CP-SAT model has one set of variables per signature class
+(the first unit of the class represents it), every layer's costs are charged to its representative's variables,
+and an edge between two blocks (block k's rowwise fc2 feeding block k+1's ln_1) maps onto the representative
+itself. Identical sources are merged with a multiplicity, so 128 blocks solve as fast as 2.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from partc.cluster import Cluster
+from partc.errors import PartcError
+from partc.ir import Layer, ModelGraph
+from partc.parallel import TP_STYLES
+
+from . import hw
+
+STATE = {"replicate": "R", "colwise": "S", "rowwise": "P"}
+GEMM_SPLIT = {"replicate": None, "colwise": "n", "rowwise": "k"}
+NS = 1e9  # CP-SAT costs are integer nanoseconds: options within a few ns count as equal, then tie-breaks decide
+SEED = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class Collective:
+    kind: str
+    """``all_reduce``, ``all_gather`` or ``reduce_scatter``."""
+    phase: str
+    """``fwd`` or ``bwd``."""
+    nbytes: int
+    """Bytes per sample of the full (unsharded) tensor; multiply by the micro-batch size."""
+    src: str
+    """FQN of the layer whose output (forward) or output gradient (backward) it converts."""
+    reason: str
+    """A short sentence for people."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TPSolution:
+    styles: dict[str, str]
+    """Every layer FQN -> ``colwise``, ``rowwise`` or ``replicate``."""
+    collectives: dict[str, list[Collective]]
+    """Unit FQN (the unit of the source layer) -> its collectives per micro-batch; every unit has a key."""
+    time_s: float
+    """Seconds per micro-batch: compute of all layers (forward + backward) + all collectives."""
+    unit_time_s: dict[str, float]
+    """The same per unit: its layers' compute + its collectives."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _Source:
+    """A layer and who reads its output: consumer FQN -> shard_ok of every edge between them."""
+
+    layer: str
+    nbytes: int
+    consumers: dict[str, bool]
+    loss: bool
+
+
+# 1. Semantics, shared by the evaluator and the CP-SAT model
+
+
+def _group_error(layer: Layer, style: str, tp: int) -> str | None:
+    if layer.kind == "embedding":
+        size, what = (layer.out_features, "vocabulary") if style == "rowwise" else (layer.in_features, "embedding dim")
+    elif style == "colwise":
+        size, what = layer.col_groups or layer.out_features, "col_groups"
+    else:
+        size, what = layer.row_groups or layer.in_features, "row_groups"
+    if size <= 0 or size % tp:
+        return f"layer {layer.fqn}: {style} needs its {what} ({size}) divisible by tp={tp}"
+    return None
+
+
+def style_error(layer: Layer, style: str, tp: int) -> str | None:
+    """Why `layer` cannot take `style` at degree `tp` (one line), or None."""
+    if style not in TP_STYLES:
+        return f"layer {layer.fqn}: unknown TP style {style!r}; expected one of {', '.join(TP_STYLES)}"
+    if style == "replicate":
+        return None
+    if layer.kind not in ("linear", "embedding"):
+        return f"layer {layer.fqn} ({layer.type}, {layer.kind}) can only be replicate, not {style}"
+    return _group_error(layer, style, tp)
+
+
+def allowed_styles(layer: Layer, tp: int) -> list[str]:
+    """Styles `layer` may take at degree `tp`, replicate first."""
+    return [s for s in ("replicate", "colwise", "rowwise") if style_error(layer, s, tp) is None]
+
+
+def _needs(layer: Layer, style: str) -> tuple[str, str | None]:
+    """(input state, input-gradient state) of a consumer; an Embedding reads ids and returns no gradient."""
+    if layer.kind == "embedding":
+        return "R", None
+    return {"colwise": ("R", "P"), "rowwise": ("S", "S"), "replicate": ("R", "R")}[style]
+
+
+def _conversions(state: str, needs: list[tuple[str, str | None, bool]], loss: bool) -> tuple[str | None, str | None]:
+    """(forward, backward) collective of a source in `state`, its consumers' (input, gradient, shard_ok)."""
+    need_r = loss or any(inp == "R" or (inp == "S" and not ok) for inp, _, ok in needs)
+    need_s = any(inp == "S" for inp, _, _ in needs)
+    grad_p = any(g == "P" for _, g, _ in needs)
+    grad_s = any(g == "S" for _, g, _ in needs)
+    grad_s_bad = any(g == "S" and not ok for _, g, ok in needs)
+    fwd = bwd = None
+    if state == "S":
+        fwd = "all_gather" if need_r else None
+        bwd = "reduce_scatter" if grad_p else "all_gather" if grad_s_bad else None
+    else:
+        if state == "P":
+            fwd = "all_reduce" if need_r else "reduce_scatter" if need_s else None
+        bwd = "all_reduce" if grad_p else "all_gather" if grad_s else None
+    return fwd, bwd
+
+
+def _sources(graph: ModelGraph) -> list[_Source]:
+    consumers: dict[str, dict[str, bool]] = {f: {} for f in graph.layers}
+    nbytes = {f: 0 for f in graph.layers}
+    for e in graph.edges:
+        assert e.src in graph.layers and e.dst in graph.layers, f"edge {e.src} -> {e.dst} names an unknown layer"
+        if e.src == e.dst:
+            continue
+        consumers[e.src][e.dst] = consumers[e.src].get(e.dst, True) and e.shard_ok
+        nbytes[e.src] = max(nbytes[e.src], e.bytes)
+    return [_Source(layer=f, nbytes=nbytes[f] or layer.out_bytes, consumers=consumers[f], loss=not consumers[f])
+            for f, layer in graph.layers.items()]
+
+
+def _compute_s(cluster: Cluster, layer: Layer, style: str, tp: int, b: int) -> float:
+    """Forward + backward GEMM seconds of one layer: 3 x forward."""
+    return 3 * sum(hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT[style], degree=tp)
+                   for g in layer.gemms)
+
+
+def _readers(phase: str, kind: str, consumers: list[str], needs: list[tuple[str, str | None, bool]]) -> list[str]:
+    """The consumers a collective serves (for its reason)."""
+    if phase == "fwd" and kind == "reduce_scatter":
+        return [c for c, (inp, _, _) in zip(consumers, needs) if inp == "S"]
+    if phase == "fwd":
+        return [c for c, (inp, _, ok) in zip(consumers, needs) if inp == "R" or not ok]
+    want = "S" if kind == "all_gather" else "P"
+    return [c for c, (_, grad, _) in zip(consumers, needs) if grad == want]
+
+
+def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str]) -> str:
+    who = readers[0] + (f" and {len(readers) - 1} more" if len(readers) > 1 else "") if readers else "the loss"
+    if phase == "fwd":
+        if kind == "all_gather":
+            return f"gather the feature shards of colwise {src.fqn} for {who}"
+        what = "masked lookups of vocab-parallel" if src.kind == "embedding" else "partial outputs of rowwise"
+        if kind == "all_reduce":
+            return f"sum {what} {src.fqn}"
+        return f"sum and shard {what} {src.fqn} for rowwise {who}"
+    if kind == "all_reduce":
+        return f"sum partial input gradients of colwise {who} into {style} {src.fqn}"
+    if kind == "all_gather":
+        return f"gather sharded input gradients of rowwise {who} for {style} {src.fqn}"
+    return f"sum and shard partial input gradients of colwise {who} for colwise {src.fqn}"
+
+
+# 2. Evaluation of a complete style map
+
+
+def _spans_nodes(cluster: Cluster, tp: int) -> bool:
+    return tp > cluster.gpus_per_node
+
+
+def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster, b: int) -> TPSolution:
+    unit_time = {u.fqn: 0.0 for u in graph.units}
+    collectives: dict[str, list[Collective]] = {u.fqn: [] for u in graph.units}
+    for fqn, layer in graph.layers.items():
+        unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + _compute_s(cluster, layer, styles[fqn], tp, b)
+    if tp > 1:
+        for src in _sources(graph):
+            layer, style = graph.layers[src.layer], styles[src.layer]
+            needs = [(*_needs(graph.layers[c], styles[c]), ok) for c, ok in src.consumers.items()]
+            fwd, bwd = _conversions(STATE[style], needs, src.loss)
+            for phase, kind in (("fwd", fwd), ("bwd", bwd)):
+                if kind is None:
+                    continue
+                readers = _readers(phase, kind, list(src.consumers), needs)
+                coll = Collective(kind=kind, phase=phase, nbytes=src.nbytes, src=src.layer,
+                                  reason=_reason(phase, kind, layer, style, readers))
+                collectives.setdefault(layer.unit, []).append(coll)
+                unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + hw.collective_time(
+                    cluster, kind, src.nbytes * b, tp, spans_nodes=_spans_nodes(cluster, tp))
+    return TPSolution(styles=dict(styles), collectives=collectives, time_s=float(sum(unit_time.values())),
+                      unit_time_s=unit_time)
+
+
+def _check_degree(tp: int, b: int) -> None:
+    if not isinstance(tp, int) or tp < 1:
+        raise PartcError(f"tp must be a positive integer, got {tp!r}")
+    if not isinstance(b, int) or b < 1:
+        raise PartcError(f"micro_batch_size must be a positive integer, got {b!r}")
+
+
+def evaluate_tp(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster,
+                micro_batch_size: int) -> TPSolution:
+    """Collectives and time of a complete style map (say, a hand-edited plan). PartcError for an unknown or
+    missing layer, an unknown style, a style the layer's kind cannot take or a divisibility violation."""
+    _check_degree(tp, micro_batch_size)
+    for fqn, style in styles.items():
+        if fqn not in graph.layers:
+            raise PartcError(f"TP styles name unknown layer {fqn!r}")
+        err = style_error(graph.layers[fqn], style, tp)
+        if err:
+            raise PartcError(err)
+    missing = [f for f in graph.layers if f not in styles]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise PartcError(f"TP styles miss layer {missing[0]}{more}")
+    return _evaluate(graph, tp, styles, cluster, micro_batch_size)
+
+
+# 3. The CP-SAT model
+
+
+def representatives(graph: ModelGraph) -> dict[str, str]:
+    """Layer FQN -> the FQN of the same layer in the first unit with the same signature (itself if none)."""
+    rep = {f: f for f in graph.layers}
+    first: dict[str, object] = {}
+    for unit in graph.units:
+        if not unit.signature:
+            continue
+        head = first.setdefault(unit.signature, unit)
+        if head is unit:
+            continue
+        assert len(head.layers) == len(unit.layers), f"units {head.fqn} and {unit.fqn} share a signature"
+        for mine, theirs in zip(unit.layers, head.layers):
+            assert mine[len(unit.fqn):] == theirs[len(head.fqn):], f"{mine} and {theirs} share a signature"
+            rep[mine] = theirs
+    return rep
+
+
+def _neg(lit):
+    return (not lit) if isinstance(lit, bool) else lit.Not()
+
+
+def _or(model: cp_model.CpModel, lits: list):
+    """A literal equal to OR(lits); Python booleans stand for constants."""
+    if any(x is True for x in lits):
+        return True
+    lits = list({x.index: x for x in lits if x is not False}.values())  # CP-SAT literals: index < 0 for negations
+    if len(lits) <= 1:
+        return lits[0] if lits else False
+    y = model.new_bool_var("")
+    model.add_bool_or(lits).only_enforce_if(y)
+    model.add_bool_and([_neg(x) for x in lits]).only_enforce_if(y.Not())
+    return y
+
+
+def _and(model: cp_model.CpModel, lits: list):
+    return _neg(_or(model, [_neg(x) for x in lits]))
+
+
+def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
+                   pins: dict[str, str]) -> tuple[dict[str, str], int]:
+    """(representative layer FQN -> style, the model's time in ns), minimizing the time of the whole model."""
+    model = cp_model.CpModel()
+
+    # 1. Variables: x[r][style] per representative layer and allowed style; collective indicators (defined by
+    #    boolean constraints as they are created) per distinct source, with the number of layers it stands for.
+    x: dict[str, dict[str, object]] = {}
+    for r in dict.fromkeys(rep.values()):
+        styles = [pins[r]] if r in pins else allowed_styles(graph.layers[r], tp)
+        x[r] = {s: model.new_bool_var(f"{r}={s}") for s in styles}
+
+    def lit(layer: str, style: str):
+        return x[rep[layer]].get(style, False)
+
+    distinct = Counter()
+    for src in _sources(graph):
+        consumers = tuple(sorted({(rep[c], ok) for c, ok in src.consumers.items()}))
+        distinct[(rep[src.layer], src.nbytes, consumers, src.loss)] += 1
+    indicators: list[tuple[int, object]] = []  # (cost in ns for all layers it stands for, literal)
+    spans = _spans_nodes(cluster, tp)
+    for (r, nbytes, consumers, loss), count in distinct.items():
+        need_r, need_s, grad_p, grad_s_bad = [loss], [], [], []
+        for c, ok in consumers:
+            if graph.layers[c].kind == "embedding":
+                need_r.append(True)
+                continue
+            col, row, repl = lit(c, "colwise"), lit(c, "rowwise"), lit(c, "replicate")
+            need_r += [col, repl] + ([] if ok else [row])
+            need_s.append(row)
+            grad_p.append(col)
+            grad_s_bad += [] if ok else [row]
+        need_r, need_s, grad_p, grad_s_bad = (_or(model, v) for v in (need_r, need_s, grad_p, grad_s_bad))
+        is_s, is_p = lit(r, "colwise"), lit(r, "rowwise")
+        for kind, cond in (("all_gather", [is_s, need_r]),
+                           ("all_reduce", [is_p, need_r]),
+                           ("reduce_scatter", [is_p, _neg(need_r), need_s]),
+                           ("reduce_scatter", [is_s, grad_p]),
+                           ("all_gather", [is_s, _neg(grad_p), grad_s_bad]),
+                           ("all_reduce", [_neg(is_s), grad_p]),
+                           ("all_gather", [_neg(is_s), _neg(grad_p), need_s])):
+            y = _and(model, cond)
+            if not isinstance(y, bool):
+                ns = round(NS * hw.collective_time(cluster, kind, nbytes * b, tp, spans_nodes=spans))
+                indicators.append((ns * count, y))
+
+    # 2. Objective: time in ns, then fewer collective indicators, then fewer split layers (deterministic ties).
+    compute: Counter = Counter()
+    for fqn, layer in graph.layers.items():
+        for style in x[rep[fqn]]:
+            compute[(rep[fqn], style)] += round(NS * _compute_s(cluster, layer, style, tp, b))
+    split_lits = [v for r in x for s, v in x[r].items() if s != "replicate"]
+    w_coll = len(split_lits) + 1
+    w_time = w_coll * (len(indicators) + 1)
+    time_ns = sum(ns * v for ns, v in indicators) + sum(c * x[r][s] for (r, s), c in compute.items())
+    model.minimize(w_time * time_ns + w_coll * sum(v for _, v in indicators) + sum(split_lits))
+
+    # 3. Constraints: one style per representative layer (pins left one choice).
+    for r, styles in x.items():
+        model.add_exactly_one(list(styles.values()))
+
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = SEED
+    solver.parameters.max_deterministic_time = 60.0
+    status = solver.solve(model)
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), solver.status_name(status)
+    choice = {r: next(s for s, v in styles.items() if solver.boolean_value(v)) for r, styles in x.items()}
+    return choice, solver.value(time_ns)
+
+
+def solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int,
+             pinned: dict[str, str] | None = None) -> TPSolution:
+    """The style map of least time per micro-batch at degree `tp`; units of one signature share their styles.
+
+    `pinned` fixes some layers (a pin applies to the same layer in every unit of its signature class).
+    """
+    _check_degree(tp, micro_batch_size)
+    pinned = dict(pinned or {})
+    for fqn, style in pinned.items():
+        if fqn not in graph.layers:
+            raise PartcError(f"pinned TP style names unknown layer {fqn!r}")
+        err = style_error(graph.layers[fqn], style, tp)
+        if err:
+            raise PartcError(err)
+    rep = representatives(graph) if tp > 1 else {f: f for f in graph.layers}
+    pins: dict[str, str] = {}
+    for fqn, style in pinned.items():
+        if pins.setdefault(rep[fqn], style) != style:
+            raise PartcError(f"pinned TP style {style} of {fqn} conflicts with {pins[rep[fqn]]} pinned on a layer "
+                             f"of an identical unit ({rep[fqn]})")
+    if tp == 1:
+        choice = {f: pins.get(f, "replicate") for f in graph.layers}
+    else:
+        choice, _ = _solve_classes(graph, tp, cluster, micro_batch_size, rep, pins)
+    return _evaluate(graph, tp, {f: choice[rep[f]] for f in graph.layers}, cluster, micro_batch_size)

@@ -1,0 +1,355 @@
+"""The cost model against the published formulas of calibration.md, on hand-built IR (single process, fast)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import pytest
+
+from partc.cluster import PRESETS
+from partc.errors import PartcError
+from partc.ir import Gemm, Layer, ModelGraph, Unit
+from partc.parallel import Parallel
+from passes import cost, hw
+
+A100 = PRESETS["a100-80g"]
+
+
+# --- stand-ins for passes.tp.TPSolution (written elsewhere) ---------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class FakeCollective:
+    kind: str
+    phase: str
+    nbytes: int
+    src: str = ""
+    reason: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class FakeTP:
+    styles: dict[str, str] = field(default_factory=dict)
+    collectives: dict[str, list[FakeCollective]] = field(default_factory=dict)
+    time_s: float = 0.0
+
+
+def par(**kw) -> Parallel:
+    base = dict(dp=1, tp=1, pp=1, zero=0, micro_batch_size=1, global_batch_size=8)
+    base.update(kw)
+    return Parallel(**base)
+
+
+# --- a synthetic GPT: tok -> blocks.* -> ln_f -> lm_head (tied to tok.weight) --------------------------------
+
+
+def _linear(fqn: str, unit: str, k: int, n: int, s: int, *, col_groups: int = 0, row_groups: int = 0) -> Layer:
+    g = Gemm(batch=1, m=s, n=n, k=k, batch_scales=False)
+    return Layer(fqn=fqn, type="Linear", kind="linear", unit=unit,
+                 params={f"{fqn}.weight": (n, k), f"{fqn}.bias": (n,)}, num_params=n * k + n,
+                 in_features=k, out_features=n, col_groups=col_groups or n, row_groups=row_groups or k,
+                 gemms=[g], fwd_flops=g.flops, out_bytes=2 * s * n, saved_bytes=2 * s * k, memory_bytes=2 * s * n)
+
+
+def _norm(fqn: str, unit: str, h: int, s: int) -> Layer:
+    return Layer(fqn=fqn, type="LayerNorm", kind="norm", unit=unit,
+                 params={f"{fqn}.weight": (h,), f"{fqn}.bias": (h,)}, num_params=2 * h, in_features=h,
+                 out_bytes=2 * s * h, saved_bytes=2 * s * h, memory_bytes=4 * s * h)
+
+
+def gpt_block(fqn: str, *, s: int, h: int, a: int) -> tuple[Unit, list[Layer]]:
+    """A GPT-2 block whose saved bytes follow Korthikanti et al. per sample: sbh·34 + 5as², of which 10sbh
+    replicated (norm and residual inputs) and 5as² the attention core."""
+    layers = [_norm(f"{fqn}.ln_1", fqn, h, s),
+              _linear(f"{fqn}.attn.qkv", fqn, h, 3 * h, s, col_groups=a),
+              _linear(f"{fqn}.attn.proj", fqn, h, h, s, row_groups=a),
+              _norm(f"{fqn}.ln_2", fqn, h, s),
+              _linear(f"{fqn}.mlp.fc", fqn, h, 4 * h, s),
+              _linear(f"{fqn}.mlp.proj", fqn, 4 * h, h, s)]
+    core = [Gemm(batch=a, m=s, n=s, k=h // a, batch_scales=True),   # scores  Q K^T
+            Gemm(batch=a, m=s, n=h // a, k=s, batch_scales=True)]   # context P V
+    unit = Unit(fqn=fqn, kind="block", layers=[x.fqn for x in layers],
+                num_params=sum(x.num_params for x in layers),
+                fwd_flops=sum(x.fwd_flops for x in layers) + sum(g.flops for g in core), core_gemms=core,
+                saved_bytes=34 * s * h + 5 * a * s * s, saved_bytes_core=5 * a * s * s,
+                saved_bytes_replicated=10 * s * h, input_bytes=2 * s * h, memory_bytes=20 * s * h,
+                signature="block")
+    return unit, layers
+
+
+def gpt(*, L: int = 4, s: int = 32, h: int = 64, a: int = 4, V: int = 512) -> ModelGraph:
+    units, layers = [], []
+    tok = Layer(fqn="tok", type="Embedding", kind="embedding", unit="tok", params={"tok.weight": (V, h)},
+                num_params=V * h, in_features=h, out_features=V, col_groups=h, row_groups=V,
+                out_bytes=2 * s * h, memory_bytes=4 * s * h)
+    units.append(Unit(fqn="tok", kind="module", layers=["tok"], num_params=V * h, input_bytes=8 * s))
+    layers.append(tok)
+    for i in range(L):
+        u, ls = gpt_block(f"blocks.{i}", s=s, h=h, a=a)
+        units.append(u)
+        layers += ls
+    ln_f = _norm("ln_f", "ln_f", h, s)
+    units.append(Unit(fqn="ln_f", kind="module", layers=["ln_f"], num_params=2 * h, saved_bytes=2 * s * h,
+                      input_bytes=2 * s * h))
+    g = Gemm(batch=1, m=s, n=V, k=h, batch_scales=False)
+    head = Layer(fqn="lm_head", type="Linear", kind="linear", unit="lm_head", params={"lm_head.weight": (V, h)},
+                 num_params=0, in_features=h, out_features=V, col_groups=V, row_groups=h, gemms=[g],
+                 fwd_flops=g.flops, out_bytes=2 * s * V, saved_bytes=2 * s * h)
+    units.append(Unit(fqn="lm_head", kind="module", layers=["lm_head"], num_params=0, fwd_flops=g.flops,
+                      saved_bytes=2 * s * h, input_bytes=2 * s * h))
+    layers += [ln_f, head]
+    for u in units:
+        if u.kind == "module" and u.fqn != "lm_head":
+            u.fwd_flops = sum(x.fwd_flops for x in layers if x.unit == u.fqn)
+    return ModelGraph(name="gpt-test", num_params=sum(u.num_params for u in units), seq_len=s, units=units,
+                      layers={x.fqn: x for x in layers}, edges=[], cut_bytes=[2 * s * h] * (len(units) - 1),
+                      tied={"lm_head.weight": "tok.weight"}, first_unit_required=["tok"],
+                      last_unit_required=["lm_head"], info={"hidden": h, "heads": a, "vocab": V, "layers": L})
+
+
+def megatron_tp(graph: ModelGraph, *, s: int, h: int) -> FakeTP:
+    """Megatron TP: qkv/fc colwise, proj rowwise; 2 all-reduces of b·s·h forward and 2 backward per block."""
+    tp = FakeTP()
+    for u in graph.units:
+        for f in u.layers:
+            tp.styles[f] = ("colwise" if f.endswith(("qkv", "fc")) else
+                            "rowwise" if f.endswith("proj") else "replicate")
+        if u.kind == "block":
+            tp.collectives[u.fqn] = [FakeCollective(kind="all_reduce", phase=ph, nbytes=2 * s * h)
+                                     for ph in ("fwd", "fwd", "bwd", "bwd")]
+    return tp
+
+
+# --- 1. ZeRO model states (calibration.md section 3) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero,gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_table(zero, gb):
+    mem = cost.model_state_bytes(7.5e9, par(dp=64, zero=zero, global_batch_size=64))
+    assert round(mem.total / 1e9, 1) == gb
+    assert mem.activations == 0
+    assert set(mem.to_dict()) == {"params", "grads", "optimizer", "activations", "total"}
+
+
+def test_zero_split_by_kind():
+    psi, nd = 1e9, 8
+    m3 = cost.model_state_bytes(psi, par(dp=nd, zero=3))
+    assert (m3.params, m3.grads, m3.optimizer) == pytest.approx((2 * psi / nd, 2 * psi / nd, 12 * psi / nd))
+    m1 = cost.model_state_bytes(psi, par(dp=nd, zero=1))
+    assert (m1.params, m1.grads, m1.optimizer) == pytest.approx((2 * psi, 2 * psi, 12 * psi / nd))
+
+
+# --- 2. Activations (Korthikanti et al., calibration.md section 2) --------------------------------------------
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_korthikanti_activations(t):
+    s, h, a, b = 256, 512, 8, 2
+    unit, layers = gpt_block("blocks.0", s=s, h=h, a=a)
+    graph = ModelGraph(name="one", num_params=unit.num_params, seq_len=s, units=[unit],
+                       layers={x.fqn: x for x in layers}, edges=[], cut_bytes=[])
+    tp = megatron_tp(graph, s=s, h=h)
+    sbh = s * b * h
+    (none,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b), tp)
+    assert none == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    (sel,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="selective"), tp)
+    assert sel == pytest.approx(sbh * (10 + 24 / t))
+    (full,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="full"), tp)
+    assert full == pytest.approx(2 * sbh)
+    # All-replicate: nothing is divided, even with t > 1.
+    (rep,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b), FakeTP())
+    assert rep == pytest.approx(sbh * (34 + 5 * a * s / h))
+
+
+def test_recompute_only_blocks():
+    g = gpt()
+    acts = cost.unit_activation_bytes(g, par(recompute="full"), None)
+    assert acts[0] == 0 and acts[-1] == g.units[-1].saved_bytes  # embedding, head keep their own
+    assert acts[1] == g.units[1].input_bytes
+
+
+# --- 3. Pipeline schedule terms (Narayanan et al.) -----------------------------------------------------------
+
+
+def test_in_flight_and_bubble():
+    p, m = 4, 16
+    one = par(pp=p, global_batch_size=m)
+    assert [cost.in_flight(one, i) for i in range(p)] == [4, 3, 2, 1]
+    assert cost.in_flight(par(pp=8, global_batch_size=4), 0) == 4  # capped at m
+    gp = par(pp=p, global_batch_size=m, schedule="gpipe")
+    assert [cost.in_flight(gp, i) for i in range(p)] == [m] * p
+    assert cost.bubble_fraction(one) == pytest.approx((p - 1) / (m + p - 1))
+    assert cost.bubble_fraction(gp) == pytest.approx((p - 1) / (m + p - 1))
+    v = 2
+    il = par(pp=p, global_batch_size=m, schedule="interleaved-1f1b", virtual_stages=v)
+    assert cost.bubble_fraction(il) == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
+    # Rank 0: Korthikanti's p·(1 + (p - 1)/(p·v)); later ranks per Megatron's warmup count.
+    assert cost.in_flight(il, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert cost.in_flight(il, p - 1) == pytest.approx(((v - 1) * p + 1) / v)
+    assert all(cost.in_flight(il, i) >= cost.in_flight(il, i + 1) for i in range(p - 1))
+
+
+# --- 4. Time ---------------------------------------------------------------------------------------------------
+
+
+def test_tp_collectives_in_unit_time():
+    s, h = 32, 64
+    g = gpt(s=s, h=h)
+    tp = megatron_tp(g, s=s, h=h)
+    for b in (1, 4):
+        p_ = par(tp=4, micro_batch_size=b)
+        parts = cost.unit_time_parts(g, A100, p_, tp)
+        want = 4 * hw.collective_time(A100, "all_reduce", 2 * s * h * b, 4)
+        assert parts[1].tp_comm_s == pytest.approx(want)
+        assert parts[0].tp_comm_s == 0
+        assert cost.unit_times(g, A100, p_, tp)[1] == pytest.approx(parts[1].compute_s + want)
+        # Full recompute replays the two forward all-reduces.
+        full = cost.unit_time_parts(g, A100, dataclasses.replace(p_, recompute="full"), tp)
+        assert full[1].tp_comm_s == pytest.approx(want * 6 / 4)
+    # Messages 8x larger add 7x the bandwidth term 2(n-1)/n · S/B of each all-reduce, not its latency.
+    big = megatron_tp(g, s=s, h=h)
+    for c in big.collectives["blocks.0"]:
+        c.nbytes *= 8
+    t_small = cost.unit_time_parts(g, A100, par(tp=4), tp)[1].tp_comm_s
+    t_big = cost.unit_time_parts(g, A100, par(tp=4), big)[1].tp_comm_s
+    bw, _ = hw.link(A100, spans_nodes=False)
+    assert t_big - t_small == pytest.approx(4 * 2 * 3 / 4 * 7 * 2 * s * h / bw)
+    assert cost.unit_time_parts(g, A100, par(tp=8), tp)[1].tp_comm_s > t_small  # more ranks, more ring steps
+
+
+def test_unit_time_compute_and_recompute():
+    g = gpt()
+    base = cost.unit_time_parts(g, A100, par(), None)
+    fwd = base[1].compute_s / 3
+    gemms = sum(hw.gemm_time(A100, x) for f in g.units[1].layers for x in g.layers[f].gemms)
+    core = sum(hw.gemm_time(A100, x) for x in g.units[1].core_gemms)
+    mem = hw.memory_time(A100, sum(g.layers[f].memory_bytes for f in g.units[1].layers) + g.units[1].memory_bytes)
+    assert fwd == pytest.approx(gemms + core + mem)
+    full = cost.unit_time_parts(g, A100, par(recompute="full"), None)
+    assert full[1].compute_s == pytest.approx(4 * fwd)
+    sel = cost.unit_time_parts(g, A100, par(recompute="selective"), None)
+    assert sel[1].compute_s == pytest.approx(3 * fwd + core)
+    # TP shards the work: each GPU does less, though not t times less (GEMM efficiency, replicated norms).
+    sharded = cost.unit_time_parts(g, A100, par(tp=4), megatron_tp(g, s=32, h=64))
+    assert base[1].compute_s / 4 < sharded[1].compute_s < base[1].compute_s
+
+
+# --- 5. Parameters ---------------------------------------------------------------------------------------------
+
+
+def test_param_counts_tp_and_tied():
+    h, V = 64, 512
+    g = gpt(h=h, V=V)
+    counts = cost.unit_param_counts(g, par(), None)
+    assert counts[0] == V * h and counts[-1] == V * h  # tied head counted on its unit too
+    assert sum(counts) == g.num_params + V * h
+    assert cost.stage_param_count(g, par(), None, range(len(g.units))) == g.num_params  # once per stage
+    tp = megatron_tp(g, s=32, h=h)
+    tp.styles["tok"], tp.styles["lm_head"] = "rowwise", "colwise"
+    t = 4
+    block = cost.unit_param_counts(g, par(tp=t), tp)[1]
+    want = (2 * 2 * h                               # two norms, replicated
+            + (3 * h * h + 3 * h) // t              # qkv colwise: weight and bias sharded
+            + h * h // t + h                        # proj rowwise: bias replicated
+            + (4 * h * h + 4 * h) // t
+            + 4 * h * h // t + h)
+    assert block == want
+    assert cost.unit_param_counts(g, par(tp=t), tp)[0] == V * h // t
+
+
+# --- 6. Data parallel, p2p, fits -------------------------------------------------------------------------------
+
+
+def test_dp_comm_volumes():
+    psi = 1e8
+    t0 = cost.dp_comm_time(A100, par(dp=8, zero=0), psi, False)
+    t1 = cost.dp_comm_time(A100, par(dp=8, zero=1), psi, False)
+    t3 = cost.dp_comm_time(A100, par(dp=8, zero=3), psi, False)
+    assert t0 == pytest.approx(hw.collective_time(A100, "all_reduce", 2 * psi, 8))
+    assert t1 == pytest.approx(t0)                 # reduce-scatter + all-gather = one ring all-reduce
+    assert t3 == pytest.approx(1.5 * t0)
+    assert cost.dp_comm_time(A100, par(dp=1), psi, False) == 0
+    hidden = dataclasses.replace(A100, dp_overlap=0.75)
+    assert cost.dp_comm_time(hidden, par(dp=8), psi, False) == pytest.approx(0.25 * t0)
+    assert cost.dp_comm_time(A100, par(dp=8), psi, True) > t0
+
+
+def test_p2p_and_fits():
+    n = 2 * 32 * 64
+    one = cost.p2p_time(A100, par(pp=2, micro_batch_size=2), n, False)
+    assert one == pytest.approx(2 * hw.collective_time(A100, "p2p", 2 * n, 2))
+    il = par(pp=2, micro_batch_size=2, schedule="interleaved-1f1b", virtual_stages=3)
+    assert cost.p2p_time(A100, il, n, False) == pytest.approx(3 * one)
+    assert cost.p2p_time(A100, par(), n, False) == 0
+    cap = A100.memory_bytes - A100.memory_reserve_bytes
+    assert cost.fits(A100, cost.Memory(params=cap))
+    assert not cost.fits(A100, cost.Memory(params=cap, activations=1))
+
+
+# --- 7. The whole step -----------------------------------------------------------------------------------------
+
+
+def test_predict_consistent():
+    s, h, a, V, L = 32, 64, 4, 512, 4
+    g = gpt(L=L, s=s, h=h, a=a, V=V)
+    tp = megatron_tp(g, s=s, h=h)
+    p_ = par(dp=2, tp=2, pp=2, zero=1, micro_batch_size=2, global_batch_size=32)
+    m = p_.num_microbatches
+    pred = cost.predict(g, A100, p_, tp, [(0, 3), (3, 7)])
+    t_max = max(st.time_s for st in pred.stages)
+    assert len(pred.stages) == 2
+    assert pred.step_time_s >= (m + 1) * t_max
+    parts = (pred.compute_s + pred.tp_comm_s + pred.pp_comm_s + pred.bubble_s + pred.dp_comm_s
+             + pred.optimizer_s)
+    assert pred.step_time_s == pytest.approx(parts)
+    assert pred.tokens_per_s == pytest.approx(32 * s / pred.step_time_s)
+    assert 0 < pred.mfu <= 1
+    assert pred.bubble_fraction == pytest.approx(1 / (m + 1))
+    assert pred.memory_per_gpu.total == max(st.memory.total for st in pred.stages)
+    assert pred.pp_comm_s > 0 and pred.tp_comm_s > 0 and pred.dp_comm_s > 0
+    # Model FLOPs equal Megatron's 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) for this GPT (GEMMs only).
+    mf = 72 * 32 * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    assert pred.model_tflops_per_gpu * 1e12 * pred.step_time_s * p_.world_size == pytest.approx(mf)
+    # Stage memory: states of its (tied-dedup) params + in-flight activations + extras.
+    acts = cost.unit_activation_bytes(g, p_, tp)
+    st0 = pred.stages[0]
+    states = cost.model_state_bytes(st0.num_params, p_)
+    extra = cost.stage_extra_bytes(g, p_, tp, [0, 1, 2])
+    assert st0.memory.total == pytest.approx(states.total + 2 * sum(acts[:3]) + extra)
+    assert pred.stages[1].memory.activations >= g.layers["lm_head"].out_bytes * 2 * 2  # fp32 logits
+    assert pred.to_dict()["memory_per_gpu"]["total"] == int(round(pred.memory_per_gpu.total))
+
+
+def test_predict_single_gpu_no_comm():
+    g = gpt()
+    pred = cost.predict(g, A100, par(global_batch_size=4), None, [(0, len(g.units))])
+    assert pred.tp_comm_s == pred.pp_comm_s == pred.dp_comm_s == pred.bubble_s == 0
+    t = sum(cost.unit_times(g, A100, par(global_batch_size=4), None))
+    assert pred.step_time_s == pytest.approx(4 * t + pred.optimizer_s)
+    # One stage holds the tied weight once.
+    assert pred.stages[0].num_params == g.num_params
+
+
+def test_predict_interleaved():
+    g = gpt(L=6)
+    p_ = par(pp=2, global_batch_size=8, schedule="interleaved-1f1b", virtual_stages=2)
+    bounds = [(0, 2), (2, 4), (4, 6), (6, 9)]
+    pred = cost.predict(g, A100, p_, None, bounds)
+    assert pred.stages[0].chunks == [(0, 2), (4, 6)] and pred.stages[1].chunks == [(2, 4), (6, 9)]
+    t_max = max(st.time_s for st in pred.stages)
+    assert pred.bubble_s == pytest.approx((2 - 1) / 2 * t_max)
+    assert pred.step_time_s == pytest.approx((8 + 1 / 2) * t_max + pred.dp_comm_s + pred.optimizer_s)
+    # Rank 1 holds the head and the embedding's tied weight is on rank 0: counted on both.
+    assert pred.stages[1].num_params >= g.layers["tok"].num_params
+
+
+def test_predict_bad_bounds():
+    g = gpt()
+    n = len(g.units)
+    with pytest.raises(PartcError):
+        cost.predict(g, A100, par(pp=2), None, [(0, n)])
+    with pytest.raises(PartcError):
+        cost.predict(g, A100, par(pp=2), None, [(0, 2), (3, n)])
+    with pytest.raises(PartcError):
+        cost.predict(g, A100, par(pp=2), None, [(0, 2), (2, n - 1)])

@@ -1,0 +1,112 @@
+"""passes.stages.partition_stages against brute force over every contiguous split."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time as clock
+
+from partc.passes.stages import partition_stages
+
+
+def brute_force(time, cut, static, act, p, in_flight, limit, extra, a, z):
+    """All feasible splits as (max time, sum of squares, ends, bounds, stage times, stage memory), best first."""
+    n = len(time)
+    found = []
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        ends = list(cuts) + [n]
+        bounds = list(zip([0] + list(cuts), ends))
+        if bounds[0][1] < a or bounds[-1][0] > n - z:
+            continue
+        times, mems = [], []
+        for k, (s, e) in enumerate(bounds):
+            times.append(sum(time[s:e]) + (cut[s - 1] if s > 0 else 0) + (cut[e - 1] if e < n else 0))
+            mems.append(sum(static[s:e]) + in_flight[k] * sum(act[s:e]) + extra[k])
+        if all(m <= limit for m in mems):
+            found.append((max(times), sum(t * t for t in times), ends, bounds, times, mems))
+    return sorted(found, key=lambda f: f[:3])
+
+
+def test_random_small_instances_match_brute_force():
+    rng = random.Random(0)
+    checked = infeasible = 0
+    for _ in range(1500):
+        n, p = rng.randint(1, 8), rng.randint(1, 4)
+        time = [rng.randint(0, 9) for _ in range(n)]  # integers: sums are exact, so ties are exact too
+        cut = [rng.choice([0, 0, 1, 3]) for _ in range(n - 1)]
+        static = [rng.randint(0, 5) for _ in range(n)]
+        act = [rng.randint(0, 4) for _ in range(n)]
+        in_flight = [p - k for k in range(p)] if rng.random() < 0.6 else [rng.randint(0, 4) for _ in range(p)]
+        extra = [rng.randint(0, 6) for _ in range(p)] if rng.random() < 0.5 else None
+        limit = rng.randint(4, 40)
+        a, z = rng.randint(0, min(2, n)), rng.randint(0, min(2, n))
+        got = partition_stages(time, cut, static, act, num_stages=p, in_flight=in_flight, mem_limit=limit,
+                               extra_mem=extra, first_required=a, last_required=z)
+        want = brute_force(time, cut, static, act, p, in_flight, limit, extra or [0] * p, a, z)
+        if not want:
+            assert got is None, (time, cut, p)
+            infeasible += 1
+            continue
+        best = want[0]
+        assert got is not None
+        assert got.max_time == best[0]
+        assert got.bounds == best[3]  # the tie-break: min sum of squares, then the earliest ends
+        assert got.stage_times == best[4] and got.stage_mem == best[5]
+        checked += 1
+    assert checked > 500 and infeasible > 100  # both branches are exercised
+
+
+def test_required_ends_and_cut_costs():
+    time = [1.0] * 6
+    # Without requirements three stages of two units are best.
+    free = partition_stages(time, [0.0] * 5, [0] * 6, [0] * 6, num_stages=3, in_flight=[3, 2, 1], mem_limit=1)
+    assert free.bounds == [(0, 2), (2, 4), (4, 6)] and free.max_time == 2.0
+    # The first three units on stage 0 and the last two on stage 2 leave one unit for the middle stage.
+    req = partition_stages(time, [0.0] * 5, [0] * 6, [0] * 6, num_stages=3, in_flight=[3, 2, 1], mem_limit=1,
+                           first_required=3, last_required=2)
+    assert req.bounds == [(0, 3), (3, 4), (4, 6)] and req.max_time == 3.0
+    # A boundary is paid by both neighbours: a cheap cut after unit 2 beats the balanced cuts.
+    cut = [5.0, 5.0, 0.0, 5.0, 5.0]
+    two = partition_stages(time, cut, [0] * 6, [0] * 6, num_stages=2, in_flight=[2, 1], mem_limit=1)
+    assert two.bounds == [(0, 3), (3, 6)] and two.stage_times == [3.0, 3.0]
+    cut = [0.0, 5.0, 5.0, 5.0, 0.0]
+    two = partition_stages(time, cut, [0] * 6, [0] * 6, num_stages=2, in_flight=[2, 1], mem_limit=1)
+    # Cutting after unit 0 or unit 4 ties (times 1 + 5); the earliest boundary wins.
+    assert two.bounds == [(0, 1), (1, 6)] and two.stage_times == [1.0, 5.0]
+
+
+def test_balanced_tie_break():
+    # Several splits reach max time 4; the most balanced one (4, 3, 3) wins over (4, 4, 2) or (2, 4, 4).
+    got = partition_stages([1.0] * 10, [0.0] * 9, [0] * 10, [0] * 10, num_stages=3, in_flight=[1, 1, 1],
+                           mem_limit=0)
+    assert got.max_time == 4.0 and got.bounds == [(0, 3), (3, 6), (6, 10)]
+
+
+def test_infeasible_cases():
+    args = dict(cut_time=[0.0, 0.0], static_mem=[1, 1, 1], act_mem=[1, 1, 1])
+    assert partition_stages([1.0] * 3, num_stages=4, in_flight=[1] * 4, mem_limit=100, **args) is None
+    assert partition_stages([1.0] * 3, num_stages=3, in_flight=[3, 2, 1], mem_limit=3, **args) is None  # 1 + 3*1
+    assert partition_stages([1.0] * 3, num_stages=3, in_flight=[3, 2, 1], mem_limit=4, **args) is not None
+    assert partition_stages([1.0] * 3, num_stages=2, in_flight=[1, 1], mem_limit=100, first_required=2,
+                            last_required=2, **args) is None  # the required ends overlap
+    # Extra memory on stage 0 (say embedding gradients) pushes units right.
+    got = partition_stages([1.0] * 3, num_stages=2, in_flight=[1, 1], mem_limit=4, extra_mem=[2, 0], **args)
+    assert got.bounds == [(0, 1), (1, 3)] and got.stage_mem == [4.0, 4.0]
+
+
+def test_large_instance_runs():
+    rng = random.Random(1)
+    n, p = 130, 64
+    time = [rng.uniform(1e-3, 2e-3) for _ in range(n)]
+    cut = [rng.uniform(1e-5, 1e-4) for _ in range(n - 1)]
+    static = [rng.uniform(1e8, 1e9) for _ in range(n)]
+    act = [rng.uniform(1e7, 1e8) for _ in range(n)]
+    start = clock.perf_counter()
+    got = partition_stages(time, cut, static, act, num_stages=p, in_flight=[p - k for k in range(p)],
+                           mem_limit=80e9, first_required=1, last_required=2)
+    elapsed = clock.perf_counter() - start
+    assert got is not None and len(got.bounds) == p
+    assert got.bounds[0][0] == 0 and got.bounds[-1][1] == n
+    assert all(s < e for s, e in got.bounds) and all(b[1] == c[0] for b, c in zip(got.bounds, got.bounds[1:]))
+    assert got.max_time == max(got.stage_times)
+    print(f"n={n} p={p}: {elapsed * 1e3:.1f} ms")  # not asserted; see -s
