@@ -26,6 +26,10 @@ from partc.passes.stages import partition_stages
 from partc.passes.tp import TPSolution, solve_tp
 
 
+MAX_VIRTUAL_STAGES = 8
+"""Interleaved 1F1B tries v = 2 .. 8 model chunks a rank (Megatron-LM's runs use 2-4)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class Pins:
     """Choices fixed by the user (None: searched)."""
@@ -122,7 +126,7 @@ def _configs(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch: int, 
                             if schedule == "interleaved-1f1b":
                                 if pp < 2 or m % pp:
                                     continue
-                                vs = [v for v in range(2, n_units // pp + 1) if n_units >= pp * v]
+                                vs = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if n_units >= pp * v]
                                 if pins.virtual_stages is not None:
                                     vs = [v for v in vs if v == pins.virtual_stages]
                             for v in vs:
@@ -132,53 +136,78 @@ def _configs(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch: int, 
 
 
 class _Costs:
-    """Per-(tp, b, recompute) caches: the TP solve and unit times do not depend on the other choices."""
+    """Caches keyed by the choices each quantity depends on: the TP solve on (tp, b), unit times on
+    (tp, b, recompute), parameters on (tp, b), activations on (tp, b, recompute)."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, tp_pins: dict[str, str] | None):
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
-        self._tp: dict[tuple[int, int], TPSolution] = {}
-        self._times: dict[tuple, list[float]] = {}
+        self._cache: dict[tuple, object] = {}
+
+    def _get(self, key: tuple, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def tp(self, par: Parallel) -> TPSolution:
-        key = (par.tp, par.micro_batch_size)
-        if key not in self._tp:
-            self._tp[key] = solve_tp(self.graph, par.tp, self.cluster, par.micro_batch_size, self.tp_pins)
-        return self._tp[key]
+        return self._get(("tp", par.tp, par.micro_batch_size),
+                         lambda: solve_tp(self.graph, par.tp, self.cluster, par.micro_batch_size, self.tp_pins))
 
     def times(self, par: Parallel) -> list[float]:
-        key = (par.tp, par.micro_batch_size, par.recompute, cost.mesh_spans(self.cluster, par)["tp"])
-        if key not in self._times:
-            self._times[key] = cost.unit_times(self.graph, self.cluster, par, self.tp(par))
-        return self._times[key]
+        spans = cost.mesh_spans(self.cluster, par)["tp"]
+        return self._get(("times", par.tp, par.micro_batch_size, par.recompute, spans),
+                         lambda: cost.unit_times(self.graph, self.cluster, par, self.tp(par)))
 
+    def params(self, par: Parallel) -> list[int]:
+        return self._get(("params", par.tp, par.micro_batch_size),
+                         lambda: cost.unit_param_counts(self.graph, par, self.tp(par)))
 
-def lower_bound(times: list[float], par: Parallel) -> float:
-    p, v, m = par.pp, cost.chunks_per_rank(par), par.num_microbatches
-    return (m + (p - 1) / v) * sum(times) / p
+    def acts(self, par: Parallel) -> list[float]:
+        return self._get(("acts", par.tp, par.micro_batch_size, par.recompute),
+                         lambda: cost.unit_activation_bytes(self.graph, par, self.tp(par)))
 
+    def extra(self, par: Parallel) -> tuple[float, float]:
+        """Transient stage memory: (any stage, the last stage), bounded over all units."""
+        units = list(range(len(self.graph.units)))
+        return self._get(("extra", par.tp, par.micro_batch_size, par.recompute, par.zero >= 3 and par.dp > 1),
+                         lambda: (cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units),
+                                  cost.stage_extra_bytes(self.graph, par, self.tp(par), units)))
 
-def split_stages(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPSolution, times: list[float], *,
-                 mem_limit: float) -> list[tuple[int, int]] | None:
-    """Stage boundaries of least max time that fit `mem_limit` (None if none fits)."""
-    v = cost.chunks_per_rank(par)
-    chunks = par.pp * v
-    spans = cost.mesh_spans(cluster, par)["pp"]
-    cut_time = [cost._p2p_round_trip(cluster, par, c, spans) for c in graph.cut_bytes]
-    params = cost.unit_param_counts(graph, par, tp)
-    static = [cost.model_state_bytes(n, par).total for n in params]
-    acts = cost.unit_activation_bytes(graph, par, tp)
-    all_units = list(range(len(graph.units)))
-    extra_any = cost.stage_extra_bytes(graph, par, tp, all_units[:-1] or all_units)
-    extra_last = cost.stage_extra_bytes(graph, par, tp, all_units)
-    # Chunk k runs on rank k % p. With v chunks a rank, each chunk gets 1/v of the memory (checked exactly by
-    # `predict` afterwards).
-    in_flight = [cost.in_flight(par, k % par.pp) for k in range(chunks)]
-    extra = [extra_any] * (chunks - 1) + [extra_last]
-    part = partition_stages(times, cut_time, static, acts, num_stages=chunks, in_flight=in_flight,
-                            mem_limit=mem_limit / v, extra_mem=extra,
-                            first_required=len(graph.first_unit_required),
-                            last_required=len(graph.last_unit_required))
-    return None if part is None else [tuple(b) for b in part.bounds]
+    def cut_time(self, par: Parallel) -> list[float]:
+        spans = cost.mesh_spans(self.cluster, par)["pp"]
+        return self._get(("cut", par.pp > 1, par.micro_batch_size, spans),
+                         lambda: [cost._p2p_round_trip(self.cluster, par, c, spans) for c in self.graph.cut_bytes])
+
+    def lower_bound(self, par: Parallel) -> float:
+        """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
+        least 1/p of the parameters (for DP traffic and the optimizer); with p > 1 each chunk crosses at least
+        the cheapest boundary."""
+        p, v, m = par.pp, cost.chunks_per_rank(par), par.num_microbatches
+        per_rank = sum(self.times(par)) / p
+        cuts = self.cut_time(par)
+        if p > 1 and cuts:
+            per_rank += v * min(cuts)
+        params = sum(self.params(par)) / p
+        spans = cost.mesh_spans(self.cluster, par)["dp"]
+        return ((m + (p - 1) / v) * per_rank + cost.dp_comm_time(self.cluster, par, params, spans)
+                + cost.optimizer_time(self.cluster, par, params))
+
+    def split_stages(self, par: Parallel, *, mem_limit: float) -> list[tuple[int, int]] | None:
+        """Stage boundaries of least max time that fit `mem_limit` (None if none fits)."""
+        graph = self.graph
+        v = cost.chunks_per_rank(par)
+        chunks = par.pp * v
+        per_param = cost.model_state_bytes(1, par).total  # ZeRO model states are linear in the parameters
+        static = [per_param * n for n in self.params(par)]
+        extra_any, extra_last = self.extra(par)
+        # Chunk k runs on rank k % p. With v chunks a rank, each chunk gets 1/v of the memory (`predict` checks
+        # the rank's exact total afterwards).
+        in_flight = [cost.in_flight(par, k % par.pp) for k in range(chunks)]
+        part = partition_stages(self.times(par), self.cut_time(par), static, self.acts(par), num_stages=chunks,
+                                in_flight=in_flight, mem_limit=mem_limit / v,
+                                extra_mem=[extra_any] * (chunks - 1) + [extra_last],
+                                first_required=len(graph.first_unit_required),
+                                last_required=len(graph.last_unit_required))
+        return None if part is None else [tuple(b) for b in part.bounds]
 
 
 def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size: int, pins: Pins | None = None,
@@ -193,7 +222,7 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
         raise PartcError(f"no parallel configuration of {gpus} GPUs matches the pins and a global batch of "
                          f"{global_batch_size} (it must be divisible by dp x micro-batch size)")
     # Order by lower bound (ties: the order of enumeration, which is deterministic).
-    bounded = sorted(((lower_bound(costs.times(par), par), i, par) for i, par in enumerate(configs)),
+    bounded = sorted(((costs.lower_bound(par), i, par) for i, par in enumerate(configs)),
                      key=lambda x: (x[0], x[1]))
     best: list[tuple[float, int, Candidate]] = []  # max-heap by step time via negation
     evaluated = 0
@@ -202,12 +231,11 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
         if prune and len(best) >= keep and lb > -best[0][0]:
             break
         tp = costs.tp(par)
-        times = costs.times(par)
-        bounds = split_stages(graph, cluster, par, tp, times, mem_limit=mem_limit)
+        bounds = costs.split_stages(par, mem_limit=mem_limit)
         evaluated += 1
         if bounds is None:
             if not best:
-                loose = split_stages(graph, cluster, par, tp, times, mem_limit=math.inf)
+                loose = costs.split_stages(par, mem_limit=math.inf)
                 if loose is not None:
                     pred = cost.predict(graph, cluster, par, tp, loose)
                     total = pred.memory_per_gpu.total

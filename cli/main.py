@@ -1,0 +1,183 @@
+"""The `partc` command line.
+
+    partc compile examples/gpt3_175b.py --gpus 512
+
+Every user error prints one line (``error: ...``) and exits with code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from partc.cluster import PRESETS
+from partc.errors import PartcError
+from partc.parallel import RECOMPUTE, SCHEDULES
+
+GiB = 1024**3
+
+
+class _Group(click.Group):
+    """Turns `PartcError` into one line and exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except PartcError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="partc")
+def main():
+    """partc: plan and run DP x TP x PP x ZeRO training for an unmodified PyTorch model."""
+
+
+def _pos_int(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter("must be a positive integer")
+    return value
+
+
+@main.command("compile")
+@click.argument("model_file", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--gpus", type=int, required=True, help="Number of GPUs to plan for.")
+@click.option("--entry", default="model", show_default=True, help="Function in MODEL_FILE that returns the model.")
+@click.option("--cluster", default="a100-80g", show_default=True,
+              help=f"Preset ({', '.join(PRESETS)}) or a JSON file of cluster fields.")
+@click.option("--gpus-per-node", type=int, default=None, callback=_pos_int,
+              help="GPUs per node (default: the cluster's, 8).")
+@click.option("--global-batch-size", type=int, default=None, callback=_pos_int,
+              help="Samples per optimizer step (default: about 2M tokens, a multiple of --gpus).")
+@click.option("--seq-len", type=int, default=None, callback=_pos_int,
+              help="Tokens per sample for a Hugging Face model without example_inputs (default: min(1024, max "
+                   "positions)).")
+@click.option("--tp", type=int, default=None, callback=_pos_int, help="Pin the tensor-parallel degree.")
+@click.option("--pp", type=int, default=None, callback=_pos_int, help="Pin the pipeline-parallel degree.")
+@click.option("--dp", type=int, default=None, callback=_pos_int, help="Pin the data-parallel degree.")
+@click.option("--micro-batch-size", type=int, default=None, callback=_pos_int, help="Pin the micro-batch size.")
+@click.option("--zero", type=click.IntRange(0, 3), default=None, help="Pin the ZeRO stage (0-3).")
+@click.option("--recompute", type=click.Choice(RECOMPUTE), default=None, help="Pin activation recomputation.")
+@click.option("--schedule", type=click.Choice(SCHEDULES), default=None, help="Pin the pipeline schedule.")
+@click.option("--from-plan", "from_plan", type=str, default=None,
+              help="Skip the search: validate and re-predict this plan.json (it replaces the pins).")
+@click.option("-o", "--out", "out_dir", default="partc_out", show_default=True, help="Output directory.")
+@click.option("--dump-dir", default=None, help="Also write graph.txt and costs.json here.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+              help="json: print the plan JSON to stdout instead of the summary.")
+def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_size, seq_len, tp, pp, dp,
+                micro_batch_size, zero, recompute, schedule, from_plan, out_dir, dump_dir, fmt):
+    """Plan MODEL_FILE for --gpus GPUs: write OUT/plan.json and print why."""
+    from partc.compile import compile_model
+    from partc.passes.search import Pins
+
+    if gpus < 1:
+        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
+    pins = Pins(tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size, zero=zero, recompute=recompute,
+                schedule=schedule)
+    result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
+                           global_batch_size=global_batch_size, seq_len=seq_len, pins=pins, from_plan=from_plan,
+                           out_dir=out_dir, dump_dir=dump_dir)
+    if fmt == "json":
+        click.echo(result.plan.to_json(), nl=False)
+        return
+    print_summary(result, Path(out_dir) / "plan.json")
+
+
+def compress_modules(modules: list[str]) -> str:
+    """``blocks.0, blocks.1, blocks.2`` -> ``blocks.0-2``."""
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None
+    for m in modules:
+        match = re.fullmatch(r"(.*)\.(\d+)", m)
+        if match and run and run[0] == match.group(1) and run[2] + 1 == int(match.group(2)):
+            run = (run[0], run[1], int(match.group(2)))
+            continue
+        if run:
+            out.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+            run = None
+        if match:
+            run = (match.group(1), int(match.group(2)), int(match.group(2)))
+        else:
+            out.append(m)
+    if run:
+        out.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+    return ", ".join(out)
+
+
+def _par_text(p: dict) -> str:
+    text = f"dp={p['dp']} tp={p['tp']} pp={p['pp']} zero={p['zero']} mb={p['micro_batch_size']} " \
+           f"recompute={p['recompute']} {p['schedule']}"
+    if p.get("virtual_stages", 1) > 1:
+        text += f" v={p['virtual_stages']}"
+    return text
+
+
+def print_summary(result, plan_path: Path) -> None:
+    plan = result.plan.to_dict()
+    pred, par, model = plan["predicted"], plan["parallel"], plan["model"]
+    console = Console(highlight=False, width=max(Console().width, 100))
+    console.print(f"[bold]{model['name']}[/]: {model['num_params'] / 1e9:.2f}B parameters, {model['num_units']} units; "
+                  f"{par['dp'] * par['tp'] * par['pp']} x {result.plan.cluster['gpu']}")
+    t = Table(title="Plan", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("parallel", f"dp={par['dp']}  tp={par['tp']}  pp={par['pp']}  zero={par['zero']}")
+    t.add_row("batch", f"global {par['global_batch_size']} = dp {par['dp']} x micro-batch {par['micro_batch_size']} "
+                       f"x {par['num_microbatches']} micro-batches")
+    sched = par["schedule"] + (f" (v={par['virtual_stages']})" if par["virtual_stages"] > 1 else "")
+    t.add_row("schedule", f"{sched}, recompute {par['recompute']}")
+    t.add_row("step time", f"{pred['step_time_s']:.3f} s")
+    t.add_row("throughput", f"{pred['tokens_per_s']:,.0f} tokens/s")
+    t.add_row("model TFLOP/s per GPU", f"{pred['model_tflops_per_gpu']:.1f}  (MFU {pred['mfu'] * 100:.1f}%)")
+    t.add_row("pipeline bubble", f"{pred['bubble_fraction'] * 100:.1f}%")
+    b = pred["breakdown_s"]
+    t.add_row("step breakdown", "  ".join(f"{k} {v:.3f}s" for k, v in b.items()))
+    mem = pred["memory_per_gpu"]
+    usable = (result.plan.cluster["memory_bytes"] - result.plan.cluster["memory_reserve_bytes"]) / GiB
+    t.add_row("memory (most loaded GPU)",
+              f"params {mem['params'] / GiB:.1f} + grads {mem['grads'] / GiB:.1f} + optimizer "
+              f"{mem['optimizer'] / GiB:.1f} + activations {mem['activations'] / GiB:.1f} = "
+              f"{mem['total'] / GiB:.1f} GiB of {usable:.1f} GiB usable")
+    console.print(t)
+
+    s = Table(title="Stages (per pipeline rank)", title_justify="left")
+    for col in ("rank", "modules", "time/micro-batch", "memory"):
+        s.add_column(col, justify="left" if col == "modules" else "right")
+    ranks: dict[int, list[str]] = {}
+    for st in plan["stages"]:
+        ranks.setdefault(st["rank"], []).extend(st["modules"])
+    for rank in pred_stages(result):
+        s.add_row(str(rank.index), compress_modules(ranks.get(rank.index, [])), f"{rank.time_s * 1e3:.1f} ms",
+                  f"{rank.memory.total / GiB:.1f} GiB")
+    console.print(s)
+
+    if plan["alternatives"]:
+        a = Table(title="Next best plans", title_justify="left")
+        for col in ("plan", "step time", "vs chosen", "memory"):
+            a.add_column(col, justify="left" if col == "plan" else "right")
+        for alt in plan["alternatives"]:
+            a.add_row(_par_text(alt["parallel"]), f"{alt['step_time_s']:.3f} s",
+                      f"+{(alt['step_time_s'] / pred['step_time_s'] - 1) * 100:.1f}%",
+                      f"{alt['memory_bytes'] / GiB:.1f} GiB")
+        console.print(a)
+    timings = result.timings
+    searched = ""
+    if result.search is not None:
+        searched = f"; {result.search.considered} plans considered, {result.search.evaluated} evaluated in full"
+    console.print(f"wrote {plan_path}  (trace {timings['trace']:.1f}s, passes {timings['passes']:.1f}s, solve "
+                  f"{timings['solve']:.1f}s{searched})")
+
+
+def pred_stages(result):
+    return result.best.prediction.stages
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
