@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
+# Dropout off, so a sharded run can be compared with one process exactly.
 CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128,
-                    bos_token_id=511, eos_token_id=511)
+                    bos_token_id=511, eos_token_id=511, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 SEQ_LEN = 128
 
 

@@ -24,7 +24,8 @@ from partc.passes import cost
 from partc.passes.load import ModelSpec, build_on_meta, load_model_file
 from partc.passes.search import Candidate, Pins, SearchResult, search
 from partc.passes.tp import evaluate_tp
-from partc.passes.trace import Traced, trace
+from partc.passes.codegen import Program, generate, write_program
+from partc.passes.trace import Traced, export_on_meta, trace
 
 DEFAULT_BATCH_TOKENS = 2 * 1024 * 1024
 """Default global batch: the smallest multiple of the GPU count holding at least this many tokens (about 2M,
@@ -95,15 +96,31 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     plan = make_plan(graph, clus, best, result, path=path, entry=entry)
     if plan_in is not None:
         plan.alternatives = []
-    if out_dir is not None:
-        write_plan(plan, out_dir)
     if dump_dir is not None:
         dump(graph, clus, best, dump_dir)
+
+    # 5. The sharded program: the graph exported again at the micro-batch size, split by stages.
+    t_codegen = time.perf_counter()
+    if out_dir is not None:
+        program = make_program(spec, model, traced, plan, path=path, entry=entry)
+        write_program(program, out_dir)
+        write_plan(plan, out_dir)
     t_end = time.perf_counter()
     timings = {"trace": traced.trace_s, "passes": traced.measure_s, "solve": t_solve - t_trace,
-               "total": t_end - t0}
+               "codegen": t_end - t_codegen, "total": t_end - t0}
     return CompileResult(plan=plan, best=best, graph=graph, spec=spec, traced=traced, search=result,
                          timings=timings)
+
+
+def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,
+                 entry: str) -> Program:
+    b = plan.parallel.micro_batch_size
+    ep = traced.exported
+    if b != 1:
+        with torch.device("meta"):
+            args, kwargs = spec.inputs(b)
+        ep = export_on_meta(model, args, kwargs, path=path)
+    return generate(ep, model, plan, model_path=spec.path, entry=entry)
 
 
 def _no_fit_message(clus: Cluster, result: SearchResult) -> str:

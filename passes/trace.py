@@ -33,6 +33,10 @@ aten = torch.ops.aten
 
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.RMSNorm)
 
+# Ops that return an alias of their input without moving data but are not flagged `is_view` (matmul's and
+# reshape's decompositions emit `_unsafe_view` of every GEMM output): they cost no memory traffic.
+ALIAS_OPS = (aten._unsafe_view,)
+
 
 # ----------------------------------------------------------------------------------------------- 1. export
 
@@ -143,7 +147,7 @@ class _Recorder(TorchDispatchMode):
             st.gemms.append(Gemm(batch=a.shape[0], m=a.shape[1], n=b.shape[2], k=a.shape[2], batch_scales=True))
         elif packet in flop_registry:
             st.conv_flops += float(flop_registry[packet](*args, **kwargs, out_val=out))
-        elif not func.is_view:
+        elif not func.is_view and packet not in ALIAS_OPS:
             tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
             outs = out if isinstance(out, (tuple, list)) else [out]
             tensors += [x for x in outs if isinstance(x, torch.Tensor)]
@@ -274,11 +278,30 @@ def _owner(fqn: str, names: list[str]) -> str | None:
     return best
 
 
-def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[torch.fx.Node, NodeStats], *,
-                name: str, seq_len: int | None) -> ModelGraph:
+@dataclass(kw_only=True, slots=True)
+class Assignment:
+    """Which layer and unit every call_function node of an exported graph belongs to."""
+
+    nodes: list[torch.fx.Node]
+    layer_mods: dict[str, nn.Module]
+    """Modules owning parameters directly (the layers), by FQN."""
+    node_layer: dict[torch.fx.Node, str]
+    node_unit: dict[torch.fx.Node, str | None]
+    """None only for ops after every unit that feed the model output alone."""
+    unit_names: list[str]
+    """Units in execution order."""
+    unit_kind: dict[str, str]
+    ordered_layers: list[str]
+    by_id: dict[int, list[str]]
+    """id(parameter) -> every FQN it goes by (tied parameters have several)."""
+
+
+def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
+    """Attribute nodes to layers (deepest weight-bearing module on the node's ``nn_module_stack``) and units
+    (the stage units of `_units_of`); glue outside every unit (position ids, masks) goes with the first unit
+    that uses it."""
     graph = ep.graph
     nodes = [n for n in graph.nodes if n.op == "call_function"]
-
     # Parameters: owners, ties (one tensor under several names).
     by_id: dict[int, list[str]] = defaultdict(list)
     for pname, p in model.named_parameters(remove_duplicate=False):
@@ -322,9 +345,24 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
             layer_first.setdefault(node_layer[n], i)
     big = len(nodes) + 1
     unit_names = sorted(unit_names, key=lambda u: (first_seen.get(u, big), unit_names.index(u)))
-    unit_index = {u: i for i, u in enumerate(unit_names)}
     unit_kind = dict(unit_list)
     ordered_layers = sorted(layer_names, key=lambda m: (layer_first.get(m, big), layer_names.index(m)))
+
+    return Assignment(nodes=nodes, layer_mods=layer_mods, node_layer=node_layer, node_unit=node_unit,
+                      unit_names=unit_names, unit_kind=dict(unit_list), ordered_layers=ordered_layers, by_id=by_id)
+
+
+def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[torch.fx.Node, NodeStats], *,
+                name: str, seq_len: int | None) -> ModelGraph:
+    graph = ep.graph
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+
+    a = assign(ep, model)
+    nodes, layer_mods, node_layer, node_unit = a.nodes, a.layer_mods, a.node_layer, a.node_unit
+    unit_names, unit_kind, ordered_layers, by_id = a.unit_names, a.unit_kind, a.ordered_layers, a.by_id
+    unit_list = list(unit_kind.items())
+    unit_index = {u: i for i, u in enumerate(unit_names)}
+    big = len(nodes) + 1
 
     # Tied parameters: the canonical name is the first owner in execution order.
     def param_rank(pname: str) -> int:
