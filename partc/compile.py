@@ -116,11 +116,11 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
                  entry: str) -> Program:
     b = plan.parallel.micro_batch_size
     ep = traced.exported
-    if b != 1:
+    if b != 1 or plan.parallel.tp > 1:  # a fresh graph: codegen rewrites it in place for TP
         with torch.device("meta"):
             args, kwargs = spec.inputs(b)
         ep = export_on_meta(model, args, kwargs, path=path)
-    return generate(ep, model, plan, model_path=spec.path, entry=entry)
+    return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers)
 
 
 def _no_fit_message(clus: Cluster, result: SearchResult) -> str:

@@ -29,8 +29,11 @@ import torch.fx
 from torch.export.graph_signature import InputKind
 
 from partc.errors import PartcError
+from partc.ir import Layer
 from partc.plan import Plan
+from partc.passes import tp_rewrite
 from partc.passes.trace import assign
+from partc.runtime import collectives
 
 SKIPPED = {torch.ops.aten._assert_tensor_metadata.default}
 """Ops that only check metadata at trace time (and name the meta device): not emitted."""
@@ -130,6 +133,9 @@ class _Emitter:
             fn = f"{'aten' if ns == 'aten' else f'torch.ops.{ns}'}.{packet}.{t._overloadname}"
         elif isinstance(t, torch._ops.OpOverloadPacket):
             fn = f"torch.ops.{t._qualified_op_name.replace('::', '.')}"
+        elif getattr(t, "__module__", None) == collectives.__name__:
+            fn = f"tp.{t.__name__}"
+            self.needs.add("tp")
         elif getattr(t, "__module__", None) == "_operator" or t in vars(operator).values():
             fn = f"operator.{t.__name__}"
             self.needs.add("operator")
@@ -175,9 +181,18 @@ def _structure_expr(spec, names: list[str]) -> tuple[str, set[str]]:
 
 
 def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Plan, *, model_path: str,
-             entry: str) -> Program:
-    """Split the exported graph by the plan's stages and write each as Python."""
+             entry: str, layers: dict[str, Layer]) -> Program:
+    """Rewrite the exported graph for the plan's TP styles (in place), split it by the plan's stages and write
+    each stage as Python."""
     a = assign(ep, model)
+    aliases: dict[str, list[str]] = {}
+    for names_ in a.by_id.values():
+        for n in names_:
+            aliases[n] = names_
+    t = plan.parallel.tp
+    rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, t, aliases)
+    if t > 1:
+        a = assign(ep, model)
     sig = ep.graph_signature
     stage_of_unit: dict[str, int] = {}
     for st in plan.stages:
@@ -206,10 +221,6 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
             if isinstance(node.meta.get("val"), torch.Tensor):
                 user_inputs.append(node)
     # Tied parameters: a stage names a parameter by the alias its own modules own.
-    aliases: dict[str, list[str]] = {}
-    for names in a.by_id.values():
-        for n in names:
-            aliases[n] = names
 
     def stage_of(node: torch.fx.Node) -> int:
         u = a.node_unit.get(node)
@@ -283,6 +294,8 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
             if comment != prev_comment:
                 lines.append(f"    {comment}")
                 prev_comment = comment
+            if "partc_why" in n.meta:
+                lines.append(f"    # TP: {n.meta['partc_why']}")
             lines.append(f"    {names[n]} = {em.call(n)}")
         ret = ", ".join(names[x] for x in sends)
         lines.append(f"    return ({ret},)" if len(sends) == 1 else f"    return ({ret})")
@@ -306,7 +319,12 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     user_input_names = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     for node in user_inputs:
         input_keys.append(flat_keys[user_input_names.index(node.name)])
+    shards = {}
+    for fqn, sh in rw.shards.items():
+        for alias in aliases.get(fqn, [fqn]):
+            shards[alias] = {"dim": sh.dim, "fused": sh.fused}
     manifest = {
+        "tp": {"degree": t, "shards": shards},
         "model_path": model_path, "entry": entry, "micro_batch_size": plan.parallel.micro_batch_size,
         "num_stages": len(plan.stages),
         "stages": [{"index": s.index, "file": f"stage_{s.index}.py", "rank": s.index % plan.parallel.pp}
@@ -341,7 +359,9 @@ def _render(code: StageCode, plan: Plan, lines: list[str], needs: set[str], extr
         '"""',
         "",
     ]
-    imports = ["import torch"] + [f"import {m}" for m in sorted(needs)] + sorted(extra_imports)
+    imports = ["import torch"] + [f"import {m}" for m in sorted(needs - {"tp"})] + sorted(extra_imports)
+    if "tp" in needs:
+        imports.append("from partc.runtime import collectives as tp")
     body = [
         *imports,
         "",

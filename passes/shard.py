@@ -148,7 +148,7 @@ class ShardAnalysis:
                 continue
             if layer is not None or node in seeds:
                 continue  # ops inside the source layer itself (e.g. Conv1D's view around addmm)
-            out_dim, groups, fused, why = self._rule(node, ins)
+            out_dim, groups, fused, why = shard_rule(node, self.dims, ins)
             for s in srcs:
                 r = self.regions[s]
                 r.nodes.add(node)
@@ -176,113 +176,115 @@ class ShardAnalysis:
                                 r.valid = False
                                 r.reason = f"{a.name} reaches the model output"
 
-    def _rule(self, node: Node, ins: list[Node]):
-        """(out dim, groups, fused, why-not) for one op with split inputs `ins`."""
-        t = node.target
-        x = ins[0]
-        dim = self.dims[x]
-        in_shape, out_shape = _shape(x), _shape(node)
-        if t is operator.getitem:
-            idx = node.args[1]
-            if isinstance(dim, tuple) and isinstance(idx, int) and idx < len(dim):
-                return dim[idx], 0, 1, ""  # one piece of a split / dropout
-            return None, 0, 1, "getitem of an unsupported value"
-        if not isinstance(dim, int) or in_shape is None:
-            return None, 0, 1, "unsupported input"
-        if t in _SPLITS:
-            split_dim = _norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(in_shape)) \
-                if t is not aten.unbind.int else _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
-            n = len(node.meta.get("val") or ())
-            if t is aten.unbind.int:
-                if split_dim == dim:
-                    return None, 0, 1, "unbind along the split dimension"
-                d = dim - (1 if split_dim < dim else 0)
-                return tuple([d] * n), 0, 1, ""
-            return tuple([dim] * n), 0, (n if split_dim == dim else 1), ""
-        if out_shape is None:
-            return None, 0, 1, "no output shape"
-        if torch.Tag.pointwise in getattr(t, "tags", ()) or t in _PASSTHROUGH:
-            out = dim + len(out_shape) - len(in_shape)
-            for a in ins[1:]:
-                sa = _shape(a)
-                if sa is not None and self.dims[a] + len(out_shape) - len(sa) != out:
-                    return None, 0, 1, "operands split on different dimensions"
-            return out, 0, 1, ""
-        if t is aten.native_dropout.default:
-            return (dim, dim), 0, 1, ""
-        if t in _VIEWS:
-            out, groups = view_dim_map(in_shape, out_shape, dim)
-            if out is None:
-                return None, 0, 1, f"view {list(in_shape)} -> {list(out_shape)} moves the split dimension"
-            g = groups if (groups is not None and len(out_shape) > len(in_shape) and groups != in_shape[dim]) else 0
-            return out, g, 1, ""
-        if t is aten.transpose.int:
-            a, b = (_norm_dim(d, len(in_shape)) for d in node.args[1:3])
-            return (b if dim == a else a if dim == b else dim), 0, 1, ""
-        if t is aten.t.default:
-            return 1 - dim, 0, 1, ""
-        if t is aten.permute.default:
-            perm = [_norm_dim(d, len(in_shape)) for d in node.args[1]]
-            return perm.index(dim), 0, 1, ""
-        if t is aten.unsqueeze.default:
-            d = _norm_dim(node.args[1], len(out_shape))
-            return (dim + 1 if d <= dim else dim), 0, 1, ""
-        if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-            out, groups = view_dim_map(in_shape, out_shape, dim)
-            return (out, 0, 1, "") if out is not None else (None, 0, 1, "squeeze of the split dimension")
-        if t is aten.expand.default:
-            out = dim + len(out_shape) - len(in_shape)
-            if in_shape[dim] != out_shape[out]:
-                return None, 0, 1, "expand of the split dimension"
-            return out, 0, 1, ""
-        if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default):
-            d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
-            if d == dim and not (t is aten.slice.Tensor and out_shape[d] == in_shape[d]):
-                return None, 0, 1, "slice of the split dimension"
-            return (dim - 1 if t is aten.select.int and d < dim else dim), 0, 1, ""
-        if t is aten.cat.default:
-            d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
-            if d == dim or any(a not in self.dims for a in node.args[0]):
-                return None, 0, 1, "cat with unsplit operands or along the split dimension"
-            return dim, 0, 1, ""
-        if t in (aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor):
-            d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
-            if d is None:
-                return None, 0, 1, "repeat_interleave over a flattened tensor"
-            return dim, 0, 1, ""
-        if t in _SOFTMAX:
-            if _norm_dim(node.args[1], len(in_shape)) == dim:
-                return None, 0, 1, "softmax over the split dimension"
-            return dim, 0, 1, ""
-        if t in _REDUCE:
-            dims = node.args[1] if len(node.args) > 1 else None
-            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-            dims = [_norm_dim(d, len(in_shape)) for d in (dims if isinstance(dims, (list, tuple)) else [dims])] \
-                if dims is not None else list(range(len(in_shape)))
-            if dim in dims:
-                return None, 0, 1, "reduction over the split dimension"
-            return (dim if keep else dim - sum(1 for d in dims if d < dim)), 0, 1, ""
-        if t in _MATMUL or t in _SDPA:
-            return self._batched(node, t)
-        return None, 0, 1, "op not known to be per-shard"
 
-    def _batched(self, node: Node, t):
-        """matmul / bmm / attention: the split must be a batch dim shared by the operands."""
-        operands = node.args[:3] if t in _SDPA else node.args[:2]
-        out_shape = _shape(node)
-        out_dims = set()
-        for a in operands:
+def shard_rule(node: Node, dims: dict, ins: list[Node]):
+    """(out dim, groups, fused, why-not) for one op whose inputs `ins` are split (their split dim in `dims`;
+    other inputs are whole). `why` is empty when the op is provably per-shard."""
+    t = node.target
+    x = ins[0]
+    dim = dims[x]
+    in_shape, out_shape = _shape(x), _shape(node)
+    if t is operator.getitem:
+        idx = node.args[1]
+        if isinstance(dim, tuple) and isinstance(idx, int) and idx < len(dim):
+            return dim[idx], 0, 1, ""  # one piece of a split / dropout
+        return None, 0, 1, "getitem of an unsupported value"
+    if not isinstance(dim, int) or in_shape is None:
+        return None, 0, 1, "unsupported input"
+    if t in _SPLITS:
+        split_dim = _norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(in_shape)) \
+            if t is not aten.unbind.int else _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
+        n = len(node.meta.get("val") or ())
+        if t is aten.unbind.int:
+            if split_dim == dim:
+                return None, 0, 1, "unbind along the split dimension"
+            d = dim - (1 if split_dim < dim else 0)
+            return tuple([d] * n), 0, 1, ""
+        return tuple([dim] * n), 0, (n if split_dim == dim else 1), ""
+    if out_shape is None:
+        return None, 0, 1, "no output shape"
+    if torch.Tag.pointwise in getattr(t, "tags", ()) or t in _PASSTHROUGH:
+        out = dim + len(out_shape) - len(in_shape)
+        for a in ins[1:]:
             sa = _shape(a)
-            if sa is None:
-                continue
-            if a not in self.dims:
-                continue
-            d = self.dims[a]
-            if not isinstance(d, int) or d >= len(sa) - 2:
-                return None, 0, 1, "contraction or matrix dimension split"
-            out_dims.add(d + len(out_shape) - len(sa))
-        if len(out_dims) != 1:
-            return None, 0, 1, "operands split on different dimensions"
-        out = out_dims.pop()
-        # An unsplit operand (a replicated K/V, a mask) is sliced to the local part by each rank: valid.
+            if sa is not None and dims[a] + len(out_shape) - len(sa) != out:
+                return None, 0, 1, "operands split on different dimensions"
         return out, 0, 1, ""
+    if t is aten.native_dropout.default:
+        return (dim, dim), 0, 1, ""
+    if t in _VIEWS:
+        out, groups = view_dim_map(in_shape, out_shape, dim)
+        if out is None:
+            return None, 0, 1, f"view {list(in_shape)} -> {list(out_shape)} moves the split dimension"
+        g = groups if (groups is not None and len(out_shape) > len(in_shape) and groups != in_shape[dim]) else 0
+        return out, g, 1, ""
+    if t is aten.transpose.int:
+        a, b = (_norm_dim(d, len(in_shape)) for d in node.args[1:3])
+        return (b if dim == a else a if dim == b else dim), 0, 1, ""
+    if t is aten.t.default:
+        return 1 - dim, 0, 1, ""
+    if t is aten.permute.default:
+        perm = [_norm_dim(d, len(in_shape)) for d in node.args[1]]
+        return perm.index(dim), 0, 1, ""
+    if t is aten.unsqueeze.default:
+        d = _norm_dim(node.args[1], len(out_shape))
+        return (dim + 1 if d <= dim else dim), 0, 1, ""
+    if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+        out, groups = view_dim_map(in_shape, out_shape, dim)
+        return (out, 0, 1, "") if out is not None else (None, 0, 1, "squeeze of the split dimension")
+    if t is aten.expand.default:
+        out = dim + len(out_shape) - len(in_shape)
+        if in_shape[dim] != out_shape[out]:
+            return None, 0, 1, "expand of the split dimension"
+        return out, 0, 1, ""
+    if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default):
+        d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
+        if d == dim and not (t is aten.slice.Tensor and out_shape[d] == in_shape[d]):
+            return None, 0, 1, "slice of the split dimension"
+        return (dim - 1 if t is aten.select.int and d < dim else dim), 0, 1, ""
+    if t is aten.cat.default:
+        d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
+        if d == dim or any(a not in dims for a in node.args[0]):
+            return None, 0, 1, "cat with unsplit operands or along the split dimension"
+        return dim, 0, 1, ""
+    if t in (aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor):
+        d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if d is None:
+            return None, 0, 1, "repeat_interleave over a flattened tensor"
+        return dim, 0, 1, ""
+    if t in _SOFTMAX:
+        if _norm_dim(node.args[1], len(in_shape)) == dim:
+            return None, 0, 1, "softmax over the split dimension"
+        return dim, 0, 1, ""
+    if t in _REDUCE:
+        dims = node.args[1] if len(node.args) > 1 else None
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        dims = [_norm_dim(d, len(in_shape)) for d in (dims if isinstance(dims, (list, tuple)) else [dims])] \
+            if dims is not None else list(range(len(in_shape)))
+        if dim in dims:
+            return None, 0, 1, "reduction over the split dimension"
+        return (dim if keep else dim - sum(1 for d in dims if d < dim)), 0, 1, ""
+    if t in _MATMUL or t in _SDPA:
+        return _batched(node, dims, t)
+    return None, 0, 1, "op not known to be per-shard"
+
+def _batched(node: Node, dims: dict, t):
+    """matmul / bmm / attention: the split must be a batch dim shared by the operands."""
+    operands = node.args[:3] if t in _SDPA else node.args[:2]
+    out_shape = _shape(node)
+    out_dims = set()
+    for a in operands:
+        sa = _shape(a)
+        if sa is None:
+            continue
+        if a not in dims:
+            continue
+        d = dims[a]
+        if not isinstance(d, int) or d >= len(sa) - 2:
+            return None, 0, 1, "contraction or matrix dimension split"
+        out_dims.add(d + len(out_shape) - len(sa))
+    if len(out_dims) != 1:
+        return None, 0, 1, "operands split on different dimensions"
+    out = out_dims.pop()
+    # An unsplit operand (a replicated K/V, a mask) is sliced to the local part by each rank: valid.
+    return out, 0, 1, ""

@@ -1,0 +1,382 @@
+"""Rewrite an exported graph for tensor parallelism: local weight shards, local shapes, explicit collectives.
+
+Every value is in one of three states on a TP rank: R (whole, the same on every rank), S(d) (split along dim d,
+each rank its part; stored as the int d), or P (partial sums, rowwise outputs only, reduced at once). The plan's `tp` map fixes each
+layer's style (Megatron-LM, Shoeybi et al. 2019):
+
+    colwise   Linear weight [out, in] split on out (HF Conv1D [in, out] on out); input R through `copy_to_tp`
+              (identity forward, all-reduce backward); output S(last). A fused projection (GPT-2's c_attn) is split
+              per piece, so every rank gets its own heads of q, of k and of v.
+    rowwise   weight split on in; input S(last); output P, then `reduce_from_tp` (all-reduce forward, identity
+              backward) and the bias added once.
+    Embedding rowwise: vocabulary rows split, masked lookup then `reduce_from_tp`; colwise: embedding dim split.
+    replicate whole weights, R inputs and outputs.
+
+Between layers each op keeps a split when `passes.shard.shard_rule` proves it per-shard (elementwise, views that
+split features into heads, transposes, attention over heads, softmax over another dim): its size arguments are
+rewritten to the local shape (``view(x, [b, s, 96, 128])`` -> ``[b, s, 96/t, 128]``), whole operands are sliced to
+the local part (`scatter_to_tp`), and every op is re-run on meta tensors to check the local shape. An op that
+is not provably per-shard gets its inputs gathered (`gather_from_tp`); a local shape that does not come out as
+expected fails the compile with the op and its module named.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind
+from torch.fx import Node
+
+from partc.errors import PartcError
+from partc.ir import Layer
+from partc.passes.shard import _VIEWS, shard_rule
+from partc.runtime import collectives as C
+
+aten = torch.ops.aten
+R, P = "R", "P"
+
+
+@dataclass(kw_only=True, slots=True)
+class Shard:
+    """How a parameter is split over the tp axis: `dim`, in `fused` pieces each split separately."""
+
+    dim: int
+    fused: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class Rewrite:
+    shards: dict[str, Shard] = field(default_factory=dict)
+    """Parameter FQN (the exported name) -> its split; parameters not listed are whole."""
+    collectives: list[tuple[str, str]] = field(default_factory=list)
+    """(collective, why) in graph order."""
+
+
+def shard_tensor(full: torch.Tensor, shard: Shard, rank: int, degree: int) -> torch.Tensor:
+    """This rank's part of a whole parameter (fused pieces split one by one)."""
+    pieces = full.chunk(shard.fused, dim=shard.dim)
+    return torch.cat([p.chunk(degree, dim=shard.dim)[rank] for p in pieces], dim=shard.dim)
+
+
+def unshard_tensor(parts: list[torch.Tensor], shard: Shard) -> torch.Tensor:
+    """The whole parameter from every rank's part (inverse of `shard_tensor`)."""
+    split = [p.chunk(shard.fused, dim=shard.dim) for p in parts]
+    return torch.cat([torch.cat([s[i] for s in split], dim=shard.dim) for i in range(shard.fused)], dim=shard.dim)
+
+
+def _local_shape(shape, dim: int, t: int, what: str) -> list[int]:
+    shape = list(shape)
+    if shape[dim] % t:
+        raise PartcError(f"tensor parallelism: {what} has size {shape[dim]} along the split dimension, not "
+                         f"divisible by tp={t}")
+    shape[dim] //= t
+    return shape
+
+
+class _Multi(tuple):
+    """Per-output split dims of a multi-output op (split, native_dropout)."""
+
+
+class _Rewriter:
+    def __init__(self, ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
+                 styles: dict[str, str], t: int, aliases: dict[str, list[str]]):
+        self.ep, self.graph, self.aliases = ep, ep.graph, aliases
+        self.node_layer, self.layers, self.styles, self.t = node_layer, layers, styles, t
+        self.state: dict[Node, object] = {}
+        self.val: dict[Node, torch.Tensor] = {}
+        self.memo: dict[tuple, Node] = {}
+        self.result = Rewrite()
+        self.param_of = {}
+        placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+        for spec in ep.graph_signature.input_specs:
+            if spec.kind == InputKind.PARAMETER:
+                self.param_of[placeholders[spec.arg.name]] = spec.target
+
+    # ------------------------------------------------------------------ helpers
+    def _insert(self, after: Node, fn, args: tuple, why: str, anchor: Node, local: torch.Tensor, state) -> Node:
+        with self.graph.inserting_after(after):
+            node = self.graph.call_function(fn, args)
+        node.meta = {k: anchor.meta[k] for k in ("nn_module_stack", "stack_trace") if k in anchor.meta}
+        node.meta["val"] = local
+        node.meta["partc_why"] = why
+        self.val[node] = local
+        self.state[node] = state
+        if fn.__module__ == C.__name__:
+            self.result.collectives.append((fn.__name__, why))
+        return node
+
+    def _where(self, x: Node) -> str:
+        layer = self.node_layer.get(x)
+        return layer or x.name
+
+    def need(self, x: Node, want, user: Node) -> Node:
+        """`x` converted to state `want` (R or a split dim), inserted once per (value, state)."""
+        have = self.state.get(x, R)
+        if have == want or not isinstance(self.val.get(x), torch.Tensor):
+            return x
+        key = (x, want)
+        if key in self.memo:
+            return self.memo[key]
+        v = self.val[x]
+        if want == R and isinstance(have, int):
+            d = have
+            local = torch.empty([s * (self.t if i == d else 1) for i, s in enumerate(v.shape)], dtype=v.dtype,
+                                device="meta")
+            node = self._insert(x, C.gather_from_tp, (x, d),
+                                f"{user.name} ({self._where(user)}) needs {x.name} whole: all-gather its split dim {d}",
+                                user, local, R)
+        elif isinstance(want, int) and have == R:
+            d = want
+            local = torch.empty(_local_shape(v.shape, d, self.t, x.name), dtype=v.dtype, device="meta")
+            node = self._insert(x, C.scatter_to_tp, (x, d),
+                                f"{self._where(user)} works on a split along dim {d}: keep this rank's part of "
+                                f"{x.name}", user, local, want)
+        elif isinstance(want, int) and isinstance(have, int):
+            gathered = self.need(x, R, user)
+            return self.need(gathered, want, user)
+        else:
+            raise AssertionError((have, want))
+        self.memo[key] = node
+        return node
+
+    def copy_to_tp(self, x: Node, user: Node) -> Node:
+        key = (x, "copy")
+        if key not in self.memo:
+            self.memo[key] = self._insert(
+                x, C.copy_to_tp, (x,),
+                f"input of colwise {self._where(user)}: identity forward, all-reduce of its gradient backward",
+                user, self.val[x], R)
+        return self.memo[key]
+
+    # ------------------------------------------------------------------ the pass
+    def run(self) -> Rewrite:
+        for node in list(self.graph.nodes):
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                outs = node.args[0]
+                new = [self.need(o, R, node) if isinstance(o, Node) else o for o in outs]
+                node.args = (type(outs)(new),)
+        self.graph.lint()
+        return self.result
+
+    def _placeholder(self, node: Node) -> None:
+        val = node.meta.get("val")
+        self.state[node] = R
+        if not isinstance(val, torch.Tensor):
+            return
+        self.val[node] = val
+        fqn = self.param_of.get(node)
+        if fqn is None:
+            return
+        # A tied parameter is one tensor: every layer holding it must split it the same way.
+        shards = {}
+        for alias in self.aliases.get(fqn, [fqn]):
+            layer = self.layers.get(alias.rsplit(".", 1)[0])
+            style = self.styles.get(layer.fqn, "replicate") if layer else "replicate"
+            shards[alias] = _param_shard(layer, alias, style) if layer else None
+        if len({(s.dim, s.fused) if s else None for s in shards.values()}) > 1:
+            desc = ", ".join(f"{a} {'whole' if s is None else f'split on dim {s.dim}'}" for a, s in shards.items())
+            raise PartcError(f"tensor parallelism: tied parameter split two ways ({desc}); give the layers "
+                             f"sharing it styles that split it alike")
+        shard = next(iter(shards.values()))
+        if shard is None:
+            return
+        self.result.shards[fqn] = shard
+        if shard.fused > 1 and val.shape[shard.dim] % (shard.fused * self.t):
+            raise PartcError(f"tensor parallelism: {fqn} has {val.shape[shard.dim]} rows in {shard.fused} fused "
+                             f"pieces, not divisible by tp={self.t}")
+        self.val[node] = torch.empty(_local_shape(val.shape, shard.dim, self.t, fqn), dtype=val.dtype,
+                                     device="meta")
+
+    def _weight_op(self, node: Node, layer: Layer) -> str | None:
+        """The op of a split layer that multiplies by its weight: 'linear', 'addmm', 'embedding' or None."""
+        name = f"{layer.fqn}.weight"
+        # A tied weight may reach the op through any of its names' placeholders.
+        weight = next((p for p, f in self.param_of.items() if name in self.aliases.get(f, [f])
+                       and p in node.all_input_nodes), None)
+        if weight is None:
+            return None
+        if node.target is aten.linear.default and node.args[1] is weight:
+            return "linear"
+        if node.target is aten.addmm.default and node.args[2] is weight:
+            return "addmm"
+        if node.target is aten.embedding.default and node.args[0] is weight:
+            return "embedding"
+        raise PartcError(f"tensor parallelism: {layer.fqn} uses its weight in {node.target}, which the rewrite does "
+                         f"not support; set tp[{layer.fqn!r}] to 'replicate'")
+
+    def _call(self, node: Node) -> None:
+        layer_name = self.node_layer.get(node)
+        layer = self.layers.get(layer_name) if layer_name else None
+        style = self.styles.get(layer_name, "replicate") if layer else "replicate"
+        if layer is not None and style != "replicate":
+            kind = self._weight_op(node, layer)
+            if kind is not None:
+                return self._split_layer(node, layer, style, kind)
+        if layer is not None and style == "replicate" and layer.kind != "other":
+            # A whole layer (norm, replicated Linear) takes whole inputs.
+            self._replace_inputs(node, {a: self.need(a, R, node) for a in node.all_input_nodes})
+            return self._run_local(node, R)
+        self._generic(node)
+
+    def _replace_inputs(self, node: Node, mapping: dict[Node, Node]) -> None:
+        for old, new in mapping.items():
+            if old is not new:
+                node.replace_input_with(old, new)
+
+    def _run_local(self, node: Node, state) -> None:
+        """Execute the op on meta tensors with local shapes to get (and check) its local output."""
+        def conv(a):
+            if isinstance(a, Node):
+                return self.val.get(a, a.meta.get("val"))
+            if isinstance(a, (list, tuple)):
+                return type(a)(conv(x) for x in a)
+            return a
+        args, kwargs = conv(node.args), {k: conv(v) for k, v in node.kwargs.items()}
+        if node.target is operator.getitem:
+            out = args[0][args[1]]
+        else:
+            try:
+                with torch.device("meta"):
+                    out = node.target(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any failure means the local program would be wrong
+                raise PartcError(f"tensor parallelism: {node.target} ({node.name}, in "
+                                 f"{self._where(node)}) fails on local shards: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:200]}") from None
+        self.val[node] = out
+        self.state[node] = state
+
+    def _generic(self, node: Node) -> None:
+        ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (int, _Multi))]
+        if not ins:
+            return self._run_local(node, R)
+        dims = {a: self.state[a] for a in ins}
+        out_dim, _groups, _fused, why = shard_rule(node, dims, ins)
+        if why or out_dim is None:
+            self._replace_inputs(node, {a: self.need(a, R, node) for a in ins})
+            return self._run_local(node, R)
+        glob = node.meta.get("val")
+        # Whole operands with the full split dimension: each rank takes its part.
+        if isinstance(glob, torch.Tensor) and isinstance(out_dim, int):
+            for a in node.all_input_nodes:
+                va = self.val.get(a)
+                if a in dims or not isinstance(va, torch.Tensor) or va.dim() == 0:
+                    continue
+                aligned = out_dim - (glob.dim() - va.dim())
+                if aligned >= 0 and va.shape[aligned] != 1 and va.shape[aligned] == glob.shape[out_dim]:
+                    node.replace_input_with(a, self.need(a, aligned, node))
+        if isinstance(out_dim, tuple):  # split / native_dropout: one split dim per output; getitem picks one
+            self._rewrite_sizes(node, None)
+            return self._run_local(node, _Multi(out_dim))
+        self._rewrite_sizes(node, out_dim)
+        self._run_local(node, out_dim)
+        if isinstance(glob, torch.Tensor):
+            want = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
+            if list(self.val[node].shape) != want:
+                raise PartcError(f"tensor parallelism: {node.target} ({node.name}, in {self._where(node)}) gives "
+                                 f"local shape {list(self.val[node].shape)}, expected {want}; the rewrite cannot "
+                                 f"prove it correct, so set the layers feeding it to 'replicate'")
+
+    def _rewrite_sizes(self, node: Node, out_dim) -> None:
+        glob = node.meta.get("val")
+        t = node.target
+        if t in _VIEWS or t is aten.expand.default:
+            sizes = list(node.args[1])
+            local = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
+            new = [-1 if s == -1 else local[i] for i, s in enumerate(sizes)]
+            node.args = (node.args[0], new, *node.args[2:])
+        elif t in (aten.split.Tensor, aten.split_with_sizes.default):
+            x = node.args[0]
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            dim = dim + x.meta["val"].dim() if dim < 0 else dim
+            if dim == self.state[x]:
+                size = node.args[1]
+                div = (lambda s: s // self.t) if isinstance(size, int) else None
+                new = div(size) if div else [s // self.t for s in size]
+                node.args = (x, new, *node.args[2:])
+
+    def _split_layer(self, node: Node, layer: Layer, style: str, kind: str) -> None:
+        t = self.t
+        if kind == "embedding":
+            weight, ids = node.args[0], node.args[1]
+            if style == "colwise":  # embedding dim split
+                return self._run_local(node, node.meta["val"].dim() - 1)
+            # rowwise: vocabulary split; masked lookup of this rank's rows, then sum over ranks.
+            with self.graph.inserting_after(node):
+                lookup = self.graph.call_function(C.masked_embedding, (weight, ids))
+            lookup.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+            lookup.meta["val"] = node.meta["val"]
+            lookup.meta["partc_why"] = f"{layer.fqn} holds vocabulary rows [rank*V/{t}, (rank+1)*V/{t}): other ids " \
+                                       f"give zeros"
+            node.replace_all_uses_with(lookup)
+            self.graph.erase_node(node)
+            self.val[lookup], self.state[lookup] = node.meta["val"], P
+            out = self._insert(lookup, C.reduce_from_tp, (lookup,),
+                               f"sum the vocabulary shards of rowwise {layer.fqn}", lookup, node.meta["val"], R)
+            lookup.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
+            return None
+        x = node.args[1] if kind == "addmm" else node.args[0]
+        if style == "colwise":
+            xr = self.need(x, R, node)
+            xc = self.copy_to_tp(xr, node)
+            node.replace_input_with(x, xc)
+            return self._run_local(node, node.meta["val"].dim() - 1)
+        # rowwise: the input split on its features; partial outputs summed, then the bias added once.
+        xs = self.need(x, x.meta["val"].dim() - 1, node)
+        if kind == "linear":
+            bias = node.args[2] if len(node.args) > 2 else None
+            node.args = (xs, node.args[1], None)
+        else:  # addmm(bias, x, w) -> mm(x, w)
+            bias = node.args[0]
+            node.target = aten.mm.default
+            node.args = (xs, node.args[2])
+        self._run_local(node, P)
+        users = list(node.users)
+        out = self._insert(node, C.reduce_from_tp, (node,),
+                           f"sum the partial outputs of rowwise {layer.fqn} (all-reduce forward, identity backward)",
+                           node, self.val[node], R)
+        final = out
+        if bias is not None:
+            with self.graph.inserting_after(out):
+                final = self.graph.call_function(aten.add.Tensor, (out, bias))
+            final.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+            final.meta["val"] = self.val[node]
+            final.meta["partc_why"] = f"bias of rowwise {layer.fqn}, added once after the sum"
+            self.val[final], self.state[final] = self.val[node], R
+        for u in users:
+            u.replace_input_with(node, final)
+        return None
+
+
+def _param_shard(layer: Layer, fqn: str, style: str) -> Shard | None:
+    name = fqn.rsplit(".", 1)[1]
+    conv1d = layer.type == "Conv1D"
+    fused = layer.fused if style == "colwise" else 1
+    if layer.kind == "embedding":
+        if name != "weight":
+            return None
+        return Shard(dim=0) if style == "rowwise" else Shard(dim=1) if style == "colwise" else None
+    if layer.kind != "linear" or style == "replicate":
+        return None
+    if name == "weight":
+        if style == "colwise":
+            return Shard(dim=1 if conv1d else 0, fused=fused)
+        return Shard(dim=0 if conv1d else 1)
+    if name == "bias" and style == "colwise":
+        return Shard(dim=0, fused=fused)
+    return None
+
+
+def rewrite(ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
+            styles: dict[str, str], t: int, aliases: dict[str, list[str]]) -> Rewrite:
+    """Rewrite `ep.graph` in place for TP degree `t`; returns the parameter splits and collectives.
+    `aliases` maps a parameter FQN to every FQN of the same (tied) tensor."""
+    if t == 1:
+        return Rewrite()
+    return _Rewriter(ep, node_layer, layers, styles, t, aliases).run()

@@ -1,0 +1,166 @@
+"""Tensor-parallel collectives for the generated stage files: Megatron-LM's conjugate autograd functions.
+
+Shoeybi et al. 2019 (Megatron-LM, section 3): a column-parallel layer followed by a row-parallel one needs one
+all-reduce in forward and one in backward, placed by a conjugate pair:
+
+    copy_to_tp(x)       forward: identity             backward: all-reduce   (before the column split: f)
+    reduce_from_tp(x)   forward: all-reduce           backward: identity     (after the row split: g)
+
+and for other resharding (sequence parallelism, gathered logits):
+
+    gather_from_tp(x, dim)          forward: all-gather along dim        backward: keep this rank's chunk
+    scatter_to_tp(x, dim)           forward: keep this rank's chunk      backward: all-gather along dim
+    reduce_scatter_to_tp(x, dim)    forward: reduce-scatter along dim    backward: all-gather along dim
+
+Each takes the ``tp`` process group, or uses the one the runtime set with `set_tp_group`. With one rank in the
+group every function is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_TP_GROUP: dist.ProcessGroup | None = None
+
+
+def set_tp_group(group: dist.ProcessGroup | None) -> None:
+    """The default ``tp`` group (the runtime sets it once the mesh exists)."""
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
+def get_tp_group() -> dist.ProcessGroup | None:
+    return _TP_GROUP
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+# On the meta device (the runtime runs the stage files on meta to learn the shapes a stage sends) each
+# collective only computes its output's shape.
+
+def _all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    x = x.clone()
+    if x.is_meta:
+        return x
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    if x.is_meta:
+        return torch.cat(parts, dim=dim)
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _chunk(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    n = dist.get_world_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {n} tensor-parallel ranks")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    # Reduce-scatter = all-reduce, then keep this rank's chunk. Simple and correct on every backend (gloo has no
+    # reduce-scatter); on NCCL a fused `reduce_scatter_tensor` moves half the bytes.
+    if dist.get_backend(group) == "nccl" and not x.is_meta:
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // dist.get_world_size(group), *moved.shape[1:]))
+        dist.reduce_scatter_tensor(out, moved, group=group)
+        return out.movedim(0, dim).contiguous()
+    return _chunk(_all_reduce(x, group), dim, group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _chunk(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    group = group or _TP_GROUP
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    group = group or _TP_GROUP
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
+    group = group or _TP_GROUP
+    return x if _size(group) == 1 else _GatherFromTP.apply(x, dim, group)
+
+
+def scatter_to_tp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
+    group = group or _TP_GROUP
+    return x if _size(group) == 1 else _ScatterToTP.apply(x, dim, group)
+
+
+def reduce_scatter_to_tp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
+    group = group or _TP_GROUP
+    return x if _size(group) == 1 else _ReduceScatterToTP.apply(x, dim, group)
+
+
+def masked_embedding(weight: Tensor, ids: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Lookup in this rank's rows of a vocabulary-split embedding (Megatron's VocabParallelEmbedding): rank r holds
+    rows [r·V/t, (r+1)·V/t); ids outside give zeros, and `reduce_from_tp` then sums the ranks' parts."""
+    group = _TP_GROUP if group is None else group
+    rank = 0 if group is None else dist.get_rank(group)
+    start = rank * weight.shape[0]
+    outside = (ids < start) | (ids >= start + weight.shape[0])
+    local = torch.where(outside, torch.zeros_like(ids), ids - start)
+    return torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
