@@ -264,6 +264,22 @@ def representatives(graph: ModelGraph) -> dict[str, str]:
     return rep
 
 
+def _tied_conflicts(graph: ModelGraph, tp: int):
+    """(style of a, style of b, a, b) for layers a, b sharing a parameter that those styles would split
+    differently."""
+    from partc.passes.tp_rewrite import param_shard
+    for dup, canon in graph.tied.items():
+        a, b = dup.rsplit(".", 1)[0], canon.rsplit(".", 1)[0]
+        if a not in graph.layers or b not in graph.layers or a == b:
+            continue
+        la, lb = graph.layers[a], graph.layers[b]
+        for sa in allowed_styles(la, tp):
+            for sb in allowed_styles(lb, tp):
+                ka, kb = param_shard(la, dup, sa), param_shard(lb, canon, sb)
+                if (ka and (ka.dim, ka.fused)) != (kb and (kb.dim, kb.fused)):
+                    yield sa, sb, a, b
+
+
 def _neg(lit):
     return (not lit) if isinstance(lit, bool) else lit.Not()
 
@@ -342,9 +358,15 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
     time_ns = sum(ns * v for ns, v in indicators) + sum(c * x[r][s] for (r, s), c in compute.items())
     model.minimize(w_time * time_ns + w_coll * sum(v for _, v in indicators) + sum(split_lits))
 
-    # 3. Constraints: one style per representative layer (pins left one choice).
+    # 3. Constraints: one style per representative layer (pins left one choice); a tied parameter (GPT-2's wte
+    #    and lm_head) is one tensor, so the layers holding it must split it alike (embedding rowwise with head
+    #    colwise: both split the vocabulary).
     for r, styles in x.items():
         model.add_exactly_one(list(styles.values()))
+    for a_style, b_style, a, b in _tied_conflicts(graph, tp):
+        la, lb = lit(a, a_style), lit(b, b_style)
+        if not isinstance(la, bool) and not isinstance(lb, bool):
+            model.add_bool_or([la.Not(), lb.Not()])
 
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1

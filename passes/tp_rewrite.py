@@ -179,7 +179,7 @@ class _Rewriter:
         for alias in self.aliases.get(fqn, [fqn]):
             layer = self.layers.get(alias.rsplit(".", 1)[0])
             style = self.styles.get(layer.fqn, "replicate") if layer else "replicate"
-            shards[alias] = _param_shard(layer, alias, style) if layer else None
+            shards[alias] = param_shard(layer, alias, style) if layer else None
         if len({(s.dim, s.fused) if s else None for s in shards.values()}) > 1:
             desc = ", ".join(f"{a} {'whole' if s is None else f'split on dim {s.dim}'}" for a, s in shards.items())
             raise PartcError(f"tensor parallelism: tied parameter split two ways ({desc}); give the layers "
@@ -354,7 +354,8 @@ class _Rewriter:
         return None
 
 
-def _param_shard(layer: Layer, fqn: str, style: str) -> Shard | None:
+def param_shard(layer: Layer, fqn: str, style: str) -> Shard | None:
+    """How `style` splits parameter `fqn` of `layer` (None: whole)."""
     name = fqn.rsplit(".", 1)[1]
     conv1d = layer.type == "Conv1D"
     fused = layer.fused if style == "colwise" else 1
