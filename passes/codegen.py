@@ -20,6 +20,7 @@ import math
 import operator
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,7 @@ class Program:
     """File name (relative to OUT/program) -> text."""
 
 
-def _source_line(node: torch.fx.Node, model_path: str) -> str:
+def _source_line(node: torch.fx.Node) -> str:
     """``file:line  code`` of the user's model for this node: the deepest frame outside torch."""
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
@@ -68,8 +69,6 @@ def _source_line(node: torch.fx.Node, model_path: str) -> str:
         if "/torch/" in f or "/site-packages/torch" in f:
             continue
         best = (file, line, code)
-        if os.path.abspath(file) == model_path:
-            pass
     if best is None:
         return ""
     file, line, code = best
@@ -289,7 +288,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         prev_comment = None
         for n in body_nodes:
             mod = _module_of(n)
-            src = _source_line(n, model_path)
+            src = _source_line(n)
             comment = f"# {mod or '(model)'}" + (f"  {src}" if src else "")
             if comment != prev_comment:
                 lines.append(f"    {comment}")
@@ -392,7 +391,6 @@ def write_program(program: Program, out_dir: str | Path) -> Path:
         old = Path(tempfile.mkdtemp(prefix=".program-old.", dir=out))
         os.rename(final, old / "program")
         os.rename(tmp, final)
-        import shutil
         shutil.rmtree(old)
     else:
         os.rename(tmp, final)

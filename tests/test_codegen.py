@@ -75,7 +75,7 @@ def test_stages_chain_equals_model(case, tmp_path):
     torch.manual_seed(0)
     path = CASES[case](tmp_path)
     out = tmp_path / "out"
-    compile_model(path, gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2), global_batch_size=4, out_dir=out,
+    compile_model(path, gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"), global_batch_size=4, out_dir=out,
                   seq_len=None)
     spec = load_model_file(path)
     model = spec.build()
@@ -93,7 +93,7 @@ def test_stages_chain_equals_model(case, tmp_path):
 
 def test_program_is_readable(tmp_path):
     out = tmp_path / "out"
-    compile_model(str(ROOT / "examples" / "gpt.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2),
+    compile_model(str(ROOT / "examples" / "gpt.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"),
                   global_batch_size=4, out_dir=out)
     text = (out / "program" / "stage_0.py").read_text()
     # A header with the plan, the stage's modules and its predictions.
@@ -107,7 +107,7 @@ def test_program_is_readable(tmp_path):
     assert s0.MODULES[-1].startswith("blocks.") and s1.MODULES[-1] == "lm_head"
     # The same inputs give the same program (byte for byte).
     out2 = tmp_path / "out2"
-    compile_model(str(ROOT / "examples" / "gpt.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2),
+    compile_model(str(ROOT / "examples" / "gpt.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"),
                   global_batch_size=4, out_dir=out2)
     for f in ("stage_0.py", "stage_1.py", "manifest.json"):
         assert (out / "program" / f).read_text() == (out2 / "program" / f).read_text()
@@ -115,7 +115,7 @@ def test_program_is_readable(tmp_path):
 
 def test_tied_weights_named_by_the_stage_that_owns_them(tmp_path):
     out = tmp_path / "out"
-    compile_model(str(ROOT / "examples" / "hf_gpt2.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2),
+    compile_model(str(ROOT / "examples" / "hf_gpt2.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"),
                   global_batch_size=4, out_dir=out)
     manifest = json.loads((out / "program" / "manifest.json").read_text())
     assert ["lm_head.weight", "transformer.wte.weight"] in manifest["tied"]
