@@ -23,13 +23,18 @@ GiB = 1024**3
 
 
 class _Group(click.Group):
-    """Turns `PartcError` into one line and exit code 2."""
+    """Turns `PartcError` and click's usage errors (bad option values, missing options) into one line and exit
+    code 2."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except PartcError as e:
             click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except click.UsageError as e:
+            command = e.ctx.command_path if e.ctx is not None else ctx.command_path
+            click.echo(f"error: {e.format_message()} (see '{command} --help')", err=True)
             sys.exit(2)
 
 
@@ -177,6 +182,20 @@ def print_summary(result, plan_path: Path) -> None:
 
 def pred_stages(result):
     return result.best.prediction.stages
+
+
+@main.command("run", context_settings={"ignore_unknown_options": True})
+@click.argument("out_dir", type=str)
+@click.option("--nproc-per-node", type=int, default=None, callback=_pos_int,
+              help="Processes to start; must equal the plan's dp x tp x pp (the default).")
+@click.argument("runtime_args", nargs=-1, type=click.UNPROCESSED)
+def run_cmd(out_dir, nproc_per_node, runtime_args):
+    """Train OUT_DIR's program here: torchrun with the plan's world size.
+
+    RUNTIME_ARGS go to `python -m partc.runtime` (--steps, --lr, --optimizer, --checkpoint-dir, ...)."""
+    from partc.runtime.launch import run
+
+    sys.exit(run(out_dir, list(runtime_args), nproc_per_node))
 
 
 if __name__ == "__main__":  # pragma: no cover

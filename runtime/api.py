@@ -1,0 +1,215 @@
+"""The Python API, for training loops of your own (your data, your optimizer settings). Under torchrun:
+
+    import partc.runtime
+
+    prog = partc.runtime.load("partc_out", optimizer="adamw", lr=3e-4)    # mesh, stages, ZeRO, optimizer
+    prog.load_state_dict(torch.load("init.pt", weights_only=True))         # optional: a full state dict
+    for step in range(100):
+        x, y = my_batch(step)              # the global batch, the same on every rank (tuple/dict, targets)
+        loss = prog.step(x, y)             # global-batch mean loss, on every rank
+    prog.save("ckpt/")                      # sharded; prog.load("ckpt/") under any plan of the same model
+    sd = prog.full_state_dict()             # rank 0: the model's own state_dict(); None elsewhere
+
+`load` does, in order: read the program, join the mesh, build the model with parameters on meta, allocate and
+initialize this rank's stages only, wrap each stage file as a module, apply ZeRO, build the optimizers and the
+pipeline schedule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partc.errors import PartcError
+from partc.passes.load import ModelSpec, load_model_file
+from partc.runtime import checkpoint
+from partc.runtime.collectives import set_tp_group
+from partc.runtime.materialize import (build_model, canonical_names, init_weights, load_weights, materialize,
+                                       open_checkpoint)
+from partc.runtime.mesh import World, init_world
+from partc.runtime.parallelize import GradSync, OptimizerConfig, build_optimizers, parallelize
+from partc.runtime.program import Program as ProgramFiles, StageFile, read_program
+from partc.runtime.stage import StageModule
+from partc.runtime.train import PipelineRunner, global_batch, stage_shapes
+
+
+class Program:
+    """A compiled program running on this rank: its stages, optimizers and pipeline schedule."""
+
+    def __init__(self, *, files: ProgramFiles, spec: ModelSpec, world: World, model: nn.Module,
+                 stages: list[StageModule], optimizers: list[torch.optim.Optimizer], runner: PipelineRunner,
+                 canon: dict[str, str], seed: int):
+        self.files = files
+        self.plan = files.plan
+        self.spec = spec
+        self.world = world
+        self.stages = stages
+        """This rank's stage modules (FSDP-wrapped with ZeRO 2/3); parameters under the model's FQNs."""
+        self.optimizers = optimizers
+        self.runner = runner
+        self.seed = seed
+        self.states = checkpoint.StateDicts(stages, optimizers, canon)
+        self._model_keys = model.state_dict(keep_vars=True)
+
+    # -- training ----------------------------------------------------------------------------------------------
+
+    def batch(self, step: int) -> tuple[Any, Any]:
+        """The runtime's own global batch for `step` (``example_inputs``/``example_targets`` under seed + step),
+        as (inputs, targets) for `step`."""
+        args, kwargs, targets = global_batch(self.spec, self.seed, step, self.plan.parallel.global_batch_size)
+        return (args, kwargs), targets
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """One optimizer step on a global batch; returns the global-batch mean loss on every rank.
+
+        `inputs` as the model takes them: a tensor, a tuple (positional), a dict (keyword), or (args, kwargs).
+        Every rank passes the same batch; each keeps its data-parallel slice."""
+        args, kwargs = _as_args(inputs)
+        return self.runner.step(args, kwargs, targets)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for st in self.stages for p in st.parameters()]
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load a full state dict (the model's own keys; every rank passes it, each keeps its part)."""
+        self.states.load_model(state, full=True)
+
+    def full_state_dict(self) -> dict[str, Tensor] | None:
+        """The model's ``state_dict()`` (same keys and shapes) on rank 0, None elsewhere. Collective."""
+        return checkpoint.full_state_dict(self.states, self.world, self._model_keys)
+
+    def save(self, directory: str | Path, step: int = 0) -> Path:
+        """A sharded checkpoint (model and optimizer) in ``DIR/step-K``. Collective."""
+        info = {"model": self.plan.model.get("name"), "parallel": self.plan.to_dict()["parallel"]}
+        return checkpoint.save(directory, step, self.states, info)
+
+    def load(self, path: str | Path) -> int:
+        """Load a checkpoint written under any plan of this model: ``DIR/step-K``, or DIR for its newest one.
+        Returns its step. Collective."""
+        path = Path(path)
+        if not (path / "partc.json").exists():
+            newest = checkpoint.latest(path)
+            if newest is None:
+                raise PartcError(f"no checkpoint in {path}")
+            path = newest
+        return checkpoint.load(path, self.states)
+
+
+def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: float = 3e-4,
+         weight_decay: float = 0.0, init_checkpoint: str | Path | None = None) -> Program:
+    """Set up this rank's part of the compiled program in `out_dir` (run under torchrun)."""
+    files = read_program(out_dir)
+    par = files.plan.parallel
+    if par.tp > 1:
+        # The stage files already run on local shards (partc.passes.tp_rewrite); what is missing here is
+        # materializing the shards (manifest "tp.shards"), gathering them for full_state_dict and keeping
+        # checkpoints plan-independent with fused pieces.
+        raise PartcError("partc.runtime does not run tensor-parallel programs (tp > 1) yet; compile with --tp 1")
+    opt_config = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay)
+
+    # 1. The mesh (pp, dp, tp); the stage files find the tp group through `collectives`.
+    world = init_world(par)
+    set_tp_group(world.tp_group)
+
+    # 2. The model with parameters on meta, and the stage shapes (the stage files chained on meta).
+    spec = _load_spec(files)
+    model = build_model(spec)
+    canon = canonical_names(model, files.tied)
+    shapes = stage_shapes(files, model, spec)
+
+    # 3. Allocate and fill this rank's stages only.
+    local = [st for st in files.stages if st.rank == world.pp_rank]
+    names = [n for st in local for n in stage_tensor_names(st, model)]
+    tensors = materialize(model, names, world.device)
+    if init_checkpoint is not None:
+        buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        aliases = _aliases(canon)
+        load_weights(tensors, aliases, open_checkpoint(init_checkpoint), where=str(init_checkpoint),
+                     buffers=buffers)
+    else:
+        init_weights(model, tensors, seed)
+
+    # 4. One module per stage file; copies of a shared weight in two local stages become separate tensors.
+    stages = [StageModule(st, model, canon, world.device) for st in local]
+    untie_across_stages(stages)
+
+    # 5. Recomputation and ZeRO (torchtitan's order), optimizers, gradient sync, the pipeline schedule.
+    if par.recompute == "selective" and world.rank == 0:
+        print("partc.runtime: recompute=selective is not applied yet (every activation is kept)", flush=True)
+    modules = parallelize(stages, world, zero=par.zero, recompute=par.recompute)
+    optimizers = build_optimizers(modules, world, opt_config, par.zero)
+    holders = shared_holders(files, model, canon)
+    grad_sync = GradSync(stages, world, zero=par.zero, holders=holders, canon=canon)
+    runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes)
+    return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
+                   runner=runner, canon=canon, seed=seed)
+
+
+def stage_tensor_names(stage: StageFile, model: nn.Module) -> list[str]:
+    """FQNs of the parameters and buffers a stage holds: its units' and those its code reads."""
+    names = list(stage.parameters) + list(stage.buffers)
+    for unit in stage.modules:
+        mod = model.get_submodule(unit)
+        names += [f"{unit}.{n}" for n, _ in mod.named_parameters(remove_duplicate=False)]
+        names += [f"{unit}.{n}" for n, _ in mod.named_buffers(remove_duplicate=False)]
+    return list(dict.fromkeys(names))
+
+
+def shared_holders(files: ProgramFiles, model: nn.Module, canon: dict[str, str]) -> dict[str, list[int]]:
+    """Canonical parameter FQN -> the stages holding a copy (every stage, not only this rank's)."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    holders: dict[str, list[int]] = {}
+    for st in files.stages:
+        held = {canon[n] for n in stage_tensor_names(st, model) if n in params}
+        for c in sorted(held):
+            holders.setdefault(c, []).append(st.index)
+    return holders
+
+
+def untie_across_stages(stages: list[StageModule]) -> None:
+    """A parameter object in several local stages (interleaved stages holding a tied embedding and head) gets a
+    copy per stage: each stage module (and FSDP unit, and optimizer) owns its tensors; `GradSync` sums them."""
+    seen: set[int] = set()  # ids of parameters earlier stages hold (alive there, so the ids stay unique)
+    for st in stages:
+        here = {id(p) for p in st.parameters()}
+        copies: dict[int, nn.Parameter] = {}
+        for mod in st.modules():
+            for key, p in mod._parameters.items():
+                if p is not None and id(p) in seen:
+                    if id(p) not in copies:
+                        copies[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                    mod._parameters[key] = copies[id(p)]
+        seen |= here
+
+
+def _aliases(canon: dict[str, str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name, c in canon.items():
+        out.setdefault(c, []).append(name)
+    return out
+
+
+def _load_spec(files: ProgramFiles) -> ModelSpec:
+    seq_len = files.plan.model.get("seq_len")
+    spec = load_model_file(files.model_path, entry=files.entry)
+    if seq_len and spec.seq_len != seq_len and not hasattr(spec.module, "example_inputs"):
+        spec = load_model_file(files.model_path, entry=files.entry, seq_len=seq_len)  # synthesized HF inputs
+    return spec
+
+
+def _as_args(inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(inputs, Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[0], tuple) \
+            and isinstance(inputs[1], dict):
+        return inputs
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    raise TypeError(f"inputs must be a tensor, a tuple, a dict or (args, kwargs); got {type(inputs).__name__}")

@@ -1,0 +1,140 @@
+"""Read a compiled program: ``OUT/plan.json`` and ``OUT/program/`` (the manifest and one ``stage_K.py`` a stage).
+
+The files are written by ``partc compile`` (`partc.passes.codegen`); this module only checks that they fit
+together (stage ``k`` receives exactly what stage ``k - 1`` sends, each stage runs on the plan's pipeline rank)
+and imports the stage files. A stage file defines::
+
+    INPUTS, OUTPUTS, PARAMETERS, BUFFERS, MODULES   # lists of names
+    def forward(p, *inputs, device): ...             # p: FQN -> tensor; returns a tuple (len(OUTPUTS))
+    def outputs(flat): ...                           # last stage only: the model's output structure
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from partc.errors import PartcError
+from partc.plan import Plan, read_plan
+
+_LISTS = ("INPUTS", "OUTPUTS", "PARAMETERS", "BUFFERS", "MODULES")
+
+
+@dataclass(kw_only=True, slots=True)
+class StageFile:
+    index: int
+    """Stage (model chunk) index in pipeline order."""
+    rank: int
+    """Pipeline rank that runs it: index % pp."""
+    path: Path
+    code: ModuleType
+    """The imported ``stage_K.py``."""
+    inputs: list[str]
+    outputs: list[str]
+    parameters: list[str]
+    """Parameter FQNs the code reads (for a tied weight: the alias this stage's own modules hold)."""
+    buffers: list[str]
+    modules: list[str]
+    """Unit FQNs the stage owns (as in ``plan.json``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Program:
+    out_dir: Path
+    plan: Plan
+    model_path: str
+    """Absolute path of the model file (from the manifest)."""
+    entry: str
+    micro_batch_size: int
+    stages: list[StageFile]
+    tied: list[list[str]]
+    """Groups of parameter FQNs that are one parameter in the model (may span stages)."""
+    inputs: list[str]
+    """Names of the model's flattened tensor inputs (stage 0's INPUTS)."""
+    input_keys: list[int | str]
+    """For each flattened input: its positional index (int) or keyword (str) in ``example_inputs``."""
+    tp_shards: dict[str, dict]
+    """Parameter FQN (every alias) -> ``{"dim": d, "fused": n}``: how the stage files split it over tp."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+def read_program(out_dir: str | Path) -> Program:
+    """Parse ``OUT/plan.json`` and ``OUT/program/manifest.json`` and import every stage file."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise PartcError(f"{out} is not a directory; pass the output directory of `partc compile`")
+    plan = read_plan(out / "plan.json")
+    manifest_path = out / "program" / "manifest.json"
+    if not manifest_path.exists():
+        raise PartcError(f"{manifest_path} does not exist; `partc compile` writes the program next to plan.json")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise PartcError(f"{manifest_path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    for key in ("model_path", "entry", "micro_batch_size", "stages", "inputs", "input_keys"):
+        if key not in manifest:
+            raise PartcError(f"{manifest_path}: missing field '{key}'; compile the model again")
+    par = plan.parallel
+    if manifest["micro_batch_size"] != par.micro_batch_size:
+        raise PartcError(f"{manifest_path} was generated for micro-batch size {manifest['micro_batch_size']} but "
+                         f"plan.json says {par.micro_batch_size}; compile again")
+    if len(manifest["stages"]) != len(plan.stages) or len(plan.stages) != par.num_stages:
+        raise PartcError(f"{manifest_path} has {len(manifest['stages'])} stages, plan.json {len(plan.stages)} and "
+                         f"pp x virtual_stages = {par.num_stages}; compile again")
+    stages = []
+    for k, entry in enumerate(manifest["stages"]):
+        path = out / "program" / entry["file"]
+        if entry["index"] != k or entry["rank"] != k % par.pp:
+            raise PartcError(f"{manifest_path}: stage {k} must have index {k} and rank {k % par.pp}")
+        code = import_stage(path)
+        lists = {name: list(getattr(code, name)) for name in _LISTS}
+        if lists["MODULES"] != plan.stages[k].modules:
+            raise PartcError(f"{path} owns {lists['MODULES']} but plan.json stage {k} says "
+                             f"{plan.stages[k].modules}; compile again")
+        stages.append(StageFile(index=k, rank=entry["rank"], path=path, code=code, inputs=lists["INPUTS"],
+                                outputs=lists["OUTPUTS"], parameters=lists["PARAMETERS"],
+                                buffers=lists["BUFFERS"], modules=lists["MODULES"]))
+    if stages[0].inputs != list(manifest["inputs"]):
+        raise PartcError(f"{stages[0].path}: INPUTS {stages[0].inputs} differ from the manifest's model inputs "
+                         f"{manifest['inputs']}")
+    for prev, cur in zip(stages, stages[1:]):
+        if cur.inputs != prev.outputs:
+            raise PartcError(f"{cur.path}: INPUTS {cur.inputs} must be stage {prev.index}'s OUTPUTS {prev.outputs}")
+    tp = manifest.get("tp", {"degree": 1, "shards": {}})
+    if tp.get("degree", 1) != par.tp:
+        raise PartcError(f"{manifest_path} was generated for tp={tp.get('degree')} but plan.json says tp={par.tp}; "
+                         f"compile again")
+    if not hasattr(stages[-1].code, "outputs"):
+        raise PartcError(f"{stages[-1].path}: the last stage must define outputs(flat)")
+    return Program(out_dir=out, plan=plan, model_path=manifest["model_path"], entry=manifest["entry"],
+                   micro_batch_size=manifest["micro_batch_size"], stages=stages,
+                   tied=[list(g) for g in manifest.get("tied", [])], inputs=list(manifest["inputs"]),
+                   input_keys=list(manifest["input_keys"]), tp_shards=dict(tp.get("shards", {})))
+
+
+def import_stage(path: Path) -> ModuleType:
+    """Import a stage file under a name unique to its path (several programs may be loaded in one process)."""
+    if not path.exists():
+        raise PartcError(f"stage file {path} does not exist; compile the model again")
+    name = f"_partc_stage_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise PartcError(f"{path}: {type(e).__name__}: {e} (while importing the stage file)") from None
+    missing = [n for n in (*_LISTS, "forward") if not hasattr(module, n)]
+    if missing:
+        raise PartcError(f"{path} does not define {', '.join(missing)}; compile the model again")
+    return module

@@ -1,0 +1,129 @@
+"""Check programs against one process: the single-process reference, and a driver that runs several programs
+(of one world size) in one torchrun launch, so a test pays the start-up once:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 -m partc.runtime.testing JOBS.json
+
+JOBS.json is a list of jobs: ``{"out": OUT, "steps": N, "seed": S, "optimizer": "sgd", "lr": 0.1,
+"weight_decay": 0.0, "init": FILE (a full state dict, loaded with Program.load_state_dict), "result": FILE,
+"save": DIR (optional: a checkpoint after the run), "load": DIR (optional: resume from it first)}``. Rank 0
+writes ``{"losses": [...], "state": full state dict, "start": step resumed from}`` to ``result``. A job
+``{"check": "collectives", "result": FILE}`` runs `check_collectives` over all ranks instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+
+def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps: int, seed: int,
+                  global_batch_size: int, optimizer: str = "sgd", lr: float = 0.1, weight_decay: float = 0.0,
+                  entry: str = "model", start: int = 0, seq_len: int | None = None
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train the whole model in this process on the runtime's batches (steps `start` .. `steps` - 1) from
+    `init_state`; returns the losses and the final state dict."""
+    from partc.passes.load import load_model_file
+    from partc.runtime.parallelize import OptimizerConfig
+    from partc.runtime.train import global_batch
+
+    spec = load_model_file(model_path, entry=entry, seq_len=seq_len)
+    model = spec.build()
+    model.load_state_dict(init_state)
+    model.train()
+    cls, kwargs = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay).optimizer_class()
+    opt = cls(model.parameters(), **kwargs)
+    losses = []
+    for k in range(start, steps):
+        args, kw, targets = global_batch(spec, seed, k, global_batch_size)
+        loss = spec.loss_fn(model(*args, **kw), targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_job(job: dict[str, Any]) -> None:
+    from partc.runtime import api
+
+    if job.get("check") == "collectives":
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        check_collectives(dist.group.WORLD)
+        if dist.get_rank() == 0:
+            torch.save({"ok": True}, job["result"])
+        return
+
+    prog = api.load(job["out"], seed=job.get("seed", 0), optimizer=job.get("optimizer", "sgd"),
+                    lr=job.get("lr", 0.1), weight_decay=job.get("weight_decay", 0.0))
+    if job.get("init"):
+        prog.load_state_dict(torch.load(job["init"], weights_only=True))
+    start = prog.load(job["load"]) if job.get("load") else 0
+    losses = []
+    for k in range(start, job["steps"]):
+        inputs, targets = prog.batch(k)
+        losses.append(prog.step(inputs, targets))
+    if job.get("save"):
+        prog.save(job["save"], job["steps"])
+    state = prog.full_state_dict()
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "state": state, "start": start}, job["result"])
+
+
+def check_collectives(group: dist.ProcessGroup) -> None:
+    """Megatron's conjugate functions (`partc.runtime.collectives`) over `group`: forward values and input
+    gradients against what they must be; raises AssertionError."""
+    from partc.runtime import collectives as C
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    C.set_tp_group(group)
+    try:
+        xs = [torch.arange(12.0).reshape(3, 4) * (r + 1) for r in range(world)]  # every rank's input
+        gs = [torch.full((3, 4), float(r + 1)) for r in range(world)]  # every rank's output gradient
+
+        def run(fn, *args, grad_shape=None):
+            x = xs[rank].clone().requires_grad_(True)
+            y = fn(x, *args)
+            g = gs[rank] if grad_shape is None else torch.full(grad_shape, float(rank + 1))
+            y.backward(g)
+            return y.detach(), x.grad
+
+        y, dx = run(C.copy_to_tp)
+        assert torch.equal(y, xs[rank]) and torch.equal(dx, sum(gs)), "copy_to_tp"
+        y, dx = run(C.reduce_from_tp)
+        assert torch.equal(y, sum(xs)) and torch.equal(dx, gs[rank]), "reduce_from_tp"
+        y, dx = run(C.gather_from_tp, 1, grad_shape=(3, 4 * world))
+        assert torch.equal(y, torch.cat(xs, 1)) and torch.equal(dx, torch.full((3, 4), float(rank + 1))), \
+            "gather_from_tp"
+        y, dx = run(C.scatter_to_tp, 1, grad_shape=(3, 4 // world))
+        want_dx = torch.cat([torch.full((3, 4 // world), float(r + 1)) for r in range(world)], 1)
+        assert torch.equal(y, xs[rank].chunk(world, 1)[rank]) and torch.equal(dx, want_dx), "scatter_to_tp"
+        y, dx = run(C.reduce_scatter_to_tp, 1, grad_shape=(3, 4 // world))
+        assert torch.equal(y, sum(xs).chunk(world, 1)[rank]) and torch.equal(dx, want_dx), "reduce_scatter_to_tp"
+        m = torch.empty(3, 4, device="meta")  # shapes only (the runtime's meta pass over the stage files)
+        assert C.gather_from_tp(m, 0).shape == (3 * world, 4) and C.reduce_from_tp(m).shape == (3, 4)
+        assert C.reduce_scatter_to_tp(m, 1).shape == (3, 4 // world)
+    finally:
+        C.set_tp_group(None)
+
+
+def main(argv: list[str]) -> int:
+    torch.set_num_threads(1)
+    jobs = json.loads(open(argv[0]).read())
+    try:
+        for job in jobs:
+            run_job(job)
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,159 @@
+"""One training step: data for the step, the pipeline schedule, gradient sync, optimizer step, the loss.
+
+Data. Step k uses the global batch ``torch.manual_seed(seed + k); x = example_inputs(G); y = example_targets(G)``
+(G = the plan's global batch size), drawn on the CPU on every rank (so the numbers do not depend on the device
+type or the plan), then each DP rank keeps its slice of dim 0, ``[r·G/dp, (r+1)·G/dp)``, and the schedule splits
+that into the plan's micro-batches.
+
+Pipeline. ``torch.distributed.pipelining``: one `PipelineStage` per local stage (stages r, r + pp, ... for
+interleaved 1F1B), with static shapes from `stage_shapes` (the stage files run once on meta at the micro-batch
+size), and `ScheduleGPipe`, `Schedule1F1B` or `ScheduleInterleaved1F1B` as the plan says, the loss on the last
+stage. With pp = 1 the same schedule runs one stage over the same micro-batches, so every plan computes the same
+numbers.
+
+Loss and gradients. ``loss_fn`` gives each micro-batch's mean; the schedule scales gradients by 1/m
+(``scale_grads``) and DP averages over dp, so the gradients are those of the global-batch mean, and the returned
+loss is the mean over micro-batches and DP ranks: what one process computes with ``loss_fn(model(x), y)`` on the
+whole batch (when the loss is a mean over equally many elements per sample, as cross-entropy without ignored
+positions is).
+
+Targets go through the schedule as sample indices into this rank's slice (``arange(G/dp)``, split with the
+micro-batches); the loss looks the targets up, so targets may be any structure of tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from partc.passes.load import ModelSpec
+from partc.runtime._torch import tree_map
+from partc.runtime.mesh import World
+from partc.runtime.program import Program
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+def global_batch(spec: ModelSpec, seed: int, step: int, batch_size: int) -> tuple[tuple, dict, Any]:
+    """(args, kwargs, targets) of step `step`: the same on every rank and under every plan (drawn on the CPU)."""
+    torch.manual_seed(seed + step)
+    with torch.device("cpu"):
+        args, kwargs = spec.inputs(batch_size)
+        targets = spec.targets(batch_size)
+    return args, kwargs, targets
+
+
+def flatten_inputs(args: tuple, kwargs: dict, keys: list[int | str]) -> list[Tensor]:
+    """The model's tensor inputs in the program's order (manifest ``input_keys``)."""
+    return [args[k] if isinstance(k, int) else kwargs[k] for k in keys]
+
+
+def stage_shapes(program: Program, model: nn.Module, spec: ModelSpec) -> list[tuple[tuple[Tensor, ...], ...]]:
+    """(inputs, outputs) of every stage for one micro-batch, as meta tensors: the stage files run in a chain on
+    the meta device (no memory, no compute). `PipelineStage` takes them as static shapes, so no stage runs a
+    warm-up forward on made-up activations (made-up token ids would index out of range)."""
+    b = program.micro_batch_size
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(b)
+    x = tuple(flatten_inputs(args, kwargs, program.input_keys))
+    p = {n: _meta(t) for n, t in [*model.named_parameters(remove_duplicate=False),
+                                  *model.named_buffers(remove_duplicate=False)]}
+    meta = torch.device("meta")
+    shapes = []
+    for st in program.stages:
+        out = tuple(st.code.forward(p, *x, device=meta))
+        shapes.append((x, out))
+        x = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
+    return shapes
+
+
+def _meta(t: Tensor) -> Tensor:
+    out = torch.empty_like(t, device="meta")
+    return out.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else out
+
+
+class PipelineRunner:
+    """Runs training steps of this rank's stages; every rank calls `step` with the same global batch."""
+
+    def __init__(self, program: Program, spec: ModelSpec, world: World, modules: list[nn.Module],
+                 optimizers: list[torch.optim.Optimizer], grad_sync: Callable[[], None],
+                 shapes: list[tuple[tuple[Tensor, ...], ...]]):
+        par = program.plan.parallel
+        self.world = world
+        self.optimizers = optimizers
+        self.grad_sync = grad_sync
+        self.loss_fn = spec.loss_fn
+        self.input_keys = program.input_keys
+        self.global_batch_size = par.global_batch_size
+        self.num_microbatches = par.num_microbatches
+        self.last_code = program.stages[-1].code
+        local = [st for st in program.stages if st.rank == world.pp_rank]
+        self.has_first = local[0].index == 0
+        self.has_last = local[-1].index == program.num_stages - 1
+        self.stages = [PipelineStage(mod, st.index, program.num_stages, world.device,
+                                     input_args=shapes[st.index][0], output_args=shapes[st.index][1],
+                                     group=world.pp_group)
+                       for st, mod in zip(local, modules)]
+        cls = SCHEDULES[par.schedule]
+        if par.schedule == "1f1b" and self.num_microbatches < par.pp:
+            # With m < p, 1F1B runs every forward before the first backward: GPipe's order (and memory, m <= p
+            # micro-batches in flight). torch's Schedule1F1B refuses m < p, so run ScheduleGPipe.
+            cls = ScheduleGPipe
+        if par.schedule == "interleaved-1f1b":
+            self.schedule = cls(self.stages, n_microbatches=self.num_microbatches, loss_fn=self._loss)
+        else:
+            assert len(self.stages) == 1
+            self.schedule = cls(self.stages[0], n_microbatches=self.num_microbatches, loss_fn=self._loss)
+        self._targets: Any = None
+
+    def _loss(self, output: Any, index: Tensor) -> Tensor:
+        flat = output if isinstance(output, tuple) else (output,)
+        targets = tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, self._targets)
+        return self.loss_fn(self.last_code.outputs(flat), targets)
+
+    def dp_slice(self, n: int) -> slice:
+        dp, r = self.world.dims.dp, self.world.dp_rank
+        if n % dp:
+            raise ValueError(f"a global batch of {n} samples does not split over {dp} data-parallel ranks")
+        return slice(r * n // dp, (r + 1) * n // dp)
+
+    def step(self, args: tuple, kwargs: dict, targets: Any) -> float:
+        """One optimizer step on the global batch; returns the global-batch mean loss (on every rank)."""
+        inputs = flatten_inputs(args, kwargs, self.input_keys)
+        n = inputs[0].shape[0]
+        if n != self.global_batch_size:
+            raise ValueError(f"the plan's global batch is {self.global_batch_size} samples, got {n}")
+        part = self.dp_slice(n)
+        device = self.world.device
+        local = [t[part].to(device) for t in inputs] if self.has_first else []
+        if self.has_last:
+            self._targets = tree_map(lambda t: t[part].to(device) if isinstance(t, Tensor) else t, targets)
+        index = torch.arange(part.stop - part.start, device=device)
+
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        losses: list[Tensor] = []
+        if self.has_first:
+            self.schedule.step(*local, target=index, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(target=index, losses=losses, return_outputs=False)
+        self.grad_sync()
+        for opt in self.optimizers:
+            opt.step()
+        self._targets = None
+        return self._global_mean(losses)
+
+    def _global_mean(self, losses: list[Tensor]) -> float:
+        """Mean over micro-batches and DP ranks, on every rank: one all-reduce over the world, where only the
+        ranks of the last stage contribute (each tp rank holds the same loss)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.world.device)
+        if self.has_last:
+            assert len(losses) == self.num_microbatches
+            dims = self.world.dims
+            total += torch.stack([l.detach().double() for l in losses]).mean() / (dims.dp * dims.tp)
+        dist.all_reduce(total)
+        return float(total)

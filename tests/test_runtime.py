@@ -1,0 +1,321 @@
+"""Single-process runtime tests: building on meta, materializing a part, initialization, the stage wrapper,
+reading programs, the command lines. The multi-process ones are in test_runtime_dist.py."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from partc.cli.main import main as cli
+from partc.compile import compile_model
+from partc.errors import PartcError
+from partc.passes.load import load_model_file
+from partc.passes.search import Pins
+from partc.runtime import collectives
+from partc.runtime.__main__ import main as runtime_main
+from partc.runtime.api import shared_holders, stage_tensor_names
+from partc.runtime.checkpoint import _canon_key
+from partc.runtime.launch import torchrun_command
+from partc.runtime.materialize import (SeedPerTensor, build_initialized, build_model, canonical_names,
+                                       init_weights, load_weights, materialize, parameters_on_meta)
+from partc.runtime.mesh import ParallelDims
+from partc.runtime.program import read_program
+from partc.runtime.stage import StageModule
+from partc.runtime.train import global_batch, stage_shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+CPU = torch.device("cpu")
+
+
+def _compile(tmp_path: Path, model: str, *, pp: int, dp: int = 1, mb: int = 1, gbs: int = 4, name: str = "out"):
+    pins = Pins(tp=1, pp=pp, dp=dp, zero=0, micro_batch_size=mb, schedule="1f1b", recompute="none")
+    compile_model(str(EXAMPLES / f"{model}.py"), gpus=pp * dp, pins=pins, global_batch_size=gbs,
+                  out_dir=tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def gpt_pp2(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("gpt"), "gpt", pp=2)
+
+
+@pytest.fixture(scope="module")
+def hf_pp2(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("hf"), "hf_gpt2", pp=2)
+
+
+# -- building on meta, materializing, initializing ---------------------------------------------------------------
+
+
+class Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
+
+
+def test_parameters_on_meta_keeps_buffers():
+    with parameters_on_meta():
+        m = Rotary()
+    assert m.proj.weight.is_meta and m.proj.bias.is_meta and isinstance(m.proj.weight, nn.Parameter)
+    assert not m.inv_freq.is_meta
+    assert torch.equal(m.inv_freq, Rotary().inv_freq)
+    assert nn.Module.register_parameter.__name__ == "register_parameter"  # restored
+
+
+def test_hf_llama_rotary_buffer_survives():
+    import transformers as tf
+    config = tf.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=64, vocab_size=64)
+    with parameters_on_meta():
+        m = tf.LlamaForCausalLM(config)
+    ref = tf.LlamaForCausalLM(config)
+    assert all(p.is_meta for p in m.parameters())
+    assert torch.equal(m.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+
+
+@pytest.mark.parametrize("model,part", [("gpt", ("blocks.1.", "lm_head.")),
+                                        ("hf_gpt2", ("transformer.h.1.", "lm_head."))])
+def test_part_initializes_like_the_whole_model(model, part):
+    spec = load_model_file(str(EXAMPLES / f"{model}.py"))
+    whole = build_initialized(spec, seed=3).state_dict()
+    m = build_model(spec)
+    names = [n for n, _ in m.named_parameters(remove_duplicate=False) if n.startswith(part)]
+    tensors = materialize(m, names, CPU)
+    init_weights(m, tensors, seed=3)
+    assert tensors
+    for name, t in tensors.items():
+        assert torch.equal(t, whole[name]), name
+    held = {id(t) for t in tensors.values()}
+    assert all(p.is_meta for p in m.parameters() if id(p) not in held)
+    other = build_initialized(spec, seed=4).state_dict()
+    assert not torch.equal(other["lm_head.weight"], whole["lm_head.weight"])  # the seed matters
+
+
+def test_gpt_init_is_the_models_own():
+    whole = build_initialized(load_model_file(str(EXAMPLES / "gpt.py")), seed=0)
+    std = whole.blocks[0].attn.proj.weight.std().item()
+    assert std == pytest.approx(0.02 / math.sqrt(2 * whole.config.layers), rel=0.1)  # GPT-2's scaled init
+    assert torch.equal(whole.blocks[0].ln_1.weight, torch.ones(64))
+
+
+def test_seed_per_tensor():
+    t = torch.empty(4, 3)
+    with SeedPerTensor({"w": t}, seed=0):
+        nn.init.normal_(t[:2])
+        nn.init.normal_(t[2:])
+    assert not torch.equal(t[:2], t[2:])  # views are seeded by their offset too
+    first = t.clone()
+    with SeedPerTensor({"w": t}, seed=0):
+        nn.init.normal_(t[:2])
+        nn.init.normal_(t[2:])
+    assert torch.equal(t, first)
+
+
+def test_materialize_keeps_ties_and_canonical_names():
+    spec = load_model_file(str(EXAMPLES / "hf_gpt2.py"))
+    m = build_model(spec)
+    canon = canonical_names(m, [["lm_head.weight", "transformer.wte.weight"]])
+    assert canon["lm_head.weight"] == "transformer.wte.weight"
+    tensors = materialize(m, ["lm_head.weight"], CPU)
+    assert list(tensors) == ["transformer.wte.weight"]
+    assert m.lm_head.weight is m.transformer.wte.weight and not m.lm_head.weight.is_meta
+    with pytest.raises(PartcError, match="ties"):
+        canonical_names(m, [["lm_head.weight", "transformer.wpe.weight"]])
+
+
+def test_load_weights_by_alias_and_errors():
+    spec = load_model_file(str(EXAMPLES / "hf_gpt2.py"))
+    ref = spec.build().state_dict()
+    m = build_model(spec)
+    tensors = materialize(m, ["lm_head.weight", "transformer.ln_f.weight"], CPU)
+    only_head = {"lm_head.weight": ref["lm_head.weight"], "transformer.ln_f.weight": ref["transformer.ln_f.weight"]}
+    aliases = {"transformer.wte.weight": ["transformer.wte.weight", "lm_head.weight"]}
+    load_weights(tensors, aliases, only_head, where="x.pt", buffers=set())
+    assert torch.equal(m.transformer.wte.weight, ref["transformer.wte.weight"])
+    with pytest.raises(PartcError, match="x.pt has no transformer.ln_f.weight"):
+        load_weights(tensors, aliases, {"lm_head.weight": ref["lm_head.weight"]}, where="x.pt", buffers=set())
+    bad = dict(only_head, **{"lm_head.weight": torch.zeros(3)})
+    with pytest.raises(PartcError, match="shape"):
+        load_weights(tensors, aliases, bad, where="x.pt", buffers=set())
+
+
+# -- the program and the stage wrapper ---------------------------------------------------------------------------
+
+
+def test_stage_module_runs_the_stage_file_under_the_models_names(gpt_pp2):
+    prog = read_program(gpt_pp2)
+    spec = load_model_file(prog.model_path)
+    whole = build_initialized(spec, seed=0)
+    m = build_model(spec)
+    canon = canonical_names(m)
+    st = prog.stages[1]
+    tensors = materialize(m, stage_tensor_names(st, m), CPU)
+    init_weights(m, tensors, seed=0)
+    mod = StageModule(st, m, canon, CPU)
+    keys = list(mod.state_dict())
+    assert keys and all(any(k.startswith(u + ".") for u in st.modules) for k in keys)
+    assert set(keys) == {k for k in whole.state_dict() if any(k.startswith(u + ".") for u in st.modules)}
+    x = torch.randn(1, 64, 64)
+    p = dict(whole.named_parameters())
+    want = st.code.forward(p, x, device=CPU)
+    got = mod(x)
+    assert isinstance(got, tuple) and torch.allclose(got[0], want[0])
+    got[0].sum().backward()
+    assert all(q.grad is not None for q in mod.parameters())
+
+
+def test_stage_module_resolves_aliases_and_outside_tensors(hf_pp2):
+    prog = read_program(hf_pp2)
+    m = build_model(load_model_file(prog.model_path))
+    canon = canonical_names(m, prog.tied)
+    last = prog.stages[-1]
+    fake = SimpleNamespace(index=9, code=last.code, modules=["lm_head"],
+                           parameters=["transformer.wte.weight", "transformer.ln_f.weight"], buffers=[])
+    materialize(m, ["lm_head.weight", "transformer.ln_f.weight"], CPU)
+    mod = StageModule(fake, m, canon, CPU)
+    t = mod.tensors()
+    assert t["transformer.wte.weight"] is mod.lm_head.weight  # the alias the stage's own module holds
+    assert t["transformer.ln_f.weight"] is mod.transformer.ln_f.weight  # attached at its own FQN
+    assert set(mod.state_dict()) == {"lm_head.weight", "transformer.ln_f.weight"}
+
+
+def test_shared_holders_span_stages(hf_pp2):
+    prog = read_program(hf_pp2)
+    m = build_model(load_model_file(prog.model_path))
+    holders = shared_holders(prog, m, canonical_names(m, prog.tied))
+    assert holders["transformer.wte.weight"] == [0, 1]
+    assert all(len(v) == 1 for k, v in holders.items() if k != "transformer.wte.weight")
+
+
+def test_stage_shapes_chain_on_meta(gpt_pp2):
+    prog = read_program(gpt_pp2)
+    spec = load_model_file(prog.model_path)
+    (in0, out0), (in1, out1) = stage_shapes(prog, build_model(spec), spec)
+    assert in0[0].dtype == torch.long and not in0[0].requires_grad
+    assert out0[0].shape == (1, 64, 64) and out0[0].requires_grad and out0[0].is_meta
+    assert in1[0].shape == out0[0].shape and out1[0].shape == (1, 64, 512)
+
+
+def test_read_program_errors(tmp_path, gpt_pp2):
+    with pytest.raises(PartcError, match="not a directory"):
+        read_program(tmp_path / "missing")
+    broken = tmp_path / "broken"
+    (broken / "program").mkdir(parents=True)
+    (broken / "plan.json").write_text((gpt_pp2 / "plan.json").read_text())
+    with pytest.raises(PartcError, match="manifest.json does not exist"):
+        read_program(broken)
+    for f in (gpt_pp2 / "program").iterdir():
+        (broken / "program" / f.name).write_text(f.read_text())
+    stage1 = broken / "program" / "stage_1.py"
+    stage1.write_text(stage1.read_text().replace("INPUTS = [", "INPUTS = ['extra', "))
+    with pytest.raises(PartcError, match="must be stage 0's OUTPUTS"):
+        read_program(broken)
+
+
+# -- data, mesh, checkpoint keys ---------------------------------------------------------------------------------
+
+
+def test_global_batch_is_deterministic():
+    spec = load_model_file(str(EXAMPLES / "gpt.py"))
+    a, b, c = global_batch(spec, 0, 5, 4), global_batch(spec, 0, 5, 4), global_batch(spec, 0, 6, 4)
+    assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[2], b[2])
+    assert not torch.equal(a[0][0], c[0][0])
+    torch.manual_seed(5)
+    assert torch.equal(a[0][0], spec.inputs(4)[0][0])  # what one process draws after manual_seed(seed + k)
+
+
+def test_parallel_dims():
+    d = ParallelDims(pp=2, dp=3, tp=2, world_size=12)
+    assert [d.rank_of(*d.coords(r)) for r in range(12)] == list(range(12))
+    assert d.coords(7) == (1, 0, 1)
+    with pytest.raises(PartcError, match=r"dp x tp x pp = 3 x 2 x 2 = 12 processes, but 8 were started"):
+        ParallelDims(pp=2, dp=3, tp=2, world_size=8)
+
+
+def test_canonical_checkpoint_keys():
+    canon = {"lm_head.weight": "tok.weight", "tok.weight": "tok.weight"}
+    assert _canon_key("lm_head.weight", canon) == "tok.weight"
+    assert _canon_key("state.lm_head.weight.exp_avg", canon) == "state.tok.weight.exp_avg"
+    assert _canon_key("param_groups.lm_head.weight.lr", canon) == "param_groups.tok.weight.lr"
+    assert _canon_key("state.blocks.0.w.step", canon) == "state.blocks.0.w.step"
+
+
+# -- command lines -----------------------------------------------------------------------------------------------
+
+
+def test_runtime_world_size_mismatch(gpt_pp2, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert runtime_main([str(gpt_pp2)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: the plan needs dp x tp x pp = 1 x 1 x 2 = 2 processes, but 3 were started; run "
+                   "`partc run OUT` or torchrun --nproc-per-node 2")
+
+
+def test_runtime_needs_torchrun(gpt_pp2, monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert runtime_main([str(gpt_pp2), "--steps", "1"]) == 2
+    assert "runs under torchrun" in capsys.readouterr().err
+
+
+def test_partc_run(gpt_pp2):
+    cmd = torchrun_command(str(gpt_pp2), ["--steps", "3"])
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "-m", "partc.runtime", str(gpt_pp2), "--steps", "3"]
+    res = CliRunner().invoke(cli, ["run", str(gpt_pp2), "--nproc-per-node", "3", "--steps", "1"])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [
+        "error: the plan needs dp x tp x pp = 1 x 1 x 2 = 2 processes, not --nproc-per-node 3; compile a plan for "
+        "3 GPUs"]
+
+
+def test_collectives_are_identity_on_one_rank():
+    x = torch.randn(2, 4, requires_grad=True)
+    collectives.set_tp_group(None)
+    for fn in (collectives.copy_to_tp, collectives.reduce_from_tp):
+        assert fn(x) is x
+    for fn in (collectives.gather_from_tp, collectives.scatter_to_tp, collectives.reduce_scatter_to_tp):
+        assert fn(x, -1) is x
+
+
+def test_api_in_one_process(tmp_path):
+    """partc.runtime.load on a one-rank plan in this process: steps, load_state_dict, --init-checkpoint
+    (safetensors), save / load, full_state_dict, against the single-process reference."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    import partc.runtime
+    from partc.runtime.testing import reference_run
+
+    out = _compile(tmp_path, "gpt", pp=1, mb=2, gbs=4)
+    spec = load_model_file(str(EXAMPLES / "gpt.py"))
+    torch.manual_seed(0)
+    init = spec.build().state_dict()
+    save_file(init, str(tmp_path / "init.safetensors"))
+    losses, want = reference_run(str(EXAMPLES / "gpt.py"), init, steps=2, seed=0, global_batch_size=4,
+                                 optimizer="sgd", lr=0.5)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        prog = partc.runtime.load(out, optimizer="sgd", lr=0.5, init_checkpoint=tmp_path / "init.safetensors")
+        got = [prog.step(*prog.batch(k)) for k in range(2)]
+        assert got == pytest.approx(losses, rel=1e-6)
+        sd = prog.full_state_dict()
+        assert list(sd) == list(want) and all(torch.allclose(sd[k], want[k], rtol=1e-5, atol=1e-7) for k in want)
+        assert prog.save(tmp_path / "ck", step=2).name == "step-00000002"
+        prog.load_state_dict(init)
+        assert torch.equal(prog.full_state_dict()["lm_head.weight"], init["lm_head.weight"])
+        assert prog.load(tmp_path / "ck") == 2
+        assert all(torch.equal(v, sd[k]) for k, v in prog.full_state_dict().items())
+        with pytest.raises(ValueError, match="global batch is 4 samples, got 2"):
+            prog.step((torch.zeros(2, 64, dtype=torch.long),), torch.zeros(2, 64, dtype=torch.long))
+    finally:
+        dist.destroy_process_group()
