@@ -322,8 +322,17 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     for fqn, sh in rw.shards.items():
         for alias in aliases.get(fqn, [fqn]):
             shards[alias] = {"dim": sh.dim, "fused": sh.fused}
+    # Parameters of fused projections (q, k and v in one weight), whatever their style: a checkpoint stores them
+    # as [pieces, rows / pieces, ...] so that their TP split is a plain split and any plan can read them back.
+    fused = {}
+    for layer in layers.values():
+        if layer.fused > 1:
+            for fqn in layer.params:
+                sh = tp_rewrite.param_shard(layer, fqn, "colwise")
+                if sh is not None and sh.fused > 1:
+                    fused[fqn] = {"dim": sh.dim, "pieces": sh.fused}
     manifest = {
-        "tp": {"degree": t, "shards": shards},
+        "tp": {"degree": t, "shards": shards, "fused": fused},
         "model_path": model_path, "entry": entry, "micro_batch_size": plan.parallel.micro_batch_size,
         "num_stages": len(plan.stages),
         "stages": [{"index": s.index, "file": f"stage_{s.index}.py", "rank": s.index % plan.parallel.pp}
