@@ -28,33 +28,48 @@ class Cluster:
     memory_bytes: int
     """HBM per GPU, as the driver reports it."""
     memory_reserve_bytes: int = 4 * GiB
-    """Held back from `memory_bytes`: CUDA context, NCCL buffers, allocator fragmentation and workspace. A
-    plan must fit in ``memory_bytes - memory_reserve_bytes``."""
+    """Held back from `memory_bytes`; a plan must fit in ``memory_bytes - memory_reserve_bytes`` (the search
+    never chooses one that does not, and ``--from-plan`` rejects it). 4 GiB covers what the cost model does not
+    count: the CUDA context and cuBLAS/cuDNN workspaces (about 0.5-1 GiB), NCCL's communication buffers (a few
+    hundred MiB per communicator, and a plan has TP, DP and PP communicators), and the caching allocator's
+    fragmentation, which leaves blocks reserved but unusable when activations of different sizes come and go
+    (commonly 5% or more of what is allocated)."""
     peak_flops: float
     """Dense 16-bit tensor-core FLOP/s (datasheet)."""
     gemm_efficiency: float = 0.75
-    """Fraction of `peak_flops` that a large, well-shaped GEMM reaches."""
-    gemm_half_size: float = 96.0
-    """A GEMM dimension of this many elements halves the efficiency: smaller GEMMs run below peak
-    (efficiency per dimension d is d / (d + gemm_half_size))."""
+    """Fraction of `peak_flops` that a large GEMM reaches when compute-bound, before the tile, wave and
+    short-k factors of `passes.hw.gemm_efficiency`. A100: 0.75, fitted on Megatron-LM's Table 1 (fp16,
+    cuBLAS 11): an 8192³ product comes out at 0.73 (226 TFLOP/s), the QKV product of the 145.6B row (TP 8,
+    b = 2: 4096 x 4608 x 12288) at 0.68 (213 TFLOP/s)."""
+    num_sms: int = 108
+    """Streaming multiprocessors (datasheet: A100 108, H100/H200 SXM 132). GEMM output tiles run in waves of
+    this many; the last wave is partly idle (wave quantization)."""
+    gemm_half_size: float = 64.0
+    """An inner dimension k of this many elements halves the compute-bound efficiency (k / (k + this)): a short
+    k leaves each tile's main loop too short to hide its prologue and epilogue. It matters for attention's score
+    product (k = the head dimension, 0.67 at k = 128)."""
     memory_bandwidth: float
     """HBM bytes/s (datasheet)."""
-    memory_efficiency: float = 0.8
-    """Fraction of `memory_bandwidth` that memory-bound kernels (elementwise, norms, softmax) reach."""
+    memory_efficiency: float = 0.9
+    """Fraction of `memory_bandwidth` that memory-bound kernels (elementwise, norms, softmax, and GEMMs below the
+    roofline's ridge point) reach: A100 80GB 0.9 (1.84 TB/s; stream benchmarks measure 1.7-1.9 TB/s)."""
     intra_node_bandwidth: float
     """Bytes/s each way per GPU inside a node (NVLink), datasheet."""
     inter_node_bandwidth: float
-    """Bytes/s each way per GPU across nodes (InfiniBand), datasheet."""
+    """Bytes/s each way per GPU across nodes (InfiniBand), datasheet: one adapter per GPU."""
     intra_node_efficiency: float = 0.8
-    """Fraction of `intra_node_bandwidth` that ring collectives reach (NCCL bus bandwidth)."""
+    """Fraction of `intra_node_bandwidth` that ring collectives reach (NCCL bus bandwidth): A100 0.8, 240 GB/s
+    (nccl-tests all_reduce on DGX A100 NVSwitch: about 230 GB/s)."""
     inter_node_efficiency: float = 0.9
-    """Fraction of `inter_node_bandwidth` that ring collectives reach."""
+    """Fraction of `inter_node_bandwidth` that ring collectives reach: 22.5 GB/s of HDR's 25 GB/s per adapter. A
+    group with r members per node crosses nodes on r adapters (`passes.hw.link`)."""
     intra_node_latency: float = 5e-6
     """Seconds per ring step inside a node."""
     inter_node_latency: float = 10e-6
     """Seconds per ring step across nodes."""
     dp_overlap: float = 0.0
-    """Fraction of the data-parallel gradient reduction hidden behind backward compute."""
+    """Fraction of the data-parallel gradient reduction hidden behind backward compute. 0: the reduction runs
+    after the last backward, as in Megatron-LM's own ("local") DDP that the pipelined Table 1 runs used."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,7 +103,9 @@ class Cluster:
 
 
 # Datasheet rates from calibration.md section 4 (NVLink: per direction; InfiniBand: 8x 200 Gb/s HDR per 8-GPU
-# node = 25 GB/s per GPU each way; NDR 400 Gb/s = 50 GB/s for Hopper nodes).
+# node = 25 GB/s per GPU each way; NDR 400 Gb/s = 50 GB/s for Hopper nodes). The achievable fractions (the
+# field defaults) are A100's, calibrated against Megatron-LM's Table 1 (benchmarks/megatron_table1.py); the
+# Hopper presets take them unmeasured, with their own datasheet rates and SM count.
 PRESETS: dict[str, Cluster] = {
     "a100-80g": Cluster(
         name="a100-80g", gpu="NVIDIA A100 SXM 80GB", memory_bytes=81920 * MiB,
@@ -97,12 +114,12 @@ PRESETS: dict[str, Cluster] = {
     ),
     "h100-80g": Cluster(
         name="h100-80g", gpu="NVIDIA H100 SXM 80GB", memory_bytes=81559 * MiB,
-        peak_flops=989e12, memory_bandwidth=3.35e12,
+        peak_flops=989e12, memory_bandwidth=3.35e12, num_sms=132,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
     ),
     "h200-141g": Cluster(
         name="h200-141g", gpu="NVIDIA H200 SXM 141GB", memory_bytes=143771 * MiB,
-        peak_flops=989e12, memory_bandwidth=4.8e12,
+        peak_flops=989e12, memory_bandwidth=4.8e12, num_sms=132,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
     ),
 }

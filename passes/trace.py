@@ -12,7 +12,12 @@ Everything is measured for one sample (micro-batch size 1); the cost model scale
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import os
 import re
+import sys
 import time
 import traceback
 from collections import defaultdict
@@ -33,9 +38,21 @@ aten = torch.ops.aten
 
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.RMSNorm)
 
-# Ops that return an alias of their input without moving data but are not flagged `is_view` (matmul's and
-# reshape's decompositions emit `_unsafe_view` of every GEMM output): they cost no memory traffic.
-ALIAS_OPS = (aten._unsafe_view,)
+# Ops that move no data: aliases not flagged `is_view` (matmul's and reshape's decompositions emit `_unsafe_view`
+# of every GEMM output) and allocations that leave memory uninitialized.
+NO_TRAFFIC_OPS = (aten._unsafe_view, aten.empty_like, aten.empty, aten.new_empty, aten.empty_strided)
+# Dropout runs (as exported, and on meta) as its composite: a floating-point keep-mask drawn by `bernoulli_`,
+# scaled by `div_`, then multiplied in. A GPU runs `aten.native_dropout` instead, one fused kernel that reads the
+# input and writes the output and a 1-byte bool mask (Korthikanti et al. count the mask at 1 byte too). So a mask
+# (the output of `MASK_OPS`) is saved at `MASK_BYTES` per element, and its traffic is that of the fused kernel:
+# written once at `MASK_BYTES` by `bernoulli_`, never read or rescaled by the ops that use it.
+MASK_OPS = (aten.bernoulli, aten.bernoulli_)
+MASK_BYTES = 1
+# The attention core that selective recomputation replays (Korthikanti et al.): what a fused attention op saves
+# is dropped, except its own inputs, which the replay needs (an input nothing else saves is kept in its place).
+# Outside such an op (attention written out as matmul / softmax / dropout), the core is what carries two
+# sequence dimensions after a heads dimension (scores, probabilities, their dropout mask).
+CORE_OPS = (aten.scaled_dot_product_attention.default,)
 
 
 # ----------------------------------------------------------------------------------------------- 1. export
@@ -43,13 +60,39 @@ ALIAS_OPS = (aten._unsafe_view,)
 def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "") -> torch.export.ExportedProgram:
     """Export `model` (already on meta) with meta example inputs. Errors name the module and source line."""
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        with _quiet_export():
+            return torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - anything export raises is a model the tracer cannot handle
         where = _locate_failure(model, args, kwargs, e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
         hint = _hint(e)
         raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
             from None
+
+
+# When torch.export meets data-dependent code it logs warnings and prints the partial graph to stderr; the one-line
+# PartcError already says what failed and where, so that output is dropped on failure (and passed on on success).
+# TORCH_LOGS, when set, is left to the user.
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+@contextlib.contextmanager
+def _quiet_export():
+    if os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+        sys.stderr.write(captured.getvalue())
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 def _user_frame(tb) -> str:
@@ -102,6 +145,9 @@ def _locate_failure(model: nn.Module, args, kwargs, export_error: Exception) -> 
 
 def _hint(e: Exception) -> str:
     text = f"{type(e).__name__} {e}"
+    if re.search(r"nonzero|data-independent|unbacked", text, re.I):
+        return ("; an op's output shape depends on tensor values (boolean-mask indexing, nonzero, unique): use "
+                "fixed-shape ops such as torch.where or multiplying by a mask")
     if re.search(r"data.dependent|GuardOnDataDependent|meta tensor|item\(\)|Could not guard", text, re.I):
         return ("; replace Python control flow on tensor values (if/while on a tensor, .item(), .tolist()) with "
                 "tensor ops such as torch.where, or compute it outside forward")
@@ -116,7 +162,10 @@ class NodeStats:
     conv_flops: float = 0.0
     memory_bytes: int = 0
     saved: list[tuple[int, int, bool]] = field(default_factory=list)
-    """(storage key, bytes at 16-bit, carries two sequence dims) per tensor first saved by this node."""
+    """(storage key, bytes at 16-bit, dropped by selective recomputation) per tensor first saved by this node."""
+    core_input_bytes: int = 0
+    """For an attention-core op: bytes of its inputs that no op saves, which selective recomputation must keep
+    to replay it (they offset what it drops)."""
 
 
 def _act_bytes(t: torch.Tensor, numel: int | None = None) -> int:
@@ -131,14 +180,23 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.node: torch.fx.Node | None = None
         self.stats: dict[torch.fx.Node, NodeStats] = defaultdict(NodeStats)
+        self.mask_storages: set[int] = set()
+        """Storages of dropout keep-masks (outputs of `MASK_OPS`): saved at `MASK_BYTES` per element."""
+        self._masks: list[torch.Tensor] = []  # kept alive so that no other tensor reuses a mask's storage key
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in MASK_OPS and isinstance(out, torch.Tensor):
+            self.mask_storages.add(out.untyped_storage()._cdata)
+            self._masks.append(out)
+            if self.node is not None:
+                self.stats[self.node].memory_bytes += out.numel() * MASK_BYTES
+            return out
         if self.node is None:
             return out
         st = self.stats[self.node]
-        packet = func.overloadpacket
         if packet in (aten.mm, aten.addmm):
             a, b = (args[1], args[2]) if packet is aten.addmm else (args[0], args[1])
             st.gemms.append(Gemm(batch=1, m=a.shape[0], n=b.shape[1], k=a.shape[1], batch_scales=False))
@@ -147,11 +205,12 @@ class _Recorder(TorchDispatchMode):
             st.gemms.append(Gemm(batch=a.shape[0], m=a.shape[1], n=b.shape[2], k=a.shape[2], batch_scales=True))
         elif packet in flop_registry:
             st.conv_flops += float(flop_registry[packet](*args, **kwargs, out_val=out))
-        elif not func.is_view and packet not in ALIAS_OPS:
+        elif not func.is_view and packet not in NO_TRAFFIC_OPS:
             tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
             outs = out if isinstance(out, (tuple, list)) else [out]
             tensors += [x for x in outs if isinstance(x, torch.Tensor)]
-            st.memory_bytes += sum(_act_bytes(x) for x in tensors)
+            st.memory_bytes += sum(_act_bytes(x) for x in tensors
+                                   if x.untyped_storage()._cdata not in self.mask_storages)
         return out
 
 
@@ -168,6 +227,12 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
     ep_nodes = {n.name: n for n in ep.graph.nodes}
     recorder = _Recorder()
     seen_storages: set[int] = set()
+    core_inputs: dict[torch.fx.Node, dict[int, int]] = {}  # attention-core node -> input storage -> bytes
+    alive: list[torch.Tensor] = []  # the inputs of core nodes, kept so that no later tensor reuses their keys
+
+    def storage_bytes(t: torch.Tensor) -> int:
+        numel = t.untyped_storage().nbytes() // max(t.element_size(), 1)
+        return numel * MASK_BYTES if t.untyped_storage()._cdata in recorder.mask_storages else _act_bytes(t, numel)
 
     def pack(t: torch.Tensor):
         node = recorder.node
@@ -177,23 +242,53 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
         if key in param_storages or key in seen_storages:
             return t
         seen_storages.add(key)
-        numel = t.untyped_storage().nbytes() // max(t.element_size(), 1)
-        core = seq_len is not None and t.dim() >= 2 and t.shape[-1] == seq_len and t.shape[-2] == seq_len
-        recorder.stats[node].saved.append((key, _act_bytes(t, numel), core))
+        if node in core_inputs:
+            core = key not in core_inputs[node]
+        else:  # [.., heads, s, s] (or [heads, s, s]); not a [1, s, h] hidden state of a model whose h equals s
+            core = (seq_len is not None and t.dim() >= 3 and t.shape[-3] > 1 and t.shape[-1] == seq_len
+                    and t.shape[-2] == seq_len)
+        recorder.stats[node].saved.append((key, storage_bytes(t), core))
         return t
 
     class Interp(torch.fx.Interpreter):
         def run_node(self, n):
             recorder.node = ep_nodes.get(n.name)
+            if n.op == "call_function" and n.target in CORE_OPS and recorder.node is not None:
+                inputs = [a for a in fx_pytree.tree_flatten(self.fetch_args_kwargs_from_env(n))[0]
+                          if isinstance(a, torch.Tensor)]
+                core_inputs[recorder.node] = {a.untyped_storage()._cdata: storage_bytes(a) for a in inputs
+                                              if a.untyped_storage()._cdata not in param_storages}
+                alive.extend(inputs)
             try:
                 return super().run_node(n)
+            except Exception as e:  # noqa: BLE001 - an op that exported but cannot run on meta (data-dependent)
+                raise PartcError(_node_failure(ep_nodes.get(n.name, n), e)) from None
             finally:
                 recorder.node = None
 
     flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
-        Interp(gm).run(*flat)
+        interp = Interp(gm)
+        interp.extra_traceback = False  # the PartcError of run_node is one line
+        interp.run(*flat)
+    kept: set[int] = set()
+    for node, inputs in core_inputs.items():
+        for key, nbytes in inputs.items():
+            if key not in seen_storages and key not in kept:
+                kept.add(key)
+                recorder.stats[node].core_input_bytes += nbytes
     return recorder.stats
+
+
+def _node_failure(n: torch.fx.Node, e: Exception) -> str:
+    """One line for an exported op that fails on meta tensors: the op, its module and the user's source line."""
+    stack = _stack_fqns(n)
+    where = f" in module {stack[-1]}" if stack and stack[-1] else ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', n.meta.get("stack_trace") or "")
+    if frames:
+        where += f" at {frames[-1][0]}:{frames[-1][1]}"
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"cannot trace the model: {n.target}{where} fails on meta tensors: {type(e).__name__}: {first}{_hint(e)}"
 
 
 # ----------------------------------------------------------------------------------------------- 3. build
@@ -444,7 +539,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
         else:
             unit.core_gemms.extend(st.gemms)
             unit.memory_bytes += st.memory_bytes
-            unit.saved_bytes_core += sum(b for _, b, core in st.saved if core)
+            unit.saved_bytes_core += sum(b for _, b, core in st.saved if core) - st.core_input_bytes
         # TP leaves whole what is saved outside split regions: norm and residual inputs, inputs of colwise layers.
         split_input = layer is not None and layer.kind == "linear" and any(a in sharded_nodes for a in n.args
                                                                            if isinstance(a, torch.fx.Node))

@@ -353,3 +353,95 @@ def test_predict_bad_bounds():
         cost.predict(g, A100, par(pp=2), None, [(0, 2), (3, n)])
     with pytest.raises(PartcError):
         cost.predict(g, A100, par(pp=2), None, [(0, 2), (2, n - 1)])
+
+
+# --- 8. Hardware profile: GEMM roofline, wave quantization, aggregated InfiniBand --------------------------------
+
+
+def test_gemm_roofline_and_waves():
+    big = Gemm(batch=1, m=8192, n=8192, k=8192, batch_scales=False)
+    t = hw.gemm_time(A100, big)
+    eff = big.flops / t / A100.peak_flops
+    assert 0.70 < eff <= A100.gemm_efficiency <= 0.85  # plausible A100 fp16 GEMM (about 226 TFLOP/s)
+    # Wave quantization: W = m·n / (tile · SMs) waves, W / (W + 1/2) of the SMs busy on average; a large product
+    # takes the largest tile.
+    waves = 8192 * 8192 / (256 * 128 * A100.num_sms)
+    k_factor = 8192 / (8192 + A100.gemm_half_size)
+    assert hw.gemm_efficiency(A100, 8192, 8192, 8192) == pytest.approx(
+        A100.gemm_efficiency * waves / (waves + 0.5) * k_factor)
+    # Fewer tiles, lower efficiency: a TP-split GEMM at b = 1 runs slower per FLOP than at b = 8.
+    assert hw.gemm_efficiency(A100, 2048, 4608, 12288) < hw.gemm_efficiency(A100, 16384, 4608, 12288)
+    # A small product takes small tiles to fill the SMs (better than a fraction of a wave of large ones).
+    k_factor = 4096 / (4096 + A100.gemm_half_size)
+    large = 512 * 768 / (256 * 128 * A100.num_sms)
+    small = 512 * 768 / (64 * 64 * A100.num_sms)
+    assert hw.gemm_efficiency(A100, 512, 768, 4096) == pytest.approx(
+        A100.gemm_efficiency * 0.65 * small / (small + 0.5) * k_factor)
+    assert hw.gemm_efficiency(A100, 512, 768, 4096) > A100.gemm_efficiency * large / (large + 0.5) * k_factor
+    # Attention scores (k = head dim 128): the roofline's memory side, 16-bit operands and product.
+    scores = Gemm(batch=32, m=2048, n=2048, k=128, batch_scales=True)
+    mem = hw.memory_time(A100, hw.gemm_bytes(32, 2048, 2048, 128))
+    assert hw.gemm_time(A100, scores) >= mem
+    assert hw.gemm_time(A100, scores) == pytest.approx(
+        max(mem, scores.flops / (A100.peak_flops * hw.gemm_efficiency(A100, 2048, 2048, 128, 32))))
+    # Memory-bound kernels run below the datasheet bandwidth.
+    assert hw.memory_time(A100, 2.039e12) == pytest.approx(1 / A100.memory_efficiency)
+
+
+def test_profile_is_physically_plausible():
+    for name in ("a100-80g", "h100-80g", "h200-141g"):
+        c = PRESETS[name]
+        assert c.gemm_efficiency <= 0.85 and c.memory_efficiency <= 0.95
+        assert c.intra_node_bandwidth * c.intra_node_efficiency <= 450e9
+        assert c.inter_node_bandwidth * c.inter_node_efficiency <= 50e9
+        assert c.memory_reserve_bytes >= 2 * 1024**3
+    assert A100.intra_node_bandwidth * A100.intra_node_efficiency <= 300e9
+    assert A100.inter_node_bandwidth * A100.inter_node_efficiency <= 25e9
+
+
+def test_collectives_across_nodes_use_every_adapter():
+    nbytes = 1e9
+    one = hw.collective_time(A100, "all_reduce", nbytes, 32, spans_nodes=True)
+    eight = hw.collective_time(A100, "all_reduce", nbytes, 32, spans_nodes=True, ranks_per_node=8)
+    bw1, _ = hw.link(A100, spans_nodes=True)
+    bw8, _ = hw.link(A100, spans_nodes=True, ranks_per_node=8)
+    assert bw8 == pytest.approx(min(8 * bw1, hw.link(A100, spans_nodes=False)[0]))  # capped by NVLink
+    assert eight < one
+    # The DP group of (dp=32, tp=1) has 8 members a node; of (dp=32, tp=8), one.
+    assert cost.ranks_per_node(A100, par(dp=32), "dp") == 8
+    assert cost.ranks_per_node(A100, par(dp=32, tp=8), "dp") == 1
+    assert cost.ranks_per_node(A100, par(dp=32, tp=2), "dp") == 4
+    assert cost.ranks_per_node(A100, par(dp=2, tp=2), "dp") == 2
+    assert cost.dp_comm_time(A100, par(dp=32), 1e9, True) == pytest.approx(
+        hw.collective_time(A100, "all_reduce", 2e9, 32, spans_nodes=True, ranks_per_node=8))
+
+
+# --- 9. Interleaved 1F1B and scatter/gather p2p (Narayanan et al. 2021) ----------------------------------------
+
+
+def test_p2p_scatter_gather():
+    """With TP degree t each TP rank sends b·s·h/t to the next stage, which all-gathers it over NVLink."""
+    n = 2 * 2048 * 4096
+    p_ = par(tp=8, pp=4, micro_batch_size=2, global_batch_size=8)
+    want = 2 * (hw.collective_time(A100, "p2p", 2 * n / 8, 2, spans_nodes=True)
+                + hw.collective_time(A100, "all_gather", 2 * n, 8))
+    assert cost.p2p_time(A100, p_, n, True) == pytest.approx(want)
+    assert cost.p2p_time(A100, p_, n, True) < cost.p2p_time(A100, dataclasses.replace(p_, tp=1), n, True)
+    il = dataclasses.replace(p_, schedule="interleaved-1f1b", virtual_stages=2)
+    assert cost.p2p_time(A100, il, n, True) == pytest.approx(2 * want)  # v times the traffic
+
+
+def test_interleaved_bubble_and_microbatches():
+    from partc.plan import check_batching
+    from partc.passes.search import Pins, _configs
+
+    p, m = 4, 8
+    for v in (2, 4):
+        il = par(pp=p, global_batch_size=m, schedule="interleaved-1f1b", virtual_stages=v)
+        assert cost.bubble_fraction(il) * (m + (p - 1) / v) == pytest.approx((p - 1) / v)  # (1/v)(p-1)/m ideal
+        assert cost.bubble_fraction(il) < cost.bubble_fraction(par(pp=p, global_batch_size=m))
+    with pytest.raises(PartcError):
+        check_batching(par(pp=4, global_batch_size=6, schedule="interleaved-1f1b", virtual_stages=2))
+    g = gpt(L=8)
+    configs = list(_configs(g, A100, 8, 24, Pins(schedule="interleaved-1f1b")))
+    assert configs and all(c.num_microbatches % c.pp == 0 and c.virtual_stages >= 2 for c in configs)

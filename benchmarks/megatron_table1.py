@@ -1,0 +1,215 @@
+"""partc's predicted iteration time against Megatron-LM's published Table 1 (Narayanan et al. 2021).
+
+    python benchmarks/megatron_table1.py            # all 10 rows, about a minute (tracing the big models on meta)
+
+For each row: the GPT of examples/gpt.py at that size, compiled for `a100-80g` with the paper's run pinned,
+``--gpus n --tp t --pp p --global-batch-size B --recompute full --micro-batch-size b`` and
+``--schedule interleaved-1f1b`` with v virtual stages where the run interleaved (``1f1b`` otherwise): b and v as
+in Megatron-LM's examples/sc21/run_table_1.sh, the script behind the table (``MBS``, and the layers per rank over
+``--num-layers-per-virtual-pipeline-stage``; 39B and 1T did not interleave). The search picks the ZeRO stage
+(ZeRO-1 moves the same gradient bytes as the paper's all-reduce) and the TP styles and stage split. The last
+columns show the plan partc picks when b and v are left to it as well. The published iteration time is
+F / (n · TFLOP/s per GPU), F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) the FLOPs the paper counts per iteration
+(recompute forward included; ``shared/reference/calibration.md`` section 1).
+
+This file is also the model file it compiles (``partc compile benchmarks/megatron_table1.py``): examples/gpt.py's
+GPT at ``PARTC_GPT_SIZE``, with Megatron-LM's default dropout of 0.1 after the embedding, on the attention
+probabilities and after both residual branches (``--hidden-dropout``, ``--attention-dropout``), which the
+paper's runs kept. Steps 1-3 of `partc.compile.compile_model` (load, trace on meta, search) run here directly
+so that each size is traced once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_GPT_PATH = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+MEGATRON_DROPOUT = 0.1
+"""Megatron-LM's defaults for ``--hidden-dropout`` and ``--attention-dropout``."""
+
+
+def _examples_gpt():
+    name = "partc_examples_gpt_for_table1"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _GPT_PATH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# --- the model file -------------------------------------------------------------------------------------------
+
+def config():
+    return dataclasses.replace(_examples_gpt().config(), dropout=MEGATRON_DROPOUT)
+
+
+def model() -> torch.nn.Module:
+    return _examples_gpt().GPT(config())
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    c = config()
+    return (torch.randint(0, c.vocab_size, (batch_size, c.seq_len)),)
+
+
+def example_targets(batch_size: int) -> torch.Tensor:
+    c = config()
+    return torch.randint(0, c.vocab_size, (batch_size, c.seq_len))
+
+
+# --- the table ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of Narayanan et al. 2021, Table 1 (calibration.md section 1)."""
+
+    size: str
+    """Key of examples/gpt.py's SIZES."""
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float
+    """Published TFLOP/s per GPU."""
+    micro_batch: int
+    """b of the paper's run (``MBS`` in Megatron-LM's examples/sc21/run_table_1.sh)."""
+    virtual_stages: int
+    """v of the paper's run: layers per rank / ``--num-layers-per-virtual-pipeline-stage`` (1: plain 1F1B)."""
+
+
+ROWS = [
+    Row("1.7b", 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1),
+    Row("3.6b", 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1),
+    Row("7.5b", 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1),
+    Row("18.4b", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1),
+    Row("39.1b", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1),
+    Row("76.1b", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+    Row("145.6b", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2),
+    Row("310.1b", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+    Row("529.6b", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+    Row("1008b", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1),
+]
+SEQ_LEN, VOCAB = 2048, 51200
+
+
+def published_time(row: Row) -> float:
+    """Seconds per iteration: F / (n · TFLOP/s), F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))."""
+    s, h, l = SEQ_LEN, row.hidden, row.layers
+    flops = 96 * row.batch * s * l * h * h * (1 + s / (6 * h) + VOCAB / (16 * l * h))
+    return flops / (row.gpus * row.tflops * 1e12)
+
+
+@contextmanager
+def _size(size: str):
+    old = os.environ.get("PARTC_GPT_SIZE")
+    os.environ["PARTC_GPT_SIZE"] = size
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PARTC_GPT_SIZE"]
+        else:
+            os.environ["PARTC_GPT_SIZE"] = old
+
+
+def trace_size(size: str):
+    """compile_model's steps 1 and 2 for this file at `size`: the `ModelGraph` (one trace on meta)."""
+    from partc.passes.load import build_on_meta, load_model_file
+    from partc.passes.trace import trace
+
+    with _size(size):
+        spec = load_model_file(__file__)
+        net = build_on_meta(spec)
+        with torch.device("meta"):
+            args, kwargs = spec.inputs(1)
+        return trace(net, args, kwargs, name=f"gpt-{size}", seq_len=spec.seq_len, path=__file__).graph
+
+
+def pins(row: Row, *, search_batching: bool = False):
+    """The run's choices: t, p, full recomputation, and (unless `search_batching`) its b and v."""
+    from partc.passes.search import Pins
+
+    if search_batching:
+        return Pins(tp=row.tp, pp=row.pp, recompute="full",
+                    schedule="interleaved-1f1b" if row.pp > 1 else "1f1b")
+    v = row.virtual_stages
+    return Pins(tp=row.tp, pp=row.pp, recompute="full", micro_batch_size=row.micro_batch,
+                schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v if v > 1 else None)
+
+
+@dataclass(kw_only=True, slots=True)
+class Result:
+    row: Row
+    published_s: float
+    predicted_s: float
+    candidate: object
+    """The `passes.search.Candidate` chosen."""
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.published_s) / self.published_s
+
+
+def predict_row(row: Row, graph, cluster="a100-80g", *, search_batching: bool = False) -> Result:
+    """compile_model's step 3 with the row's pins."""
+    from partc.cluster import load_cluster
+    from partc.passes.search import search
+
+    clus = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    best = search(graph, clus, row.gpus, global_batch_size=row.batch,
+                  pins=pins(row, search_batching=search_batching)).best
+    assert best is not None, f"no plan fits for {row.size}"
+    return Result(row=row, published_s=published_time(row), predicted_s=best.step_time_s, candidate=best)
+
+
+def table(rows=ROWS, cluster="a100-80g", graphs: dict | None = None, *, search_batching: bool = False
+          ) -> list[Result]:
+    """One `Result` a row; `graphs` (size -> ModelGraph) caches the traces across calls."""
+    graphs = {} if graphs is None else graphs
+    out = []
+    for row in rows:
+        if row.size not in graphs:
+            graphs[row.size] = trace_size(row.size)
+        out.append(predict_row(row, graphs[row.size], cluster, search_batching=search_batching))
+    return out
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    graphs: dict = {}
+    results = table(graphs=graphs)
+    free = table(graphs=graphs, search_batching=True)
+    print("Megatron-LM Table 1 (Narayanan et al. 2021) on a100-80g: published vs predicted iteration time, with the")
+    print("paper's micro-batch b and virtual stages v; last columns: the plan partc picks with b and v free.")
+    print(f"{'params':>7} {'t':>2} {'p':>3} {'GPUs':>5} {'B':>5} {'b':>2} {'v':>2} | {'published':>9} {'predicted':>9} "
+          f"{'error':>7} {'TFLOP/s':>7} | compute/tp/pp/bubble/dp (s)    | partc's pick: b  v  predicted")
+    for r, f in zip(results, free):
+        c, row = r.candidate, r.row
+        par, pred = c.parallel, c.prediction
+        tflops = row.tflops * r.published_s / r.predicted_s
+        parts = "/".join(f"{x:.2f}" for x in (pred.compute_s, pred.tp_comm_s, pred.pp_comm_s, pred.bubble_s,
+                                              pred.dp_comm_s))
+        fp = f.candidate.parallel
+        print(f"{row.size:>7} {row.tp:>2} {row.pp:>3} {row.gpus:>5} {row.batch:>5} {par.micro_batch_size:>2} "
+              f"{par.virtual_stages:>2} | {r.published_s:8.2f}s {r.predicted_s:8.2f}s {100 * r.error:+6.1f}% "
+              f"{tflops:7.1f} | {parts:<30} | {fp.micro_batch_size:>14} {fp.virtual_stages:>2} {f.predicted_s:9.2f}s")
+    errors = [abs(r.error) for r in results]
+    print(f"mean absolute error {100 * sum(errors) / len(errors):.1f}%, max {100 * max(errors):.1f}% "
+          f"({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
