@@ -94,8 +94,9 @@ class Unit:
     saved_bytes: int = 0
     """All activation bytes saved for backward by the unit's ops (parameters excluded)."""
     saved_bytes_core: int = 0
-    """The part of `saved_bytes` that selective recomputation drops: tensors saved by ops outside layers that
-    carry two sequence-length dimensions (attention scores, softmax, dropout over them)."""
+    """The part of `saved_bytes` that selective recomputation drops (Korthikanti et al.'s attention core): what a
+    fused attention op saves, less its inputs that the replay needs; for attention written out as matmul /
+    softmax / dropout, the tensors with a heads dimension and two sequence dimensions."""
     saved_bytes_replicated: int = 0
     """The part of `saved_bytes` that TP does not divide (norm and residual inputs of the block)."""
     input_bytes: int = 0
