@@ -7,8 +7,9 @@ GPipe and interleaved 1F1B (v chunks a rank). For each, `passes.tp` picks the pe
 
 Pruning never loses the optimum of the cost model: a candidate is evaluated in full only while a lower bound of
 its step time, (m + (p - 1)/v) * sum(unit times) / p (a rank runs at least its share of the units, m times plus
-the fill/drain slots), is below the k-th best step time found so far. `prune=False` evaluates all of them (the
-tests compare the two).
+the fill/drain slots), is below the k-th best step time found so far; once its stage split is known, the same
+bound with the busiest rank's actual time decides whether `predict` runs. Two necessary memory conditions skip
+the stage DP for configurations that cannot fit. `prune=False` evaluates all of them (the tests compare the two).
 """
 
 from __future__ import annotations
@@ -72,7 +73,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_pins(gpus: int, pins: Pins, cluster: Cluster, num_units: int) -> None:
+def max_stages(graph: ModelGraph) -> int:
+    """The most pipeline stages (model chunks) a contiguous split can have: one unit each, except that the units
+    required on the first stage (embeddings) share it, and so do those required on the last (final norm, head)."""
+    n = len(graph.units)
+    return max(1, n - max(len(graph.first_unit_required) - 1, 0) - max(len(graph.last_unit_required) - 1, 0))
+
+
+def check_pins(gpus: int, pins: Pins, cluster: Cluster, num_units: int, max_stages: int | None = None) -> None:
     if gpus < 1:
         raise PartcError(f"--gpus must be a positive integer, got {gpus}")
     for name in ("tp", "pp", "dp"):
@@ -86,6 +94,10 @@ def check_pins(gpus: int, pins: Pins, cluster: Cluster, num_units: int) -> None:
         raise PartcError(f"dp x tp x pp = {math.prod(fixed)} but --gpus is {gpus}")
     if pins.pp is not None and pins.pp > num_units:
         raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model has units ({num_units})")
+    if pins.pp is not None and max_stages is not None and pins.pp > max_stages:
+        raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model allows: its {num_units} units "
+                         f"split into at most {max_stages} stages, since the embeddings share the first stage and "
+                         f"the final layers the last")
     if pins.micro_batch_size is not None and pins.micro_batch_size < 1:
         raise PartcError(f"--micro-batch-size must be >= 1, got {pins.micro_batch_size}")
 
@@ -161,6 +173,12 @@ class _Costs:
         return self._get(("params", par.tp, par.micro_batch_size),
                          lambda: cost.unit_param_counts(self.graph, par, self.tp(par)))
 
+    def params_all(self, par: Parallel) -> int:
+        """Parameters of the whole model on one GPU after TP sharding, a tied tensor counted once: no more than the
+        sum over pipeline ranks of what each holds (a rank holding both ends of a tie holds the tensor once)."""
+        return self._get(("params_all", par.tp, par.micro_batch_size),
+                         lambda: cost.stage_param_count(self.graph, par, self.tp(par), range(len(self.graph.units))))
+
     def acts(self, par: Parallel) -> list[float]:
         return self._get(("acts", par.tp, par.micro_batch_size, par.recompute),
                          lambda: cost.unit_activation_bytes(self.graph, par, self.tp(par)))
@@ -174,19 +192,40 @@ class _Costs:
 
     def cut_time(self, par: Parallel) -> list[float]:
         spans = cost.mesh_spans(self.cluster, par)["pp"]
-        return self._get(("cut", par.pp > 1, par.micro_batch_size, spans),
+        return self._get(("cut", par.pp > 1, par.tp, par.micro_batch_size, spans),
                          lambda: [cost._p2p_round_trip(self.cluster, par, c, spans) for c in self.graph.cut_bytes])
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
         least 1/p of the parameters (for DP traffic and the optimizer); with p > 1 each chunk crosses at least
         the cheapest boundary."""
-        p, v, m = par.pp, cost.chunks_per_rank(par), par.num_microbatches
+        p, v = par.pp, cost.chunks_per_rank(par)
         per_rank = sum(self.times(par)) / p
         cuts = self.cut_time(par)
         if p > 1 and cuts:
             per_rank += v * min(cuts)
-        params = sum(self.params(par)) / p
+        return self._step_bound(par, per_rank)
+
+    def split_bound(self, par: Parallel, bounds: list[tuple[int, int]]) -> float:
+        """The same bound for a given stage split, with the busiest rank's own time per micro-batch (its units
+        and, per chunk, the larger of its two boundaries, as `cost.predict` counts them): cheaper than `predict`."""
+        p, times, cuts = par.pp, self.times(par), self.cut_time(par)
+        n = len(times)
+
+        def rank_time(r: int) -> float:
+            total = 0.0
+            for lo, hi in bounds[r::p]:
+                total += sum(times[lo:hi])
+                if p > 1:
+                    total += max(cuts[lo - 1] if lo > 0 else 0.0, cuts[hi - 1] if hi < n else 0.0)
+            return total
+
+        return self._step_bound(par, max(rank_time(r) for r in range(p)))
+
+    def _step_bound(self, par: Parallel, per_rank: float) -> float:
+        """`cost.predict`'s step time for a slowest rank of at least `per_rank` seconds per micro-batch."""
+        p, v, m = par.pp, cost.chunks_per_rank(par), par.num_microbatches
+        params = self.params_all(par) / p  # the most loaded rank holds at least the average
         spans = cost.mesh_spans(self.cluster, par)["dp"]
         return ((m + (p - 1) / v) * per_rank + cost.dp_comm_time(self.cluster, par, params, spans)
                 + cost.optimizer_time(self.cluster, par, params))
@@ -202,9 +241,17 @@ class _Costs:
         # Chunk k runs on rank k % p. With v chunks a rank, each chunk gets 1/v of the memory (`predict` checks
         # the rank's exact total afterwards).
         in_flight = [cost.in_flight(par, k % par.pp) for k in range(chunks)]
-        part = partition_stages(self.times(par), self.cut_time(par), static, self.acts(par), num_stages=chunks,
-                                in_flight=in_flight, mem_limit=mem_limit / v,
-                                extra_mem=[extra_any] * (chunks - 1) + [extra_last],
+        extra = [extra_any] * (chunks - 1) + [extra_last]
+        # Two necessary conditions, cheap next to the DP, that rule out most configurations that cannot fit:
+        # summed over the chunks, memory is at least all static memory plus all activations at the fewest
+        # micro-batches in flight; and the largest unit must fit in some chunk on its own.
+        acts, least, limit = self.acts(par), min(in_flight), mem_limit / v
+        if sum(static) + least * sum(acts) + sum(extra) > chunks * limit * (1 + 1e-9):
+            return None
+        if max(st + least * a for st, a in zip(static, acts)) + min(extra) > limit * (1 + 1e-9):
+            return None
+        part = partition_stages(self.times(par), self.cut_time(par), static, acts, num_stages=chunks,
+                                in_flight=in_flight, mem_limit=limit, extra_mem=extra,
                                 first_required=len(graph.first_unit_required),
                                 last_required=len(graph.last_unit_required))
         return None if part is None else [tuple(b) for b in part.bounds]
@@ -214,10 +261,13 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
            tp_pins: dict[str, str] | None = None, keep: int = 6, prune: bool = True) -> SearchResult:
     """The fastest plan that fits, and the next `keep - 1`."""
     pins = pins or Pins()
-    check_pins(gpus, pins, cluster, len(graph.units))
+    check_pins(gpus, pins, cluster, len(graph.units), max_stages(graph))
     mem_limit = cluster.memory_bytes - cluster.memory_reserve_bytes
     costs = _Costs(graph, cluster, tp_pins)
     configs = list(_configs(graph, cluster, gpus, global_batch_size, pins))
+    if not configs and pins.dp is not None and global_batch_size % (pins.dp * (pins.micro_batch_size or 1)):
+        raise PartcError(f"global batch size {global_batch_size} is not divisible by dp x micro-batch size = "
+                         f"{pins.dp} x {pins.micro_batch_size or 1}")
     if not configs:
         raise PartcError(f"no parallel configuration of {gpus} GPUs matches the pins and a global batch of "
                          f"{global_batch_size} (it must be divisible by dp x micro-batch size)")
@@ -242,6 +292,8 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
                     if least is None or total < least[0]:
                         least = (total, i, Candidate(parallel=par, tp=tp, bounds=loose, prediction=pred))
             continue
+        if prune and len(best) >= keep and costs.split_bound(par, bounds) * (1 - 1e-9) > -best[0][0]:
+            continue  # this split cannot beat the k-th best (the margin keeps float rounding on the safe side)
         pred = cost.predict(graph, cluster, par, tp, bounds)
         if not cost.fits(cluster, pred.memory_per_gpu):
             if least is None or pred.memory_per_gpu.total < least[0]:
