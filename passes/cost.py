@@ -203,17 +203,25 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
     spans_tp = mesh_spans(cluster, par)["tp"]
     per_node = ranks_per_node(cluster, par, "tp")
     out = []
+    seen: dict[tuple, UnitTime] = {}  # identical blocks with identical styles and collectives cost the same
     for unit in graph.units:
+        collectives = [] if tp is None else tp.collectives.get(unit.fqn, [])
+        key = (unit.signature if unit.kind == "block" else unit.fqn,
+               tuple(style_of(tp, f) for f in unit.layers), tuple((c.kind, c.phase, c.nbytes) for c in collectives))
+        if key in seen:
+            out.append(seen[key])
+            continue
         fwd, core = _forward_times(graph, cluster, par, tp, unit)
         mode = recompute_mode(unit, par)
         compute = 3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
         comm = 0.0
-        for c in ([] if tp is None else tp.collectives.get(unit.fqn, [])):
+        for c in collectives:
             once = hw.collective_time(cluster, c.kind, c.nbytes * b, t, spans_nodes=spans_tp,
                                       ranks_per_node=per_node)
             # Recomputing a whole block replays its forward, collectives included.
             comm += 2 * once if (mode == "full" and c.phase == "fwd") else once
-        out.append(UnitTime(compute_s=compute, tp_comm_s=comm))
+        seen[key] = UnitTime(compute_s=compute, tp_comm_s=comm)
+        out.append(seen[key])
     return out
 
 
@@ -248,18 +256,26 @@ def _param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Uni
     return out
 
 
+def unit_param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[dict[str, int]]:
+    """`_param_shards` of every unit, in order (what `predict` and the search reuse across calls)."""
+    return [_param_shards(graph, par, tp, u) for u in graph.units]
+
+
 def unit_param_counts(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[int]:
     """Parameters each unit holds on one GPU after TP sharding; a tied parameter counts on every unit holding it,
     once within the unit."""
-    return [sum(_param_shards(graph, par, tp, u).values()) for u in graph.units]
+    return [sum(d.values()) for d in unit_param_shards(graph, par, tp)]
 
 
 def stage_param_count(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
-                      units: Sequence[int] | Sequence[Unit]) -> int:
-    """Parameters on one GPU of a stage (or rank) holding `units`, tied parameters counted once."""
+                      units: Sequence[int] | Sequence[Unit], shards: list[dict[str, int]] | None = None) -> int:
+    """Parameters on one GPU of a stage (or rank) holding `units`, tied parameters counted once. `shards`:
+    `unit_param_shards`, when the caller has it."""
     merged: dict[str, int] = {}
+    index = {u.fqn: i for i, u in enumerate(graph.units)} if shards is not None else {}
     for u in _unit_list(graph, units):
-        for key, n in _param_shards(graph, par, tp, u).items():
+        own = shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)
+        for key, n in own.items():
             merged[key] = max(merged.get(key, 0), n)
     return sum(merged.values())
 
@@ -421,7 +437,8 @@ def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, i
 
 
 def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
-            bounds: list[tuple[int, int]]) -> Prediction:
+            bounds: list[tuple[int, int]], *, parts: list[UnitTime] | None = None,
+            acts: list[float] | None = None, shards: list[dict[str, int]] | None = None) -> Prediction:
     """Step time, throughput and memory of a plan. Pipeline (Narayanan et al.): every rank runs m micro-batches;
     the slowest rank, T_max seconds per micro-batch (compute + TP comm + p2p), sets the steady-state pace, and
     filling and draining the pipeline costs p - 1 more slots (an upper bound when stages are unbalanced):
@@ -429,13 +446,16 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         interleaved 1F1B: (m + (p - 1)/v) · T_max, T_max summing the v chunks of a rank: the ideal time is still
                           m · T_max, and the fill/drain slot is one chunk, T_max / v (bubble (1/v)·(p - 1)/m).
     Then the exposed DP gradient traffic and the optimizer step of the rank with the most parameters.
+    `parts`, `acts` and `shards` (`unit_time_parts`, `unit_activation_bytes`, `unit_param_shards` of the same
+    graph, par and tp) save recomputing them when the caller has them.
     """
     check_bounds(graph, par, bounds)
     p, v, m, b = par.pp, chunks_per_rank(par), par.num_microbatches, par.micro_batch_size
     if m < 1:
         raise PartcError(f"global batch {par.global_batch_size} is smaller than dp x micro-batch ({par.dp} x {b})")
-    parts = unit_time_parts(graph, cluster, par, tp)
-    acts = unit_activation_bytes(graph, par, tp)
+    parts = parts if parts is not None else unit_time_parts(graph, cluster, par, tp)
+    acts = acts if acts is not None else unit_activation_bytes(graph, par, tp)
+    shards = shards if shards is not None else unit_param_shards(graph, par, tp)
     spans, cut = mesh_spans(cluster, par), graph.cut_bytes
 
     stages, comps = [], []
@@ -447,7 +467,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
         cuts = [max(cut[lo - 1] if lo > 0 else 0, cut[hi - 1] if hi <= len(cut) else 0) for lo, hi in chunks]
         pp_comm = sum(_p2p_round_trip(cluster, par, c, spans["pp"]) for c in cuts)
-        params = stage_param_count(graph, par, tp, idx)
+        params = stage_param_count(graph, par, tp, idx, shards)
         mem = model_state_bytes(params, par)
         mem.activations = in_flight(par, r) * sum(acts[i] for i in idx) + stage_extra_bytes(graph, par, tp, idx)
         stages.append(StagePrediction(index=r, time_s=compute + tp_comm + pp_comm, memory=mem,

@@ -164,14 +164,27 @@ class _Costs:
         return self._get(("tp", par.tp, par.micro_batch_size),
                          lambda: solve_tp(self.graph, par.tp, self.cluster, par.micro_batch_size, self.tp_pins))
 
+    def parts(self, par: Parallel) -> list[cost.UnitTime]:
+        spans = cost.mesh_spans(self.cluster, par)["tp"]
+        return self._get(("parts", par.tp, par.micro_batch_size, par.recompute, spans),
+                         lambda: cost.unit_time_parts(self.graph, self.cluster, par, self.tp(par)))
+
     def times(self, par: Parallel) -> list[float]:
         spans = cost.mesh_spans(self.cluster, par)["tp"]
         return self._get(("times", par.tp, par.micro_batch_size, par.recompute, spans),
-                         lambda: cost.unit_times(self.graph, self.cluster, par, self.tp(par)))
+                         lambda: [u.compute_s + u.tp_comm_s for u in self.parts(par)])
+
+    def shards(self, par: Parallel) -> list[dict[str, int]]:
+        return self._get(("shards", par.tp, par.micro_batch_size),
+                         lambda: cost.unit_param_shards(self.graph, par, self.tp(par)))
 
     def params(self, par: Parallel) -> list[int]:
         return self._get(("params", par.tp, par.micro_batch_size),
-                         lambda: cost.unit_param_counts(self.graph, par, self.tp(par)))
+                         lambda: [sum(d.values()) for d in self.shards(par)])
+
+    def predict(self, par: Parallel, bounds: list[tuple[int, int]]) -> cost.Prediction:
+        return cost.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
+                            acts=self.acts(par), shards=self.shards(par))
 
     def params_all(self, par: Parallel) -> int:
         """Parameters of the whole model on one GPU after TP sharding, a tied tensor counted once: no more than the
@@ -287,14 +300,14 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
             if not best:
                 loose = costs.split_stages(par, mem_limit=math.inf)
                 if loose is not None:
-                    pred = cost.predict(graph, cluster, par, tp, loose)
+                    pred = costs.predict(par, loose)
                     total = pred.memory_per_gpu.total
                     if least is None or total < least[0]:
                         least = (total, i, Candidate(parallel=par, tp=tp, bounds=loose, prediction=pred))
             continue
         if prune and len(best) >= keep and costs.split_bound(par, bounds) * (1 - 1e-9) > -best[0][0]:
             continue  # this split cannot beat the k-th best (the margin keeps float rounding on the safe side)
-        pred = cost.predict(graph, cluster, par, tp, bounds)
+        pred = costs.predict(par, bounds)
         if not cost.fits(cluster, pred.memory_per_gpu):
             if least is None or pred.memory_per_gpu.total < least[0]:
                 least = (pred.memory_per_gpu.total, i, Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred))
