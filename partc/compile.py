@@ -25,7 +25,8 @@ from partc.passes.load import ModelSpec, build_on_meta, load_model_file
 from partc.passes.search import Candidate, Pins, SearchResult, search
 from partc.passes.tp import evaluate_tp
 from partc.passes.codegen import Program, generate, write_program
-from partc.passes.trace import Traced, export_on_meta, trace
+from partc.passes.export import export_on_meta
+from partc.passes.trace import Traced, trace
 
 DEFAULT_BATCH_TOKENS = 2 * 1024 * 1024
 """Default global batch: the smallest multiple of the GPU count holding at least this many tokens (about 2M,

@@ -1,0 +1,118 @@
+"""Export an unmodified model on the meta device; a failure becomes one line naming the module and source line.
+
+``torch.export.export(model, args, kwargs, strict=False)`` with meta parameters and inputs. When it fails, the
+forward runs again eagerly with module hooks to find the module that fails, and the message says what to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import sys
+import traceback
+
+import torch
+from torch import nn
+
+from partc.errors import PartcError
+
+
+def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "") -> torch.export.ExportedProgram:
+    """Export `model` (already on meta) with meta example inputs. Errors name the module and source line."""
+    try:
+        with _quiet_export():
+            return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as e:  # noqa: BLE001 - anything export raises is a model the tracer cannot handle
+        where = _locate_failure(model, args, kwargs, e)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        hint = _hint(e)
+        raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
+            from None
+
+
+# When torch.export meets data-dependent code it logs warnings and prints the partial graph to stderr; the one-line
+# PartcError already says what failed and where, so that output is dropped on failure (and passed on on success).
+# TORCH_LOGS, when set, is left to the user.
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+@contextlib.contextmanager
+def _quiet_export():
+    if os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+        sys.stderr.write(captured.getvalue())
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+
+
+def _user_frame(tb) -> str:
+    """file:line of the deepest frame outside torch and Python's own library."""
+    best = ""
+    for frame in traceback.extract_tb(tb):
+        f = frame.filename.replace("\\", "/")
+        if "/torch/" in f or "/site-packages/torch" in f or "/lib/python3" in f and "site-packages" not in f:
+            continue
+        best = f"{frame.filename}:{frame.lineno}"
+    return best
+
+
+def _locate_failure(model: nn.Module, args, kwargs, export_error: Exception) -> str:
+    """Re-run the forward eagerly on meta with module hooks to name the module that fails."""
+    stack: list[str] = []
+    hooks = []
+    failing: list[str] = []
+
+    def pre(name):
+        def hook(mod, inputs):
+            stack.append(name)
+        return hook
+
+    def post(name):
+        def hook(mod, inputs, output):
+            if stack and stack[-1] == name:
+                stack.pop()
+        return hook
+
+    for name, mod in model.named_modules():
+        hooks.append(mod.register_forward_pre_hook(pre(name or type(model).__name__)))
+        hooks.append(mod.register_forward_hook(post(name or type(model).__name__)))
+    frame = _user_frame(export_error.__traceback__)
+    try:
+        model(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        failing = list(stack)
+        frame = _user_frame(e.__traceback__) or frame
+    finally:
+        for h in hooks:
+            h.remove()
+    parts = []
+    if failing:
+        parts.append(f"in module {failing[-1]}")
+    if frame:
+        parts.append(f"at {frame}")
+    return (" " + " ".join(parts)) if parts else ""
+
+
+def _hint(e: Exception) -> str:
+    text = f"{type(e).__name__} {e}"
+    if re.search(r"nonzero|data-independent|unbacked", text, re.I):
+        return ("; an op's output shape depends on tensor values (boolean-mask indexing, nonzero, unique): use "
+                "fixed-shape ops such as torch.where or multiplying by a mask")
+    if re.search(r"data.dependent|GuardOnDataDependent|meta tensor|item\(\)|Could not guard", text, re.I):
+        return ("; replace Python control flow on tensor values (if/while on a tensor, .item(), .tolist()) with "
+                "tensor ops such as torch.where, or compute it outside forward")
+    return "; the model must run under torch.export.export(model, args, strict=False) on meta tensors"
+

@@ -1,0 +1,184 @@
+"""Measure an exported graph on meta tensors, node by node: GEMM shapes, bytes moved, bytes saved for backward.
+
+The exported program runs once more under a dispatch mode and ``saved_tensors_hooks``; every kernel and every
+tensor autograd saves is attributed to the FX node being interpreted. One sample (micro-batch size 1).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.fx._pytree as fx_pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from partc.errors import PartcError
+from partc.ir import ACTIVATION_BYTES, Gemm
+from partc.passes.export import _hint
+
+aten = torch.ops.aten
+
+
+# Ops that move no data: aliases not flagged `is_view` (matmul's and reshape's decompositions emit `_unsafe_view`
+# of every GEMM output) and allocations that leave memory uninitialized.
+NO_TRAFFIC_OPS = (aten._unsafe_view, aten.empty_like, aten.empty, aten.new_empty, aten.empty_strided)
+# Dropout runs (as exported, and on meta) as its composite: a floating-point keep-mask drawn by `bernoulli_`,
+# scaled by `div_`, then multiplied in. A GPU runs `aten.native_dropout` instead, one fused kernel that reads the
+# input and writes the output and a 1-byte bool mask (Korthikanti et al. count the mask at 1 byte too). So a mask
+# (the output of `MASK_OPS`) is saved at `MASK_BYTES` per element, and its traffic is that of the fused kernel:
+# written once at `MASK_BYTES` by `bernoulli_`, never read or rescaled by the ops that use it.
+MASK_OPS = (aten.bernoulli, aten.bernoulli_)
+MASK_BYTES = 1
+# The attention core that selective recomputation replays (Korthikanti et al.): what a fused attention op saves
+# is dropped, except its own inputs, which the replay needs (an input nothing else saves is kept in its place).
+# Outside such an op (attention written out as matmul / softmax / dropout), the core is what carries two
+# sequence dimensions after a heads dimension (scores, probabilities, their dropout mask).
+CORE_OPS = (aten.scaled_dot_product_attention.default,)
+
+
+@dataclass(slots=True)
+class NodeStats:
+    gemms: list[Gemm] = field(default_factory=list)
+    conv_flops: float = 0.0
+    memory_bytes: int = 0
+    saved: list[tuple[int, int, bool]] = field(default_factory=list)
+    """(storage key, bytes at 16-bit, dropped by selective recomputation) per tensor first saved by this node."""
+    core_input_bytes: int = 0
+    """For an attention-core op: bytes of its inputs that no op saves, which selective recomputation must keep
+    to replay it (they offset what it drops)."""
+
+
+def _act_bytes(t: torch.Tensor, numel: int | None = None) -> int:
+    numel = t.numel() if numel is None else numel
+    return numel * (ACTIVATION_BYTES if t.dtype.is_floating_point else t.element_size())
+
+
+class _Recorder(TorchDispatchMode):
+    """Attributes dispatched kernels to the FX node being interpreted."""
+
+    def __init__(self):
+        super().__init__()
+        self.node: torch.fx.Node | None = None
+        self.stats: dict[torch.fx.Node, NodeStats] = defaultdict(NodeStats)
+        self.mask_storages: set[int] = set()
+        """Storages of dropout keep-masks (outputs of `MASK_OPS`): saved at `MASK_BYTES` per element."""
+        self._masks: list[torch.Tensor] = []  # kept alive so that no other tensor reuses a mask's storage key
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in MASK_OPS and isinstance(out, torch.Tensor):
+            self.mask_storages.add(out.untyped_storage()._cdata)
+            self._masks.append(out)
+            if self.node is not None:
+                self.stats[self.node].memory_bytes += out.numel() * MASK_BYTES
+            return out
+        if self.node is None:
+            return out
+        st = self.stats[self.node]
+        if packet in (aten.mm, aten.addmm):
+            a, b = (args[1], args[2]) if packet is aten.addmm else (args[0], args[1])
+            st.gemms.append(Gemm(batch=1, m=a.shape[0], n=b.shape[1], k=a.shape[1], batch_scales=False))
+        elif packet in (aten.bmm, aten.baddbmm):
+            a, b = (args[1], args[2]) if packet is aten.baddbmm else (args[0], args[1])
+            st.gemms.append(Gemm(batch=a.shape[0], m=a.shape[1], n=b.shape[2], k=a.shape[2], batch_scales=True))
+        elif packet in flop_registry:
+            st.conv_flops += float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif not func.is_view and packet not in NO_TRAFFIC_OPS:
+            tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            tensors += [x for x in outs if isinstance(x, torch.Tensor)]
+            st.memory_bytes += sum(_act_bytes(x) for x in tensors
+                                   if x.untyped_storage()._cdata not in self.mask_storages)
+        return out
+
+
+def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len: int | None
+            ) -> dict[torch.fx.Node, NodeStats]:
+    """Run the exported program on meta, node by node; return per-node GEMMs, bytes moved and bytes saved."""
+    gm = ep.module()
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    for p in params.values():
+        p.requires_grad_(True)
+    param_storages = {p.untyped_storage()._cdata for p in params.values()}
+    param_storages |= {b.untyped_storage()._cdata for b in gm.buffers()}
+    # Map nodes of gm.graph back to the exported graph's nodes by name (ep.module() keeps the names).
+    ep_nodes = {n.name: n for n in ep.graph.nodes}
+    recorder = _Recorder()
+    seen_storages: set[int] = set()
+    core_inputs: dict[torch.fx.Node, dict[int, int]] = {}  # attention-core node -> input storage -> bytes
+    alive: list[torch.Tensor] = []  # the inputs of core nodes, kept so that no later tensor reuses their keys
+
+    def storage_bytes(t: torch.Tensor) -> int:
+        numel = t.untyped_storage().nbytes() // max(t.element_size(), 1)
+        return numel * MASK_BYTES if t.untyped_storage()._cdata in recorder.mask_storages else _act_bytes(t, numel)
+
+    def pack(t: torch.Tensor):
+        node = recorder.node
+        if node is None:
+            return t
+        key = t.untyped_storage()._cdata
+        if key in param_storages or key in seen_storages:
+            return t
+        seen_storages.add(key)
+        if node in core_inputs:
+            core = key not in core_inputs[node]
+        else:  # [.., heads, s, s] (or [heads, s, s]); not a [1, s, h] hidden state of a model whose h equals s
+            core = (seq_len is not None and t.dim() >= 3 and t.shape[-3] > 1 and t.shape[-1] == seq_len
+                    and t.shape[-2] == seq_len)
+        recorder.stats[node].saved.append((key, storage_bytes(t), core))
+        return t
+
+    class Interp(torch.fx.Interpreter):
+        def run_node(self, n):
+            recorder.node = ep_nodes.get(n.name)
+            if n.op == "call_function" and n.target in CORE_OPS and recorder.node is not None:
+                inputs = [a for a in fx_pytree.tree_flatten(self.fetch_args_kwargs_from_env(n))[0]
+                          if isinstance(a, torch.Tensor)]
+                core_inputs[recorder.node] = {a.untyped_storage()._cdata: storage_bytes(a) for a in inputs
+                                              if a.untyped_storage()._cdata not in param_storages}
+                alive.extend(inputs)
+            try:
+                return super().run_node(n)
+            except Exception as e:  # noqa: BLE001 - an op that exported but cannot run on meta (data-dependent)
+                raise PartcError(_node_failure(ep_nodes.get(n.name, n), e)) from None
+            finally:
+                recorder.node = None
+
+    flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+        interp = Interp(gm)
+        interp.extra_traceback = False  # the PartcError of run_node is one line
+        interp.run(*flat)
+    kept: set[int] = set()
+    for node, inputs in core_inputs.items():
+        for key, nbytes in inputs.items():
+            if key not in seen_storages and key not in kept:
+                kept.add(key)
+                recorder.stats[node].core_input_bytes += nbytes
+    return recorder.stats
+
+
+def _node_failure(n: torch.fx.Node, e: Exception) -> str:
+    """One line for an exported op that fails on meta tensors: the op, its module and the user's source line."""
+    stack = stack_fqns(n)
+    where = f" in module {stack[-1]}" if stack and stack[-1] else ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', n.meta.get("stack_trace") or "")
+    if frames:
+        where += f" at {frames[-1][0]}:{frames[-1][1]}"
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"cannot trace the model: {n.target}{where} fails on meta tensors: {type(e).__name__}: {first}{_hint(e)}"
+
+
+def stack_fqns(node: torch.fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for path, _type in stack.values():
+        path = re.sub(r"@\d+$", "", path)
+        out.append(path)
+    return out
