@@ -177,7 +177,8 @@ def print_summary(result, plan_path: Path) -> None:
     if result.search is not None:
         searched = f"; {result.search.considered} plans considered, {result.search.evaluated} evaluated in full"
     program = plan_path.parent / "program"
-    console.print(f"wrote {plan_path} and {program}/ ({len(plan["stages"])} stage file{"s" if len(plan["stages"]) > 1 else ""})  (trace "
+    files = f"{len(plan['stages'])} stage file" + ("s" if len(plan["stages"]) > 1 else "")
+    console.print(f"wrote {plan_path} and {program}/ ({files})  (trace "
                   f"{timings['trace']:.1f}s, passes {timings['passes']:.1f}s, solve {timings['solve']:.1f}s, codegen "
                   f"{timings['codegen']:.1f}s{searched})")
     console.print(f"run it: partc run {plan_path.parent} --steps N   (or torchrun --nproc-per-node "
