@@ -7,7 +7,12 @@
 Step k trains on ``torch.manual_seed(seed + k); example_inputs(G), example_targets(G)`` (see `partc.runtime.train`).
 Rank 0 prints loss, tokens/s and step time each step. ``--checkpoint-dir DIR --checkpoint-every K`` writes a
 sharded checkpoint every K steps and at the end; ``--resume`` continues from the newest one in DIR (written under
-any plan of the same model). Errors in the input print one line and exit with code 2.
+any plan of the same model, any dp, tp and pp). ``--init-checkpoint`` and ``--save-full-state-dict`` take and
+give whole tensors under the model's own names: each rank reads its tensor-parallel shards out of the file, and
+the saved file has the shards gathered. Errors in the input print one line and exit with code 2.
+
+The process leaves through `exit_now` (``os._exit`` once the files are written and the process group is gone):
+gloo sometimes aborts a finished process during interpreter teardown, which torchrun would report as a failure.
 
 Fault injection (tests): ``PARTC_FAULT_EXIT=RANK:STEP`` makes global rank RANK exit with status 1 right after
 step STEP (0-based), as a crashed process would.
@@ -37,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
     p.add_argument("--init-checkpoint", default=None,
-                   help="initial weights: torch.save(model.state_dict()) or a safetensors file")
+                   help="initial weights: torch.save(model.state_dict()) or a safetensors file (whole tensors)")
     p.add_argument("--log-jsonl", default=None, help="rank 0 appends {step, loss, tokens_per_s, step_time_s} lines")
     p.add_argument("--save-full-state-dict", default=None,
                    help="at the end, gather the model's state_dict() and torch.save it here (rank 0)")
@@ -122,5 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Leave with `code` without interpreter finalization. Gloo's worker threads, torn down there after a
+    successful run, now and then abort the process ("terminate called without an active exception", SIGABRT),
+    which torchrun would report as a failed rank. Everything is written and the process group destroyed by now;
+    flush the standard streams and go."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except SystemExit as e:  # argparse errors and --help
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    exit_now(code)

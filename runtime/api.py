@@ -10,9 +10,14 @@
     prog.save("ckpt/")                      # sharded; prog.load("ckpt/") under any plan of the same model
     sd = prog.full_state_dict()             # rank 0: the model's own state_dict(); None elsewhere
 
-`load` does, in order: read the program, join the mesh, build the model with parameters on meta, allocate and
-initialize this rank's stages only, wrap each stage file as a module, apply ZeRO, build the optimizers and the
+`load` does, in order: read the program, join the mesh (and give the stage files its tp group), build the model
+with parameters on meta, allocate and initialize this rank's stages only (with tensor parallelism, this tp rank's
+shard of each split parameter), wrap each stage file as a module, apply ZeRO, build the optimizers and the
 pipeline schedule.
+
+Tensor parallelism is in the stage files: they hold local shards and call `partc.runtime.collectives`. Everything
+here that meets a whole tensor (a state dict you pass or get back, a checkpoint) converts between whole tensors
+and shards with `partc.runtime.shards.TPLayout`, so none of it depends on the plan.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from partc.runtime.materialize import (build_model, canonical_names, init_weight
 from partc.runtime.mesh import World, init_world
 from partc.runtime.parallelize import GradSync, OptimizerConfig, build_optimizers, parallelize
 from partc.runtime.program import Program as ProgramFiles, StageFile, read_program
+from partc.runtime.shards import TPLayout
 from partc.runtime.stage import StageModule
 from partc.runtime.train import PipelineRunner, global_batch, stage_shapes
 
@@ -41,7 +47,7 @@ class Program:
 
     def __init__(self, *, files: ProgramFiles, spec: ModelSpec, world: World, model: nn.Module,
                  stages: list[StageModule], optimizers: list[torch.optim.Optimizer], runner: PipelineRunner,
-                 canon: dict[str, str], seed: int):
+                 canon: dict[str, str], layout: TPLayout, seed: int):
         self.files = files
         self.plan = files.plan
         self.spec = spec
@@ -51,7 +57,9 @@ class Program:
         self.optimizers = optimizers
         self.runner = runner
         self.seed = seed
-        self.states = checkpoint.StateDicts(stages, optimizers, canon)
+        self.layout = layout
+        """Which parameters the program splits over tp, and how (`partc.runtime.shards`)."""
+        self.states = checkpoint.StateDicts(stages, optimizers, canon, layout, world)
         self._model_keys = model.state_dict(keep_vars=True)
 
     # -- training ----------------------------------------------------------------------------------------------
@@ -80,8 +88,9 @@ class Program:
         self.states.load_model(state, full=True)
 
     def full_state_dict(self) -> dict[str, Tensor] | None:
-        """The model's ``state_dict()`` (same keys and shapes) on rank 0, None elsewhere. Collective."""
-        return checkpoint.full_state_dict(self.states, self.world, self._model_keys)
+        """The model's ``state_dict()`` (same keys and shapes: tensor-parallel shards gathered) on rank 0, None
+        elsewhere. Collective."""
+        return checkpoint.full_state_dict(self.states, self._model_keys)
 
     def save(self, directory: str | Path, step: int = 0) -> Path:
         """A sharded checkpoint (model and optimizer) in ``DIR/step-K``. Collective."""
@@ -105,34 +114,31 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     """Set up this rank's part of the compiled program in `out_dir` (run under torchrun)."""
     files = read_program(out_dir)
     par = files.plan.parallel
-    if par.tp > 1:
-        # The stage files already run on local shards (partc.passes.tp_rewrite); what is missing here is
-        # materializing the shards (manifest "tp.shards"), gathering them for full_state_dict and keeping
-        # checkpoints plan-independent with fused pieces.
-        raise PartcError("partc.runtime does not run tensor-parallel programs (tp > 1) yet; compile with --tp 1")
     opt_config = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay)
 
     # 1. The mesh (pp, dp, tp); the stage files find the tp group through `collectives`.
     world = init_world(par)
     set_tp_group(world.tp_group)
 
-    # 2. The model with parameters on meta, and the stage shapes (the stage files chained on meta).
+    # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes
+    #    (the stage files chained on meta, on this rank's shard shapes).
     spec = _load_spec(files)
     model = build_model(spec)
     canon = canonical_names(model, files.tied)
-    shapes = stage_shapes(files, model, spec)
+    layout = TPLayout.from_manifest(files.tp, world.tp_rank, canon)
+    shapes = stage_shapes(files, model, spec, layout)
 
-    # 3. Allocate and fill this rank's stages only.
+    # 3. Allocate and fill this rank's stages only (of a split parameter, this tp rank's shard only).
     local = [st for st in files.stages if st.rank == world.pp_rank]
     names = [n for st in local for n in stage_tensor_names(st, model)]
-    tensors = materialize(model, names, world.device)
+    tensors = materialize(model, names, world.device, layout)
     if init_checkpoint is not None:
         buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
         aliases = _aliases(canon)
         load_weights(tensors, aliases, open_checkpoint(init_checkpoint), where=str(init_checkpoint),
-                     buffers=buffers)
+                     buffers=buffers, layout=layout)
     else:
-        init_weights(model, tensors, seed)
+        init_weights(model, tensors, seed, layout)
 
     # 4. One module per stage file; copies of a shared weight in two local stages become separate tensors.
     stages = [StageModule(st, model, canon, world.device) for st in local]
@@ -147,7 +153,7 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     grad_sync = GradSync(stages, world, zero=par.zero, holders=holders, canon=canon)
     runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes)
     return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
-                   runner=runner, canon=canon, seed=seed)
+                   runner=runner, canon=canon, layout=layout, seed=seed)
 
 
 def stage_tensor_names(stage: StageFile, model: nn.Module) -> list[str]:

@@ -14,6 +14,15 @@ seed per parameter: ``seed_of(seed, fqn)``. The model's initializer runs over th
 tensors this rank allocated are real (the rest are meta: no-ops), and `SeedPerTensor` reseeds each random fill by
 the tensor's FQN, so a parameter gets the same values under every plan, and the same as `build_initialized`
 gives one process.
+
+Tensor parallelism (`TPLayout`): a parameter the program splits over tp is allocated at its local shape only.
+``--init-checkpoint`` slices it out of the file's whole tensor. Initialization must give the values one process
+gives, and an initializer's numbers depend on the whole shape (fan-in, the random stream of the whole tensor), so
+`init_weights` first initializes the whole tensors (split ones stand in as meta tensors of their whole shape),
+then the split ones a few at a time: each group is allocated whole (at most `INIT_GROUP_BYTES`, or one
+parameter), initialized with everything else on meta, sliced to this rank's shard and freed. The peak is one
+group, never the whole model. This assumes, as the rest of this module does, that the initializer sets each
+tensor from its own shape and seed (not by copying another parameter).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from torch import Tensor, nn
 from partc.errors import PartcError
 from partc.passes.load import ModelSpec
 from partc.runtime._torch import TorchDispatchMode
+from partc.runtime.shards import TPLayout
 
 _RANDOM_FILLS = {torch.ops.aten.normal_, torch.ops.aten.uniform_, torch.ops.aten.bernoulli_,
                  torch.ops.aten.random_, torch.ops.aten.exponential_, torch.ops.aten.cauchy_,
@@ -77,8 +87,10 @@ def canonical_names(model: nn.Module, tied: Iterable[list[str]] = ()) -> dict[st
     return canon
 
 
-def materialize(model: nn.Module, names: Iterable[str], device: torch.device) -> dict[str, Tensor]:
-    """Allocate (uninitialized) the named parameters and buffers on `device`, in place in `model`.
+def materialize(model: nn.Module, names: Iterable[str], device: torch.device,
+                layout: TPLayout | None = None) -> dict[str, Tensor]:
+    """Allocate (uninitialized) the named parameters and buffers on `device`, in place in `model`; a parameter
+    `layout` splits over tp at its local shape.
 
     Returns canonical FQN -> new tensor. All aliases of a tied weight point to the same new Parameter.
     """
@@ -90,13 +102,18 @@ def materialize(model: nn.Module, names: Iterable[str], device: torch.device) ->
         raise PartcError(f"the program reads {unknown[0]!r}, which the model does not have; compile again")
     old = [params[n] for n in names if n in params] + [buffers[n] for n in names if n in buffers]
     wanted = {id(t) for t in old}  # `old` keeps the objects alive, so ids stay unique
+    local_shapes = {}
+    if layout is not None:
+        for n in names:
+            if n in params and layout.shard(n) is not None:
+                local_shapes[id(params[n])] = layout.local_shape(n, params[n].shape)
     new: dict[int, Tensor] = {}
     for module in model.modules():
         for table, make in ((module._parameters, _new_param), (module._buffers, _moved_buffer)):
             for key, t in table.items():
                 if t is not None and id(t) in wanted:
                     if id(t) not in new:
-                        new[id(t)] = make(t, device)
+                        new[id(t)] = make(t, device, local_shapes.get(id(t)))
                     table[key] = new[id(t)]
     out: dict[str, Tensor] = {}
     ids = {id(t) for t in new.values()}
@@ -109,13 +126,15 @@ def materialize(model: nn.Module, names: Iterable[str], device: torch.device) ->
     return out
 
 
-def _new_param(p: Tensor, device: torch.device) -> nn.Parameter:
+def _new_param(p: Tensor, device: torch.device, shape: tuple[int, ...] | None = None) -> nn.Parameter:
+    if shape is not None:  # a tensor-parallel shard
+        return nn.Parameter(torch.empty(shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
     if p.is_meta:
         return nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
     return nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
 
 
-def _moved_buffer(b: Tensor, device: torch.device) -> Tensor:
+def _moved_buffer(b: Tensor, device: torch.device, shape: None = None) -> Tensor:
     if b.is_meta:
         raise PartcError("a buffer of the model is on the meta device after building it; build buffers without "
                          "device='meta' in __init__")
@@ -153,14 +172,82 @@ class SeedPerTensor(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def init_weights(model: nn.Module, tensors: dict[str, Tensor], seed: int) -> None:
+INIT_GROUP_BYTES = 256 * 2**20
+"""Tensor-parallel shards are initialized from whole tensors allocated this many bytes at a time (or one tensor,
+if larger)."""
+
+
+def init_weights(model: nn.Module, tensors: dict[str, Tensor], seed: int, layout: TPLayout | None = None) -> None:
     """Fill `tensors` (canonical FQN -> tensor of `model`) by the model's own initialization, one seed each.
 
     - a Hugging Face ``PreTrainedModel``: ``_init_weights(module)`` children first (HF's ``smart_apply`` order),
       for each module holding one of `tensors`;
     - a model with ``init_weights()`` (torchtitan and partc's examples): called once on the whole model;
     - otherwise ``reset_parameters()`` of each module holding one of `tensors` directly.
+
+    Tensors `layout` splits over tp are this rank's shards: each gets the matching part of what the whole tensor
+    would get (see the module docstring).
     """
+    split = {n: t for n, t in tensors.items() if layout is not None and layout.shard(n) is not None}
+    if not split:
+        return _init(model, tensors, seed)
+    whole = {n: t for n, t in tensors.items() if n not in split}
+    device = next(iter(split.values())).device
+    # The split shards stand in as meta tensors of their whole shape (an initializer may read a shape: fan-in).
+    stand_ins = {n: nn.Parameter(torch.empty(layout.full_shape(n, t.shape), dtype=t.dtype, device="meta"),
+                                 requires_grad=t.requires_grad) for n, t in split.items()}
+    with _swapped(model, {id(split[n]): stand_ins[n] for n in split}):
+        if whole:
+            _init(model, whole, seed)
+        no_whole = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+                    for t in whole.values() if isinstance(t, nn.Parameter)}
+        # Whole parameters are initialized once (meta from here on); buffers stay, and any refill of one is seeded
+        # as before, so it gets the same values again.
+        buffers = {n: t for n, t in whole.items() if not isinstance(t, nn.Parameter)}
+        with _swapped(model, no_whole):
+            for group in _groups(stand_ins):
+                full = {n: nn.Parameter(torch.empty_like(stand_ins[n], device=device),
+                                        requires_grad=stand_ins[n].requires_grad) for n in group}
+                with _swapped(model, {id(stand_ins[n]): full[n] for n in group}):
+                    _init(model, {**full, **buffers}, seed)
+                with torch.no_grad():
+                    for n in group:
+                        split[n].copy_(layout.take(n, full[n]))
+                del full
+
+
+def _groups(tensors: dict[str, Tensor]) -> list[list[str]]:
+    """Names in consecutive groups of at most `INIT_GROUP_BYTES` (a larger tensor alone)."""
+    groups: list[list[str]] = []
+    size = INIT_GROUP_BYTES
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if not groups or size + nbytes > INIT_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+@contextmanager
+def _swapped(model: nn.Module, new: dict[int, Tensor]) -> Iterator[None]:
+    """Replace parameters (by id, under every alias) with others for the duration."""
+    old: list[tuple[dict, str, Tensor]] = []
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and id(p) in new:
+                old.append((module._parameters, key, p))
+                module._parameters[key] = new[id(p)]
+    try:
+        yield
+    finally:
+        for table, key, p in reversed(old):
+            table[key] = p
+
+
+def _init(model: nn.Module, tensors: dict[str, Tensor], seed: int) -> None:
+    """`init_weights` for tensors of the shapes the model has (see there)."""
     holding = _modules_holding(model, tensors)
     with torch.no_grad(), SeedPerTensor(tensors, seed):
         if _is_hf(model):
@@ -242,8 +329,9 @@ def open_checkpoint(path: str | Path) -> Mapping[str, Tensor]:
 
 
 def load_weights(tensors: dict[str, Tensor], aliases: dict[str, list[str]], state: Mapping[str, Tensor],
-                 *, where: str, buffers: set[str]) -> None:
-    """Copy each of `tensors` (canonical FQN -> tensor) from `state`, under any alias of a tied weight.
+                 *, where: str, buffers: set[str], layout: TPLayout | None = None) -> None:
+    """Copy each of `tensors` (canonical FQN -> tensor) from `state`, under any alias of a tied weight; a tensor
+    `layout` splits over tp takes this rank's part of the whole one in `state`.
     Buffers missing from `state` keep the values ``__init__`` computed (non-persistent buffers are not saved)."""
     missing = []
     with torch.no_grad():
@@ -254,9 +342,10 @@ def load_weights(tensors: dict[str, Tensor], aliases: dict[str, list[str]], stat
                     missing.append(name)
                 continue
             src = state[key]
-            if tuple(src.shape) != tuple(t.shape):
-                raise PartcError(f"{where}: {key} has shape {tuple(src.shape)}, the model's is {tuple(t.shape)}")
-            t.copy_(src)
+            shape = tuple(t.shape) if layout is None else layout.full_shape(name, t.shape)
+            if tuple(src.shape) != shape:
+                raise PartcError(f"{where}: {key} has shape {tuple(src.shape)}, the model's is {shape}")
+            t.copy_(src if layout is None else layout.take(name, src))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise PartcError(f"{where} has no {', '.join(missing[:3])}{more}; pass a state dict of this model")

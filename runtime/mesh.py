@@ -6,6 +6,13 @@ later step asks for ``mesh["dp"]`` rather than computing rank arithmetic. The ax
 
     global rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 
+The stage files find the ``tp`` group through `partc.runtime.collectives.set_tp_group`, which `partc.runtime.load`
+calls with ``world.tp_group`` before any stage runs (on meta or for real).
+
+Checkpoints see a tensor-parallel shard further sharded by FSDP over dp as a DTensor on `World.tp_dp_mesh`: the
+same ranks as ``mesh["dp", "tp"]`` with the axes in the other order, so that two ``Shard(0)`` placements nest the
+way they do here (the tp split first, FSDP's split of that part second).
+
 Device: CUDA (backend NCCL, one GPU per local rank) when available, else CPU (backend gloo). Nothing below
 names a device type; it is chosen once here.
 """
@@ -31,7 +38,7 @@ class ParallelDims:
     dp: int
     """Data-parallel replicas (mesh axis ``dp``); ZeRO shards over this axis."""
     tp: int
-    """Tensor-parallel ranks (mesh axis ``tp``); the stage files call collectives over it (issue 5)."""
+    """Tensor-parallel ranks (mesh axis ``tp``); the stage files call collectives over it."""
     world_size: int
     """Processes started by torchrun."""
 
@@ -69,6 +76,8 @@ class World:
     tp_rank: int
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     """One process group per mesh axis: ``pp``, ``dp``, ``tp``."""
+    tp_dp_mesh: DeviceMesh | None = None
+    """This pipeline rank's ``(tp, dp)`` mesh (the groups of ``mesh``, tp outer), for checkpoint DTensors."""
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -111,5 +120,7 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
     pp_rank, dp_rank, tp_rank = dims.coords(rank)
     assert tuple(mesh.get_coordinate()) == (pp_rank, dp_rank, tp_rank), (mesh.get_coordinate(), rank)
     groups = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
+    ranks = mesh.mesh[pp_rank].t().contiguous()  # [tp, dp] global ranks of this pipeline rank
+    tp_dp = DeviceMesh.from_group([groups["tp"], groups["dp"]], device.type, ranks, mesh_dim_names=("tp", "dp"))
     return World(dims=dims, mesh=mesh, device=device, rank=rank, pp_rank=pp_rank, dp_rank=dp_rank,
-                 tp_rank=tp_rank, groups=groups)
+                 tp_rank=tp_rank, groups=groups, tp_dp_mesh=tp_dp)

@@ -2,7 +2,11 @@
 
 The order is torchtitan's, one step a line in `parallelize`:
 
-1. tensor parallelism: already in the program (the stage files hold local shards and call `collectives`);
+1. tensor parallelism: already in the program (the stage files hold local shards and call `collectives`). A
+   parameter split over tp gets the gradient of its shard; one kept whole gets the same gradient on every tp rank
+   (its inputs are whole, and each whole-to-split step in the program, `copy_to_tp` or `scatter_to_tp`,
+   all-reduces or all-gathers the gradient coming back), so nothing is reduced over tp here, and DP and ZeRO
+   below work on the local shards over the ``dp`` axis only;
 2. activation checkpointing: ``recompute == "full"`` recomputes each stage's forward in backward (the stage
    file is one function, so "full" keeps only the stage inputs per micro-batch; ``selective`` is not applied);
 3. compile: not applied;
@@ -30,8 +34,9 @@ The order is torchtitan's, one step a line in `parallelize`:
 
 Shared weights (a tied embedding and LM head on different stages, Megatron's "embedding all-reduce"): after the
 pipeline step the copies' gradients are summed over a process group of the pipeline ranks holding a copy (one
-group per dp and tp coordinate); copies on one rank (interleaved stages) are summed locally first. The copies
-start equal and get equal gradients and equal updates, so they stay equal.
+group per dp and tp coordinate: both layers split a tied weight alike, so the tp ranks' shards match); copies on
+one rank (interleaved stages) are summed locally first. The copies start equal and get equal gradients and equal
+updates, so they stay equal.
 """
 
 from __future__ import annotations

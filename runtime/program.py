@@ -58,8 +58,10 @@ class Program:
     """Names of the model's flattened tensor inputs (stage 0's INPUTS)."""
     input_keys: list[int | str]
     """For each flattened input: its positional index (int) or keyword (str) in ``example_inputs``."""
-    tp_shards: dict[str, dict]
-    """Parameter FQN (every alias) -> ``{"dim": d, "fused": n}``: how the stage files split it over tp."""
+    tp: dict
+    """The manifest's ``tp`` section: ``degree``; ``shards``: parameter FQN (every alias) -> ``{"dim": d,
+    "fused": n}``, how the stage files split it over tp; ``fused``: parameter FQN -> ``{"dim": d, "pieces": n}``
+    for the parameters of fused projections, whatever their style (`partc.runtime.shards.TPLayout`)."""
 
     @property
     def num_stages(self) -> int:
@@ -108,7 +110,7 @@ def read_program(out_dir: str | Path) -> Program:
     for prev, cur in zip(stages, stages[1:]):
         if cur.inputs != prev.outputs:
             raise PartcError(f"{cur.path}: INPUTS {cur.inputs} must be stage {prev.index}'s OUTPUTS {prev.outputs}")
-    tp = manifest.get("tp", {"degree": 1, "shards": {}})
+    tp = manifest.get("tp", {"degree": 1, "shards": {}, "fused": {}})
     if tp.get("degree", 1) != par.tp:
         raise PartcError(f"{manifest_path} was generated for tp={tp.get('degree')} but plan.json says tp={par.tp}; "
                          f"compile again")
@@ -117,7 +119,7 @@ def read_program(out_dir: str | Path) -> Program:
     return Program(out_dir=out, plan=plan, model_path=manifest["model_path"], entry=manifest["entry"],
                    micro_batch_size=manifest["micro_batch_size"], stages=stages,
                    tied=[list(g) for g in manifest.get("tied", [])], inputs=list(manifest["inputs"]),
-                   input_keys=list(manifest["input_keys"]), tp_shards=dict(tp.get("shards", {})))
+                   input_keys=list(manifest["input_keys"]), tp=dict(tp))
 
 
 def import_stage(path: Path) -> ModuleType:

@@ -4,10 +4,14 @@
     python -m torch.distributed.run --standalone --nproc-per-node 4 -m partc.runtime.testing JOBS.json
 
 JOBS.json is a list of jobs: ``{"out": OUT, "steps": N, "seed": S, "optimizer": "sgd", "lr": 0.1,
-"weight_decay": 0.0, "init": FILE (a full state dict, loaded with Program.load_state_dict), "result": FILE,
-"save": DIR (optional: a checkpoint after the run), "load": DIR (optional: resume from it first)}``. Rank 0
-writes ``{"losses": [...], "state": full state dict, "start": step resumed from}`` to ``result``. A job
-``{"check": "collectives", "result": FILE}`` runs `check_collectives` over all ranks instead.
+"weight_decay": 0.0, "init": FILE (a full state dict, loaded with Program.load_state_dict), "init_checkpoint":
+FILE (the same, passed to load() as --init-checkpoint is), "result": FILE, "save": DIR (optional: a checkpoint
+after the run), "load": DIR (optional: resume from it first)}``. Rank 0 writes ``{"losses": [...], "state": full
+state dict, "start": step resumed from, "replica_diff": the largest difference between tp ranks' copies of a
+parameter the program does not split (0.0: they stay identical)}`` to ``result``. A job ``{"check":
+"collectives", "result": FILE}`` runs `check_collectives` over all ranks instead.
+
+The workers leave with ``os._exit`` after destroying the process group (see `partc.runtime.__main__`).
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def run_job(job: dict[str, Any]) -> None:
         return
 
     prog = api.load(job["out"], seed=job.get("seed", 0), optimizer=job.get("optimizer", "sgd"),
-                    lr=job.get("lr", 0.1), weight_decay=job.get("weight_decay", 0.0))
+                    lr=job.get("lr", 0.1), weight_decay=job.get("weight_decay", 0.0),
+                    init_checkpoint=job.get("init_checkpoint"))
     if job.get("init"):
         prog.load_state_dict(torch.load(job["init"], weights_only=True))
     start = prog.load(job["load"]) if job.get("load") else 0
@@ -71,8 +76,31 @@ def run_job(job: dict[str, Any]) -> None:
     if job.get("save"):
         prog.save(job["save"], job["steps"])
     state = prog.full_state_dict()
+    diff = replica_diff(prog)
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "state": state, "start": start}, job["result"])
+        torch.save({"losses": losses, "state": state, "start": start, "replica_diff": diff}, job["result"])
+
+
+def replica_diff(prog) -> float:
+    """The largest absolute difference between the tp ranks' copies of any parameter the program keeps whole
+    (norm weights, biases after a row split, replicated layers), over all ranks. Collective."""
+    from torch.distributed.tensor import DTensor
+
+    world = prog.world
+    worst = torch.zeros((), dtype=torch.float64, device=world.device)
+    if world.dims.tp > 1:
+        for st in prog.stages:
+            for name, p in st.named_parameters():
+                if prog.layout.shard(name) is not None:
+                    continue
+                local = (p.to_local() if isinstance(p, DTensor) else p).detach().contiguous()
+                parts = [torch.empty_like(local) for _ in range(world.dims.tp)]
+                dist.all_gather(parts, local, group=world.tp_group)
+                for q in parts[1:]:
+                    if q.numel():
+                        worst = torch.maximum(worst, (q.double() - parts[0].double()).abs().max())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
 
 
 def check_collectives(group: dist.ProcessGroup) -> None:
@@ -126,4 +154,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from partc.runtime.__main__ import exit_now
+
+    exit_now(main(sys.argv[1:]))

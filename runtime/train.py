@@ -17,6 +17,9 @@ loss is the mean over micro-batches and DP ranks: what one process computes with
 whole batch (when the loss is a mean over equally many elements per sample, as cross-entropy without ignored
 positions is).
 
+With tensor parallelism every tp rank of the last stage computes the same loss from the same (gathered)
+outputs and runs backward from it; the program's collectives give each rank the gradient of its shards.
+
 Targets go through the schedule as sample indices into this rank's slice (``arange(G/dp)``, split with the
 micro-batches); the loss looks the targets up, so targets may be any structure of tensors.
 """
@@ -34,6 +37,7 @@ from partc.passes.load import ModelSpec
 from partc.runtime._torch import tree_map
 from partc.runtime.mesh import World
 from partc.runtime.program import Program
+from partc.runtime.shards import TPLayout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -52,16 +56,18 @@ def flatten_inputs(args: tuple, kwargs: dict, keys: list[int | str]) -> list[Ten
     return [args[k] if isinstance(k, int) else kwargs[k] for k in keys]
 
 
-def stage_shapes(program: Program, model: nn.Module, spec: ModelSpec) -> list[tuple[tuple[Tensor, ...], ...]]:
+def stage_shapes(program: Program, model: nn.Module, spec: ModelSpec,
+                 layout: TPLayout | None = None) -> list[tuple[tuple[Tensor, ...], ...]]:
     """(inputs, outputs) of every stage for one micro-batch, as meta tensors: the stage files run in a chain on
     the meta device (no memory, no compute). `PipelineStage` takes them as static shapes, so no stage runs a
-    warm-up forward on made-up activations (made-up token ids would index out of range)."""
+    warm-up forward on made-up activations (made-up token ids would index out of range). With tensor
+    parallelism the parameters are this rank's shards (`layout`) and the collectives only compute shapes."""
     b = program.micro_batch_size
     with torch.device("meta"):
         args, kwargs = spec.inputs(b)
     x = tuple(flatten_inputs(args, kwargs, program.input_keys))
-    p = {n: _meta(t) for n, t in [*model.named_parameters(remove_duplicate=False),
-                                  *model.named_buffers(remove_duplicate=False)]}
+    p = {n: _meta(t, None if layout is None else layout.local_shape(n, t.shape))
+         for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
     meta = torch.device("meta")
     shapes = []
     for st in program.stages:
@@ -71,8 +77,8 @@ def stage_shapes(program: Program, model: nn.Module, spec: ModelSpec) -> list[tu
     return shapes
 
 
-def _meta(t: Tensor) -> Tensor:
-    out = torch.empty_like(t, device="meta")
+def _meta(t: Tensor, shape: tuple[int, ...] | None = None) -> Tensor:
+    out = torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device="meta")
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else out
 
 

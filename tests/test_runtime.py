@@ -3,6 +3,7 @@ reading programs, the command lines. The multi-process ones are in test_runtime_
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from partc.runtime.materialize import (SeedPerTensor, build_initialized, build_m
                                        init_weights, load_weights, materialize, parameters_on_meta)
 from partc.runtime.mesh import ParallelDims
 from partc.runtime.program import read_program
+from partc.runtime.shards import TPLayout
 from partc.runtime.stage import StageModule
 from partc.runtime.train import global_batch, stage_shapes
 
@@ -146,6 +148,105 @@ def test_load_weights_by_alias_and_errors():
     bad = dict(only_head, **{"lm_head.weight": torch.zeros(3)})
     with pytest.raises(PartcError, match="shape"):
         load_weights(tensors, aliases, bad, where="x.pt", buffers=set())
+
+
+# -- tensor-parallel shards ----------------------------------------------------------------------------------------
+
+
+def _gpt_layout(rank: int, canon: dict[str, str]) -> TPLayout:
+    shards = {"blocks.0.attn.qkv.weight": {"dim": 0, "fused": 3}, "blocks.0.attn.qkv.bias": {"dim": 0, "fused": 3},
+              "blocks.0.attn.proj.weight": {"dim": 1}, "blocks.0.mlp.fc1.weight": {"dim": 0},
+              "tok.weight": {"dim": 0}, "lm_head.weight": {"dim": 0}}
+    fused = {"blocks.0.attn.qkv.weight": {"dim": 0, "pieces": 3}}
+    return TPLayout.from_manifest({"degree": 2, "shards": shards, "fused": fused}, rank, canon)
+
+
+def test_tp_layout_shapes_and_parts():
+    m = build_model(load_model_file(str(EXAMPLES / "gpt.py")))
+    layout = _gpt_layout(1, canonical_names(m))
+    assert layout.local_shape("blocks.0.attn.qkv.weight", (192, 64)) == (96, 64)
+    assert layout.full_shape("blocks.0.attn.proj.weight", (64, 32)) == (64, 64)
+    assert layout.local_shape("blocks.0.ln_1.weight", (64,)) == (64,) and layout.shard("ln_f.weight") is None
+    assert layout.fused("blocks.0.attn.qkv.weight") == (0, 3) and layout.fused("blocks.0.attn.qkv.bias") is None
+    full = torch.arange(12.0)
+    assert layout.take("blocks.0.attn.qkv.bias", full).tolist() == [2, 3, 6, 7, 10, 11]  # its half of q, k, v
+    w = torch.arange(8.0).reshape(2, 4)
+    assert torch.equal(layout.take("blocks.0.attn.proj.weight", w), w[:, 2:])
+    assert layout.gather("ln_f.weight", full, None) is full  # whole: nothing to gather
+    one = TPLayout.from_manifest({"degree": 1, "shards": {}, "fused": {}}, 0, {})
+    assert one.take("tok.weight", w) is w
+
+
+@pytest.mark.parametrize("model", ["gpt", "hf_gpt2"])
+def test_shards_initialize_like_the_whole_model(model, monkeypatch):
+    """Each tp rank's shards are the whole model's, sliced (the init runs on whole tensors a group at a time);
+    the whole tensors are the model's own; a tied weight split by both its layers stays one tensor."""
+    import partc.runtime.materialize as materialize_module
+
+    monkeypatch.setattr(materialize_module, "INIT_GROUP_BYTES", 20_000)  # several groups
+    spec = load_model_file(str(EXAMPLES / f"{model}.py"))
+    whole = build_initialized(spec, seed=3).state_dict()
+    for rank in range(2):
+        m = build_model(spec)
+        canon = canonical_names(m, [["lm_head.weight", "transformer.wte.weight"]] if model == "hf_gpt2" else [])
+        if model == "gpt":
+            layout = _gpt_layout(rank, canon)
+            names = [n for n in canon if n.startswith(("blocks.0.", "tok.", "lm_head.", "pos."))]
+        else:
+            shards = {"transformer.wte.weight": {"dim": 0}, "lm_head.weight": {"dim": 0},
+                      "transformer.h.0.attn.c_attn.weight": {"dim": 1, "fused": 3},
+                      "transformer.h.0.attn.c_attn.bias": {"dim": 0, "fused": 3},
+                      "transformer.h.0.attn.c_proj.weight": {"dim": 0}}
+            layout = TPLayout.from_manifest({"degree": 2, "shards": shards}, rank, canon)
+            names = [n for n in canon if n.startswith(("transformer.h.0.", "lm_head."))]
+        tensors = materialize(m, names, CPU, layout)
+        init_weights(m, tensors, seed=3, layout=layout)
+        assert tensors["blocks.0.attn.qkv.weight" if model == "gpt" else "transformer.h.0.attn.c_attn.weight"] \
+            .shape[0 if model == "gpt" else 1] == 96
+        for name, t in tensors.items():
+            assert torch.equal(t, layout.take(name, whole[name])), (rank, name)
+        if model == "hf_gpt2":
+            assert m.lm_head.weight is m.transformer.wte.weight and m.lm_head.weight.shape == (256, 64)
+        assert all(p.is_meta for n, p in m.named_parameters() if n not in tensors)
+
+
+def test_load_weights_takes_this_ranks_shard():
+    spec = load_model_file(str(EXAMPLES / "gpt.py"))
+    ref = spec.build().state_dict()
+    m = build_model(spec)
+    layout = _gpt_layout(1, canonical_names(m))
+    tensors = materialize(m, ["blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight"], CPU, layout)
+    load_weights(tensors, {}, ref, where="x.pt", buffers=set(), layout=layout)
+    assert torch.equal(m.blocks[0].attn.proj.weight, ref["blocks.0.attn.proj.weight"][:, 32:])
+    q, k, v = ref["blocks.0.attn.qkv.weight"].chunk(3)
+    assert torch.equal(m.blocks[0].attn.qkv.weight, torch.cat([q[32:], k[32:], v[32:]]))
+    bad = dict(ref, **{"blocks.0.attn.proj.weight": torch.zeros(64, 32)})  # a shard is not the model's tensor
+    with pytest.raises(PartcError, match=r"x.pt: blocks.0.attn.proj.weight has shape \(64, 32\), the model's is "
+                                         r"\(64, 64\)"):
+        load_weights(tensors, {}, bad, where="x.pt", buffers=set(), layout=layout)
+
+
+def test_stage_shapes_on_shards(tmp_path):
+    """A tp=2 program chains on meta with its shards' shapes, not the model's (no tp group here: the collectives
+    are the identity, which changes no shape between Megatron's pairs)."""
+    out = tmp_path / "out"
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=2, pins=Pins(tp=2, pp=1, micro_batch_size=1), global_batch_size=2,
+                  out_dir=out)
+    plan = json.loads((out / "plan.json").read_text())
+    plan["tp"] = {k: "colwise" if k.endswith(("qkv", "fc1")) else "rowwise" if k.endswith(("proj", "fc2"))
+                  else "replicate" for k in plan["tp"]}
+    (tmp_path / "edited.json").write_text(json.dumps(plan))
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=2, from_plan=str(tmp_path / "edited.json"), out_dir=out)
+    prog = read_program(out)
+    spec = load_model_file(prog.model_path)
+    m = build_model(spec)
+    collectives.set_tp_group(None)
+    with pytest.raises(RuntimeError):  # whole weights do not fit the program's local shapes
+        stage_shapes(prog, m, spec)
+    layout = TPLayout.from_manifest(prog.tp, 0, canonical_names(m))
+    assert layout.local_shape("blocks.0.mlp.fc1.weight", (256, 64)) == (128, 64)
+    ((ids,), (logits,)), = stage_shapes(prog, m, spec, layout)
+    assert ids.shape == (1, 64) and logits.shape == (1, 64, 512) and logits.is_meta
 
 
 # -- the program and the stage wrapper ---------------------------------------------------------------------------
