@@ -32,11 +32,12 @@ from torch.fx import Node
 
 from partc.errors import PartcError
 from partc.ir import Layer
-from partc.passes.shard import _VIEWS, shard_rule
+from partc.passes.shard import _MATMUL, _SDPA, _VIEWS, shard_rule
 from partc.runtime import collectives as C
 
 aten = torch.ops.aten
 R, P = "R", "P"
+_BATCHED = _MATMUL | _SDPA
 
 
 @dataclass(kw_only=True, slots=True)
@@ -262,15 +263,24 @@ class _Rewriter:
             self._replace_inputs(node, {a: self.need(a, R, node) for a in ins})
             return self._run_local(node, R)
         glob = node.meta.get("val")
-        # Whole operands with the full split dimension: each rank takes its part.
+        # Whole operands with the full split dimension. Attention and matmuls over split heads take each rank's
+        # part of them (a replicated K/V under GQA). An elementwise op meeting a whole tensor (the residual add
+        # of a split embedding output) gathers its split inputs instead: the residual stream stays whole, as the
+        # TP solver's cost model assumes (one conversion at the source, not one per block).
         if isinstance(glob, torch.Tensor) and isinstance(out_dim, int):
+            whole = []
             for a in node.all_input_nodes:
                 va = self.val.get(a)
                 if a in dims or not isinstance(va, torch.Tensor) or va.dim() == 0:
                     continue
                 aligned = out_dim - (glob.dim() - va.dim())
                 if aligned >= 0 and va.shape[aligned] != 1 and va.shape[aligned] == glob.shape[out_dim]:
-                    node.replace_input_with(a, self.need(a, aligned, node))
+                    whole.append((a, aligned))
+            if whole and node.target not in _BATCHED:
+                self._replace_inputs(node, {a: self.need(a, R, node) for a in ins})
+                return self._run_local(node, R)
+            for a, aligned in whole:
+                node.replace_input_with(a, self.need(a, aligned, node))
         if isinstance(out_dim, tuple):  # split / native_dropout: one split dim per output; getitem picks one
             self._rewrite_sizes(node, None)
             return self._run_local(node, _Multi(out_dim))

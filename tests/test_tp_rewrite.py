@@ -31,8 +31,9 @@ ROWWISE = r"(attn\.proj|fc2|attn\.c_proj|mlp\.c_proj|o_proj|down_proj|attention\
           r"attn\.o|mlp\.down)$"
 
 
-def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False) -> dict:
-    """Compile at `tp`, set the Megatron pattern by hand, compile again --from-plan; returns the plan."""
+def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False, extra: dict | None = None) -> dict:
+    """Compile at `tp`, set the Megatron pattern by hand (and `extra` styles), compile again --from-plan; returns
+    the plan."""
     compile_model(path, gpus=tp, pins=Pins(tp=tp, pp=1, micro_batch_size=2), global_batch_size=2, out_dir=out)
     plan = json.loads((out / "plan.json").read_text())
     for fqn in plan["tp"]:
@@ -44,6 +45,7 @@ def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False) -> dict
             plan["tp"][fqn] = "rowwise"
         elif vocab and fqn == "lm_head":
             plan["tp"][fqn] = "colwise"
+    plan["tp"].update(extra or {})
     edited = out / "edited.json"
     edited.write_text(json.dumps(plan))
     compile_model(path, gpus=tp, from_plan=str(edited), out_dir=out)
@@ -157,6 +159,18 @@ def test_megatron_layer_costs_two_all_reduces_each_way(tmp_path):
             assert lines[i - 1].strip().startswith("# TP: "), line
     # Local shapes: 4 heads over 2 ranks.
     assert "aten.view.default(getitem, [2, 64, 2, 16])" in text
+
+
+def test_split_embedding_dim_is_gathered_once_not_per_block(tmp_path):
+    """A colwise (embedding-dim) split of `tok` meets the whole `pos` output in the embedding sum: the rewrite
+    gathers there, once, so the residual stream stays whole through every block (as the solver charges it)."""
+    path = str(ROOT / "examples" / "gpt.py")
+    out = tmp_path / "out"
+    megatron_plan(path, out, 2, extra={"tok": "colwise"})
+    text = (out / "program" / "stage_0.py").read_text()
+    assert text.count("= tp.gather_from_tp(") == 1 and "= tp.scatter_to_tp(" not in text
+    r = run_tp(path, out, 2)
+    assert r["logits"] < 1e-5 and r["grads"] < 1e-5
 
 
 def test_gqa_with_fewer_kv_heads_than_tp_is_refused(tmp_path):
