@@ -33,6 +33,7 @@ from partc.errors import PartcError
 from partc.ir import Layer
 from partc.plan import Plan
 from partc.passes import tp_rewrite
+from partc.passes.measure import CORE_OPS
 from partc.passes.trace import assign
 from partc.runtime import collectives
 
@@ -261,6 +262,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
 
     stages: list[StageCode] = []
     files: dict[str, str] = {}
+    selective = plan.parallel.recompute == "selective"
     for st in plan.stages:
         k = st.index
         receives = user_inputs if k == 0 else live_at(k)
@@ -295,6 +297,16 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
                 prev_comment = comment
             if "partc_why" in n.meta:
                 lines.append(f"    # TP: {n.meta['partc_why']}")
+            if selective and n.target in CORE_OPS:
+                # Selective recomputation (Korthikanti et al. 2022): keep only the attention core's inputs and
+                # recompute the core in backward.
+                lines.append("    # recompute=selective: the attention core runs again in backward instead of "
+                             "keeping its activations")
+                call = em.call(n)
+                fn, args = call.split("(", 1)
+                lines.append(f"    {names[n]} = checkpoint({fn}, {args[:-1]}, use_reentrant=False)")
+                em.needs.add("checkpoint")
+                continue
             lines.append(f"    {names[n]} = {em.call(n)}")
         ret = ", ".join(names[x] for x in sends)
         lines.append(f"    return ({ret},)" if len(sends) == 1 else f"    return ({ret})")
@@ -367,7 +379,9 @@ def _render(code: StageCode, plan: Plan, lines: list[str], needs: set[str], extr
         '"""',
         "",
     ]
-    imports = ["import torch"] + [f"import {m}" for m in sorted(needs - {"tp"})] + sorted(extra_imports)
+    imports = ["import torch"] + [f"import {m}" for m in sorted(needs - {"tp", "checkpoint"})] + sorted(extra_imports)
+    if "checkpoint" in needs:
+        imports.append("from torch.utils.checkpoint import checkpoint")
     if "tp" in needs:
         imports.append("from partc.runtime import collectives as tp")
     body = [

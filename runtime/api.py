@@ -145,8 +145,6 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     untie_across_stages(stages)
 
     # 5. Recomputation and ZeRO (torchtitan's order), optimizers, gradient sync, the pipeline schedule.
-    if par.recompute == "selective" and world.rank == 0:
-        print("partc.runtime: recompute=selective is not applied yet (every activation is kept)", flush=True)
     modules = parallelize(stages, world, zero=par.zero, recompute=par.recompute)
     optimizers = build_optimizers(modules, world, opt_config, par.zero)
     holders = shared_holders(files, model, canon)

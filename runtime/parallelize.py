@@ -8,7 +8,8 @@ The order is torchtitan's, one step a line in `parallelize`:
    all-reduces or all-gathers the gradient coming back), so nothing is reduced over tp here, and DP and ZeRO
    below work on the local shards over the ``dp`` axis only;
 2. activation checkpointing: ``recompute == "full"`` recomputes each stage's forward in backward (the stage
-   file is one function, so "full" keeps only the stage inputs per micro-batch; ``selective`` is not applied);
+   file is one function, so "full" keeps only the stage inputs per micro-batch); ``selective`` is in the program
+   (codegen wraps the attention core in ``torch.utils.checkpoint``);
 3. compile: not applied;
 4. data parallelism over the mesh's ``dp`` axis, by ZeRO stage:
 

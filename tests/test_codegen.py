@@ -122,3 +122,25 @@ def test_tied_weights_named_by_the_stage_that_owns_them(tmp_path):
     s0, s1 = _load_stage(out / "program" / "stage_0.py"), _load_stage(out / "program" / "stage_1.py")
     assert "transformer.wte.weight" in s0.PARAMETERS
     assert "lm_head.weight" in s1.PARAMETERS and "transformer.wte.weight" not in s1.PARAMETERS
+
+
+def test_selective_recompute_checkpoints_the_attention_core(tmp_path):
+    path = str(ROOT / "examples" / "gpt.py")
+    out = tmp_path / "out"
+    compile_model(path, gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b", recompute="selective"),
+                  global_batch_size=4, out_dir=out)
+    text = (out / "program" / "stage_0.py").read_text()
+    assert "= checkpoint(aten.scaled_dot_product_attention.default," in text
+    torch.manual_seed(0)
+    spec = load_model_file(path)
+    model = spec.build()
+    args, kwargs = spec.inputs(2)
+    ref = model(*args, **kwargs)
+    ref.square().sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = run_program(out, model, args, kwargs)
+    torch.testing.assert_close(got, ref)
+    got.square().sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], msg=n)

@@ -36,7 +36,7 @@ CONFIGS = {
     "hf_gpt2_pp2_dp2_z2_interleaved": ("hf_gpt2", 4, 2, 2, 2, "interleaved-1f1b", 1, 8, "none"),
     "llama_pp2_dp2_z3_interleaved": ("llama", 4, 2, 2, 3, "interleaved-1f1b", 1, 8, "none"),
     "hf_gpt2_pp2_z0_1f1b": ("hf_gpt2", 2, 2, 1, 0, "1f1b", 1, 4, "none"),
-    "gpt_pp1_dp2_z2_gpipe": ("gpt", 2, 1, 2, 2, "gpipe", 2, 8, "none"),
+    "gpt_pp1_dp2_z2_gpipe_selective": ("gpt", 2, 1, 2, 2, "gpipe", 2, 8, "selective"),
     "llama_pp2_z1_gpipe": ("llama", 2, 2, 1, 1, "gpipe", 2, 8, "none"),
 }
 STEPS = 3
