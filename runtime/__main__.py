@@ -33,8 +33,15 @@ from partc.errors import PartcError
 from partc.runtime.parallelize import OPTIMIZERS
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line and exit code 2, like every partc error (argparse would print the usage too)."""
+        sys.stderr.write(f"error: {message} (see python -m partc.runtime --help)\n")
+        sys.exit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m partc.runtime", description="Train a partc program under torchrun.")
+    p = _Parser(prog="python -m partc.runtime", description="Train a partc program under torchrun.")
     p.add_argument("out_dir", help="output directory of `partc compile` (plan.json and program/)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps to run in total (default 10)")
     p.add_argument("--seed", type=int, default=0, help="data and initialization seed (default 0)")
