@@ -16,10 +16,15 @@ free: R/t, zero-padded S). "S needed across an edge with shard_ok False" means t
 so the shards do not line up: gather to R, then split locally.
 
     forward,  source S:  all_gather      if a consumer needs R, or S across a shard_ok False edge
-    forward,  source P:  all_reduce      same condition; otherwise reduce_scatter if a consumer needs S
+    forward,  source P:  all_reduce      if any consumer needs R or S (S is then a local split)
     backward, source R or P (needs an R gradient):  all_reduce if a gradient is P, else all_gather if one is S
-    backward, source S (needs an S gradient):       reduce_scatter if a gradient is P, else all_gather if an S
-                                                    gradient crosses a shard_ok False edge
+    backward, source S (needs an S gradient):       all_reduce if a gradient is P (the whole gradient, then the
+                                                    local part), else all_gather if an S gradient crosses a
+                                                    shard_ok False edge
+
+These are the collectives `passes.tp_rewrite` writes into the program: a rowwise output is always all-reduced
+(then split where a reader needs it split), and a colwise reader of a split tensor gets it gathered, its P
+gradient all-reduced.
 
 Seconds: collective  passes.hw.collective_time(cluster, kind, bytes * b, t)  (ring formulas, calibration.md
 section 5), bytes = the source's output per sample (the largest of its out-edges, else `Layer.out_bytes`);
@@ -136,10 +141,10 @@ def _conversions(state: str, needs: list[tuple[str, str | None, bool]], loss: bo
     fwd = bwd = None
     if state == "S":
         fwd = "all_gather" if need_r else None
-        bwd = "reduce_scatter" if grad_p else "all_gather" if grad_s_bad else None
+        bwd = "all_reduce" if grad_p else "all_gather" if grad_s_bad else None
     else:
         if state == "P":
-            fwd = "all_reduce" if need_r else "reduce_scatter" if need_s else None
+            fwd = "all_reduce" if need_r or need_s else None
         bwd = "all_reduce" if grad_p else "all_gather" if grad_s else None
     return fwd, bwd
 
@@ -165,10 +170,8 @@ def _compute_s(cluster: Cluster, layer: Layer, style: str, tp: int, b: int) -> f
 
 def _readers(phase: str, kind: str, consumers: list[str], needs: list[tuple[str, str | None, bool]]) -> list[str]:
     """The consumers a collective serves (for its reason)."""
-    if phase == "fwd" and kind == "reduce_scatter":
-        return [c for c, (inp, _, _) in zip(consumers, needs) if inp == "S"]
     if phase == "fwd":
-        return [c for c, (inp, _, ok) in zip(consumers, needs) if inp == "R" or not ok]
+        return [c for c, (inp, _, ok) in zip(consumers, needs) if inp in ("R", "S") or not ok]
     want = "S" if kind == "all_gather" else "P"
     return [c for c, (_, grad, _) in zip(consumers, needs) if grad == want]
 
@@ -179,14 +182,10 @@ def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str]) -
         if kind == "all_gather":
             return f"gather the feature shards of colwise {src.fqn} for {who}"
         what = "masked lookups of vocab-parallel" if src.kind == "embedding" else "partial outputs of rowwise"
-        if kind == "all_reduce":
-            return f"sum {what} {src.fqn}"
-        return f"sum and shard {what} {src.fqn} for rowwise {who}"
+        return f"sum {what} {src.fqn}"
     if kind == "all_reduce":
         return f"sum partial input gradients of colwise {who} into {style} {src.fqn}"
-    if kind == "all_gather":
-        return f"gather sharded input gradients of rowwise {who} for {style} {src.fqn}"
-    return f"sum and shard partial input gradients of colwise {who} for colwise {src.fqn}"
+    return f"gather sharded input gradients of rowwise {who} for {style} {src.fqn}"
 
 
 # 2. Evaluation of a complete style map
@@ -337,8 +336,8 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
         is_s, is_p = lit(r, "colwise"), lit(r, "rowwise")
         for kind, cond in (("all_gather", [is_s, need_r]),
                            ("all_reduce", [is_p, need_r]),
-                           ("reduce_scatter", [is_p, _neg(need_r), need_s]),
-                           ("reduce_scatter", [is_s, grad_p]),
+                           ("all_reduce", [is_p, _neg(need_r), need_s]),
+                           ("all_reduce", [is_s, grad_p]),
                            ("all_gather", [is_s, _neg(grad_p), grad_s_bad]),
                            ("all_reduce", [_neg(is_s), grad_p]),
                            ("all_gather", [_neg(is_s), _neg(grad_p), need_s])):
