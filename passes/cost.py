@@ -206,7 +206,10 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
     seen: dict[tuple, UnitTime] = {}  # identical blocks with identical styles and collectives cost the same
     for unit in graph.units:
         collectives = [] if tp is None else tp.collectives.get(unit.fqn, [])
-        key = (unit.signature if unit.kind == "block" else unit.fqn,
+        # Blocks of one signature differ only where glue ops were assigned to them (the embedding sum goes with
+        # blocks.0): the unit's own totals are part of the key.
+        key = (unit.signature if unit.kind == "block" else unit.fqn, unit.fwd_flops, unit.memory_bytes,
+               unit.saved_bytes, unit.saved_bytes_core, unit.saved_bytes_replicated, len(unit.core_gemms),
                tuple(style_of(tp, f) for f in unit.layers), tuple((c.kind, c.phase, c.nbytes) for c in collectives))
         if key in seen:
             out.append(seen[key])

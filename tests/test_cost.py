@@ -11,7 +11,7 @@ from partc.cluster import PRESETS
 from partc.errors import PartcError
 from partc.ir import Gemm, Layer, ModelGraph, Unit
 from partc.parallel import Parallel
-from passes import cost, hw
+from partc.passes import cost, hw
 
 A100 = PRESETS["a100-80g"]
 
@@ -445,3 +445,26 @@ def test_interleaved_bubble_and_microbatches():
     g = gpt(L=8)
     configs = list(_configs(g, A100, 8, 24, Pins(schedule="interleaved-1f1b")))
     assert configs and all(c.num_microbatches % c.pp == 0 and c.virtual_stages >= 2 for c in configs)
+
+
+def test_unit_times_reuse_only_truly_identical_units():
+    """unit_time_parts computes identical blocks once; a block that also carries glue ops (blocks.0 holds the
+    embedding sum) must still get its own time."""
+    from pathlib import Path
+
+    import torch
+
+    from partc.passes.load import build_on_meta, load_model_file
+    from partc.passes.trace import trace
+
+    spec = load_model_file(str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py"))
+    model = build_on_meta(spec)
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(1)
+    graph = trace(model, args, kwargs, name="gpt").graph
+    par = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=4, global_batch_size=4)
+    parts = cost.unit_time_parts(graph, PRESETS["a100-80g"], par, None)
+    for i, unit in enumerate(graph.units):
+        fwd, _ = cost._forward_times(graph, PRESETS["a100-80g"], par, None, unit)
+        assert parts[i].compute_s == pytest.approx(3 * fwd, rel=1e-12), unit.fqn
+    assert parts[2].compute_s != parts[3].compute_s  # blocks.0 (with the embedding sum) vs blocks.1
