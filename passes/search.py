@@ -23,7 +23,7 @@ from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import RECOMPUTE, SCHEDULES, Parallel
 from partc.passes import cost
-from partc.passes.stages import partition_stages
+from partc.passes.stages import partition_stages, stage_memory
 from partc.passes.tp import TPSolution, solve_tp
 
 
@@ -263,11 +263,34 @@ class _Costs:
             return None
         if max(st + least * a for st, a in zip(static, acts)) + min(extra) > limit * (1 + 1e-9):
             return None
+        # The split of least time ignoring memory depends on neither ZeRO nor the schedule's in-flight counts:
+        # computed once, it is also the answer under the memory limit whenever it fits (the constrained optimum
+        # and tie-break range over a subset of the splits that contains it).
+        free = self.free_split(par, chunks)
+        if free is not None:
+            mems = stage_memory(free, static, acts, in_flight, extra)
+            if all(mk <= limit for mk in mems):
+                return free
         part = partition_stages(self.times(par), self.cut_time(par), static, acts, num_stages=chunks,
                                 in_flight=in_flight, mem_limit=limit, extra_mem=extra,
                                 first_required=len(graph.first_unit_required),
                                 last_required=len(graph.last_unit_required))
         return None if part is None else [tuple(b) for b in part.bounds]
+
+    def free_split(self, par: Parallel, chunks: int) -> list[tuple[int, int]] | None:
+        """The least-time split into `chunks` stages with no memory limit (cached)."""
+        spans = cost.mesh_spans(self.cluster, par)
+        key = ("free", par.tp, par.micro_batch_size, par.recompute, chunks, spans["tp"], spans["pp"], par.pp > 1)
+
+        def make():
+            n = len(self.graph.units)
+            part = partition_stages(self.times(par), self.cut_time(par), [0.0] * n, [0.0] * n, num_stages=chunks,
+                                    in_flight=[0.0] * chunks, mem_limit=math.inf,
+                                    first_required=len(self.graph.first_unit_required),
+                                    last_required=len(self.graph.last_unit_required))
+            return None if part is None else [tuple(b) for b in part.bounds]
+
+        return self._get(key, make)
 
 
 def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size: int, pins: Pins | None = None,

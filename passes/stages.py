@@ -124,3 +124,12 @@ def partition_stages(time: Sequence[float], cut_time: Sequence[float], static_me
     stage_times = [float(times[s, e]) for s, e in bounds]
     stage_mem = [float(static[s, e] + in_flight[k] * act[s, e] + extra[k]) for k, (s, e) in enumerate(bounds)]
     return StagePartition(bounds=bounds, max_time=max(stage_times), stage_times=stage_times, stage_mem=stage_mem)
+
+
+def stage_memory(bounds: Sequence[tuple[int, int]], static_mem: Sequence[float], act_mem: Sequence[float],
+                 in_flight: Sequence[float], extra_mem: Sequence[float] | None = None) -> list[float]:
+    """mem_k of each stage of a given split, computed exactly as `partition_stages` does (prefix sums)."""
+    ps = np.concatenate(([0.0], np.cumsum(np.asarray(static_mem, dtype=float))))
+    pa = np.concatenate(([0.0], np.cumsum(np.asarray(act_mem, dtype=float))))
+    extra = [0.0] * len(bounds) if extra_mem is None else list(extra_mem)
+    return [float((ps[e] - ps[s]) + in_flight[k] * (pa[e] - pa[s]) + extra[k]) for k, (s, e) in enumerate(bounds)]

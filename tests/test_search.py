@@ -143,6 +143,32 @@ def test_pruned_search_equals_brute_force(case_id):
                 assert want is None or getattr(c.parallel, field) == want, (field, c.parallel)
 
 
+@pytest.mark.parametrize("case_id", ["long-4-tight", "long-8-tight", "wide-8-pin-pp-interleaved", "tied-8-small"])
+def test_cached_split_equals_the_constrained_dp(case_id):
+    """`_Costs.split_stages` reuses the memory-free split when it fits; it must equal the DP run with the limit."""
+    from partc.passes.stages import partition_stages
+
+    case = CASES[case_id]
+    graph, cluster = gpt_graph(case.graph), case.cluster
+    costs = _Costs(graph, cluster, None)
+    limit = cluster.memory_bytes - cluster.memory_reserve_bytes
+    checked = 0
+    for par in _configs(graph, cluster, case.gpus, case.gbs, case.pins or Pins()):
+        v = cost.chunks_per_rank(par)
+        chunks = par.pp * v
+        static = [cost.model_state_bytes(1, par).total * n for n in costs.params(par)]
+        extra_any, extra_last = costs.extra(par)
+        direct = partition_stages(costs.times(par), costs.cut_time(par), static, costs.acts(par),
+                                  num_stages=chunks, in_flight=[cost.in_flight(par, k % par.pp) for k in range(chunks)],
+                                  mem_limit=limit / v, extra_mem=[extra_any] * (chunks - 1) + [extra_last],
+                                  first_required=len(graph.first_unit_required),
+                                  last_required=len(graph.last_unit_required))
+        want = None if direct is None else [tuple(b) for b in direct.bounds]
+        assert costs.split_stages(par, mem_limit=limit) == want, par
+        checked += want is not None
+    assert checked > 0
+
+
 def test_brute_force_cases_are_not_trivial():
     """The cases above choose different kinds of plans, so agreeing on them means something."""
     chosen = [run_case(k)[1].best for k in CASES]
