@@ -18,8 +18,7 @@ import torch
 from partc.cluster import Cluster, load_cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.parallel import Parallel
-from partc.plan import Plan, Stage, check_batching, read_plan, write_plan
+from partc.plan import Plan, Stage, check_batching, parallel_dict, read_plan, write_plan
 from partc.passes import cost
 from partc.passes.load import ModelSpec, build_on_meta, load_model_file
 from partc.passes.search import Candidate, Pins, SearchResult, search
@@ -197,12 +196,6 @@ def _predicted(pred: cost.Prediction) -> dict:
     }
 
 
-def _parallel_dict(par: Parallel) -> dict:
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero, "micro_batch_size": par.micro_batch_size,
-            "num_microbatches": par.num_microbatches, "global_batch_size": par.global_batch_size,
-            "schedule": par.schedule, "virtual_stages": par.virtual_stages, "recompute": par.recompute}
-
-
 def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchResult | None, *, path: str,
               entry: str) -> Plan:
     par, pred = best.parallel, best.prediction
@@ -215,7 +208,7 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
              "num_units": len(graph.units), **{k: v for k, v in graph.info.items() if v is not None}}
     alternatives = []
     for c in (result.alternatives[:5] if result else []):
-        alternatives.append({"parallel": _parallel_dict(c.parallel), "step_time_s": c.step_time_s,
+        alternatives.append({"parallel": parallel_dict(c.parallel), "step_time_s": c.step_time_s,
                              "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
                              "mfu": c.prediction.mfu})
     return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
@@ -248,6 +241,6 @@ def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path
               "collectives": [{"kind": c.kind, "phase": c.phase, "bytes_per_sample": c.nbytes, "reason": c.reason}
                               for c in best.tp.collectives.get(u.fqn, [])]}
              for i, u in enumerate(graph.units)]
-    data = {"parallel": _parallel_dict(par), "units": units, "prediction": best.prediction.to_dict(),
+    data = {"parallel": parallel_dict(par), "units": units, "prediction": best.prediction.to_dict(),
             "cut_bytes_per_sample": graph.cut_bytes}
     (out / "costs.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -41,17 +41,11 @@ class Plan:
     alternatives: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        p = self.parallel
         return {
             "schema_version": SCHEMA_VERSION,
             "model": self.model,
             "cluster": self.cluster,
-            "parallel": {
-                "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero,
-                "micro_batch_size": p.micro_batch_size, "num_microbatches": p.num_microbatches,
-                "global_batch_size": p.global_batch_size, "schedule": p.schedule,
-                "virtual_stages": p.virtual_stages, "recompute": p.recompute,
-            },
+            "parallel": parallel_dict(self.parallel),
             "tp": dict(self.tp),
             "stages": [{"index": s.index, "rank": s.rank, "modules": list(s.modules), "predicted": s.predicted}
                        for s in self.stages],
@@ -61,6 +55,13 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def parallel_dict(p: Parallel) -> dict:
+    """The ``parallel`` section of a plan (also each alternative's)."""
+    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "micro_batch_size": p.micro_batch_size,
+            "num_microbatches": p.num_microbatches, "global_batch_size": p.global_batch_size,
+            "schedule": p.schedule, "virtual_stages": p.virtual_stages, "recompute": p.recompute}
 
 
 def write_plan(plan: Plan, out_dir: str | Path) -> Path:
