@@ -1,0 +1,86 @@
+"""What the cost model takes and gives: the TP plan it reads, memory, unit times and step predictions.
+
+The formulas live in `passes.cost`, which re-exports these names (``cost.Memory``, ``cost.Prediction``...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+
+class TPPlan(Protocol):
+    """What the cost model reads of a `passes.tp.TPSolution` (duck-typed; None: everything replicated)."""
+
+    styles: dict[str, str]
+    """Layer FQN -> colwise | rowwise | replicate (a missing layer is replicated)."""
+    collectives: dict[str, list]
+    """Unit FQN -> collectives with ``kind``, ``phase`` (fwd | bwd) and ``nbytes`` per sample."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Memory:
+    """Bytes on one GPU."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    """Saved activations of the micro-batches in flight plus transient working memory."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def to_dict(self) -> dict:
+        return {k: int(round(getattr(self, k))) for k in ("params", "grads", "optimizer", "activations", "total")}
+
+
+@dataclass(kw_only=True, slots=True)
+class UnitTime:
+    """Seconds per micro-batch of one unit on one GPU."""
+
+    compute_s: float
+    """Forward + backward (2x forward) + recomputed forward: GEMMs and memory-bound ops."""
+    tp_comm_s: float
+    """TP collectives (forward, backward, and forward again under full recomputation)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StagePrediction:
+    index: int
+    """Pipeline rank (it holds model chunks index, index + p, index + 2p, ... when interleaved)."""
+    time_s: float
+    """Seconds per micro-batch on this rank: all its chunks, forward + backward, TP and p2p comm included."""
+    memory: Memory
+    num_params: int = 0
+    """Parameters on one GPU of this rank after TP sharding (before ZeRO sharding)."""
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    """Half-open unit ranges [start, end) of the model chunks on this rank."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Prediction:
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    memory_per_gpu: Memory
+    """Memory of the most loaded pipeline rank."""
+    stages: list[StagePrediction]
+    # The step on the slowest rank, split up: step_time_s is the sum of these six.
+    compute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    pp_comm_s: float = 0.0
+    bubble_s: float = 0.0
+    dp_comm_s: float = 0.0
+    optimizer_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("memory_per_gpu", "stages")}
+        out["memory_per_gpu"] = self.memory_per_gpu.to_dict()
+        out["stages"] = [{"index": s.index, "time_s": s.time_s, "num_params": s.num_params,
+                          "chunks": [list(c) for c in s.chunks], "memory": s.memory.to_dict()}
+                         for s in self.stages]
+        return out
