@@ -127,7 +127,7 @@ def _size(size: str):
 
 def trace_size(size: str):
     """compile_model's steps 1 and 2 for this file at `size`: the `ModelGraph` (one trace on meta)."""
-    from partc.passes.load import build_on_meta, load_model_file
+    from partc.model_file import build_on_meta, load_model_file
     from partc.passes.trace import trace
 
     with _size(size):

@@ -20,7 +20,7 @@ from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.plan import Plan, Stage, check_batching, parallel_dict, read_plan, write_plan
 from partc.passes import cost
-from partc.passes.load import ModelSpec, build_on_meta, load_model_file
+from partc.model_file import ModelSpec, build_on_meta, load_model_file
 from partc.passes.search import Candidate, Pins, SearchResult, search
 from partc.passes.tp import evaluate_tp
 from partc.passes.codegen import Program, generate, write_program

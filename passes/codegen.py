@@ -29,13 +29,15 @@ import torch
 import torch.fx
 from torch.export.graph_signature import InputKind
 
+from partc import collectives
 from partc.errors import PartcError
+from partc.frames import innermost, stack_trace_frames
 from partc.ir import Layer
 from partc.plan import Plan
 from partc.passes import tp_rewrite
-from partc.passes.measure import CORE_OPS
+from partc.passes.measure import CORE_OPS, stack_fqns
 from partc.passes.trace import assign
-from partc.runtime import collectives
+from partc.sharding import param_shard
 
 SKIPPED = {torch.ops.aten._assert_tensor_metadata.default}
 """Ops that only check metadata at trace time (and name the meta device): not emitted."""
@@ -61,27 +63,14 @@ class Program:
 
 
 def _source_line(node: torch.fx.Node) -> str:
-    """``file:line  code`` of the user's model for this node: the deepest frame outside torch."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
-    best = None
-    for file, line, code in frames:
-        f = file.replace("\\", "/")
-        if "/torch/" in f or "/site-packages/torch" in f:
-            continue
-        best = (file, line, code)
-    if best is None:
-        return ""
-    file, line, code = best
-    return f"{os.path.basename(file)}:{line}  {code.strip()}"
+    """``file:line  code`` of the model's source for this node: its innermost frame of model code."""
+    frame = innermost(stack_trace_frames(node.meta.get("stack_trace")))
+    return "" if frame is None else f"{os.path.basename(frame.filename)}:{frame.lineno}  {frame.line}"
 
 
 def _module_of(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return re.sub(r"@\d+$", "", path)
+    """FQN of the innermost module the node ran in ('' for the model itself)."""
+    return (stack_fqns(node) or [""])[-1]
 
 
 class _Emitter:
@@ -340,7 +329,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     for layer in layers.values():
         if layer.fused > 1:
             for fqn in layer.params:
-                sh = tp_rewrite.param_shard(layer, fqn, "colwise")
+                sh = param_shard(layer, fqn, "colwise")
                 if sh is not None and sh.fused > 1:
                     fused[fqn] = {"dim": sh.dim, "pieces": sh.fused}
     manifest = {
@@ -383,7 +372,7 @@ def _render(code: StageCode, plan: Plan, lines: list[str], needs: set[str], extr
     if "checkpoint" in needs:
         imports.append("from torch.utils.checkpoint import checkpoint")
     if "tp" in needs:
-        imports.append("from partc.runtime import collectives as tp")
+        imports.append("from partc import collectives as tp")
     body = [
         *imports,
         "",

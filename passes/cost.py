@@ -10,7 +10,7 @@ by the TP degree t. Symbols as in calibration.md: b, s, h, a, t, p, m, v, Ψ, N_
 Mesh assumed (as torchtitan): axes ("pp", "dp", "tp"), tp innermost. A TP group crosses nodes when
 t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop when the world exceeds one node. A group
 crossing nodes uses the InfiniBand adapters of all its members in a node (`ranks_per_node`, `hw.link`); a pipeline
-hop sends 1/t of the boundary from each TP rank and all-gathers it (scatter/gather, `_p2p_round_trip`).
+hop sends 1/t of the boundary from each TP rank and all-gathers it (scatter/gather, `p2p_round_trip`).
 
 Validated (benchmarks/megatron_table1.py, tests/test_calibration.py): Megatron-LM's Table 1 iteration times within
 4% per row; activation bytes against autograd's saved tensors (tests/test_activations.py).
@@ -25,12 +25,10 @@ from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph, Unit
 from partc.parallel import TP_STYLES, Parallel
+from partc.sharding import GEMM_SPLIT
 from partc.passes.cost_types import Memory, Prediction, StagePrediction, TPPlan, UnitTime
 
 from . import hw
-
-# hw.gemm_time's `split` per style: colwise shards output features (n), rowwise input features (k, partial sums).
-GEMM_SPLIT = {"colwise": "n", "rowwise": "k", "replicate": None}
 
 # Mixed-precision Adam (ZeRO section 3): 2 bytes 16-bit params + 2 bytes 16-bit grads + K = 12 bytes of optimizer
 # states (fp32 master params, momentum, variance) per parameter.
@@ -314,7 +312,7 @@ def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_n
     return (1.0 - cluster.dp_overlap) * total
 
 
-def _p2p_round_trip(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
+def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
     """One boundary per micro-batch: the activation forward and its gradient backward (same size).
 
     Scatter/gather (Narayanan et al. 2021, section 4.1): the t ranks of a TP group hold the same boundary tensor,
@@ -333,7 +331,7 @@ def _p2p_round_trip(cluster: Cluster, par: Parallel, nbytes_per_sample: float, s
 def p2p_time(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
     """Pipeline traffic per micro-batch of one rank (Narayanan et al.: b·s·h per micro-batch between stages, b·s·h/t
     per GPU with scatter/gather, v times as much when interleaved): one send forward and one backward per chunk."""
-    return chunks_per_rank(par) * _p2p_round_trip(cluster, par, nbytes_per_sample, spans_nodes)
+    return chunks_per_rank(par) * p2p_round_trip(cluster, par, nbytes_per_sample, spans_nodes)
 
 
 def optimizer_time(cluster: Cluster, par: Parallel, params_per_gpu: float) -> float:
@@ -392,7 +390,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         tp_comm = sum(parts[i].tp_comm_s for i in idx)
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
         cuts = [max(cut[lo - 1] if lo > 0 else 0, cut[hi - 1] if hi <= len(cut) else 0) for lo, hi in chunks]
-        pp_comm = sum(_p2p_round_trip(cluster, par, c, spans["pp"]) for c in cuts)
+        pp_comm = sum(p2p_round_trip(cluster, par, c, spans["pp"]) for c in cuts)
         params = stage_param_count(graph, par, tp, idx, shards)
         mem = model_state_bytes(params, par)
         mem.activations = in_flight(par, r) * sum(acts[i] for i in idx) + stage_extra_bytes(graph, par, tp, idx)

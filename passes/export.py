@@ -12,12 +12,12 @@ import logging
 import os
 import re
 import sys
-import traceback
 
 import torch
 from torch import nn
 
 from partc.errors import PartcError
+from partc.frames import exception_frames, innermost
 
 
 def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "") -> torch.export.ExportedProgram:
@@ -28,7 +28,7 @@ def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "
     except Exception as e:  # noqa: BLE001 - anything export raises is a model the tracer cannot handle
         where = _locate_failure(model, args, kwargs, e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        hint = _hint(e)
+        hint = failure_hint(e)
         raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
             from None
 
@@ -58,15 +58,10 @@ def _quiet_export():
             log.setLevel(level)
 
 
-def _user_frame(tb) -> str:
-    """file:line of the deepest frame outside torch and Python's own library."""
-    best = ""
-    for frame in traceback.extract_tb(tb):
-        f = frame.filename.replace("\\", "/")
-        if "/torch/" in f or "/site-packages/torch" in f or "/lib/python3" in f and "site-packages" not in f:
-            continue
-        best = f"{frame.filename}:{frame.lineno}"
-    return best
+def _model_frame(e: BaseException) -> str:
+    """file:line of the innermost frame of model code in `e`'s traceback ('' if none)."""
+    frame = innermost(exception_frames(e))
+    return "" if frame is None else f"{frame.filename}:{frame.lineno}"
 
 
 def _locate_failure(model: nn.Module, args, kwargs, export_error: Exception) -> str:
@@ -89,12 +84,12 @@ def _locate_failure(model: nn.Module, args, kwargs, export_error: Exception) -> 
     for name, mod in model.named_modules():
         hooks.append(mod.register_forward_pre_hook(pre(name or type(model).__name__)))
         hooks.append(mod.register_forward_hook(post(name or type(model).__name__)))
-    frame = _user_frame(export_error.__traceback__)
+    frame = _model_frame(export_error)
     try:
         model(*args, **kwargs)
     except Exception as e:  # noqa: BLE001
         failing = list(stack)
-        frame = _user_frame(e.__traceback__) or frame
+        frame = _model_frame(e) or frame
     finally:
         for h in hooks:
             h.remove()
@@ -106,7 +101,8 @@ def _locate_failure(model: nn.Module, args, kwargs, export_error: Exception) -> 
     return (" " + " ".join(parts)) if parts else ""
 
 
-def _hint(e: Exception) -> str:
+def failure_hint(e: Exception) -> str:
+    """What to change in the model for an error torch.export (or a meta run) raised: '; ...' or ''."""
     text = f"{type(e).__name__} {e}"
     if re.search(r"nonzero|data-independent|unbacked", text, re.I):
         return ("; an op's output shape depends on tensor values (boolean-mask indexing, nonzero, unique): use "

@@ -17,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from partc.errors import PartcError
+from partc.frames import innermost, stack_trace_frames
 from partc.ir import ACTIVATION_BYTES, Gemm
-from partc.passes.export import _hint
+from partc.passes.export import failure_hint
 
 aten = torch.ops.aten
 
@@ -52,7 +53,8 @@ class NodeStats:
     to replay it (they offset what it drops)."""
 
 
-def _act_bytes(t: torch.Tensor, numel: int | None = None) -> int:
+def activation_bytes(t: torch.Tensor, numel: int | None = None) -> int:
+    """Bytes of `t` (or `numel` of its elements) as trained: floating point at 16 bits, others at their size."""
     numel = t.numel() if numel is None else numel
     return numel * (ACTIVATION_BYTES if t.dtype.is_floating_point else t.element_size())
 
@@ -93,7 +95,7 @@ class _Recorder(TorchDispatchMode):
             tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
             outs = out if isinstance(out, (tuple, list)) else [out]
             tensors += [x for x in outs if isinstance(x, torch.Tensor)]
-            st.memory_bytes += sum(_act_bytes(x) for x in tensors
+            st.memory_bytes += sum(activation_bytes(x) for x in tensors
                                    if x.untyped_storage()._cdata not in self.mask_storages)
         return out
 
@@ -116,7 +118,7 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
 
     def storage_bytes(t: torch.Tensor) -> int:
         numel = t.untyped_storage().nbytes() // max(t.element_size(), 1)
-        return numel * MASK_BYTES if t.untyped_storage()._cdata in recorder.mask_storages else _act_bytes(t, numel)
+        return numel * MASK_BYTES if t.untyped_storage()._cdata in recorder.mask_storages else activation_bytes(t, numel)
 
     def pack(t: torch.Tensor):
         node = recorder.node
@@ -168,11 +170,11 @@ def _node_failure(n: torch.fx.Node, e: Exception) -> str:
     """One line for an exported op that fails on meta tensors: the op, its module and the user's source line."""
     stack = stack_fqns(n)
     where = f" in module {stack[-1]}" if stack and stack[-1] else ""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', n.meta.get("stack_trace") or "")
-    if frames:
-        where += f" at {frames[-1][0]}:{frames[-1][1]}"
+    frame = innermost(stack_trace_frames(n.meta.get("stack_trace")))
+    if frame is not None:
+        where += f" at {frame.filename}:{frame.lineno}"
     first = (str(e).strip().splitlines() or [""])[0][:300]
-    return f"cannot trace the model: {n.target}{where} fails on meta tensors: {type(e).__name__}: {first}{_hint(e)}"
+    return f"cannot trace the model: {n.target}{where} fails on meta tensors: {type(e).__name__}: {first}{failure_hint(e)}"
 
 
 def stack_fqns(node: torch.fx.Node) -> list[str]:

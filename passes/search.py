@@ -206,7 +206,7 @@ class _Costs:
     def cut_time(self, par: Parallel) -> list[float]:
         spans = cost.mesh_spans(self.cluster, par)["pp"]
         return self._get(("cut", par.pp > 1, par.tp, par.micro_batch_size, spans),
-                         lambda: [cost._p2p_round_trip(self.cluster, par, c, spans) for c in self.graph.cut_bytes])
+                         lambda: [cost.p2p_round_trip(self.cluster, par, c, spans) for c in self.graph.cut_bytes])
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at

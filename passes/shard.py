@@ -30,12 +30,14 @@ _PASSTHROUGH = {
     aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default,
     aten.dropout.default, aten.lift_fresh_copy.default,
 }
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 _REDUCE = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 _MATMUL = {aten.matmul.default, aten.bmm.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
+BATCHED_OPS = _MATMUL | _SDPA
+"""Ops whose split must be a batch dim shared by the operands (matmul, bmm, attention)."""
 
 
 def _shape(node) -> tuple[int, ...] | None:
@@ -212,7 +214,7 @@ def shard_rule(node: Node, dims: dict, ins: list[Node]):
         return out, 0, 1, ""
     if t is aten.native_dropout.default:
         return (dim, dim), 0, 1, ""
-    if t in _VIEWS:
+    if t in VIEW_OPS:
         out, groups = view_dim_map(in_shape, out_shape, dim)
         if out is None:
             return None, 0, 1, f"view {list(in_shape)} -> {list(out_shape)} moves the split dimension"

@@ -48,11 +48,11 @@ from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import Layer, ModelGraph
 from partc.parallel import TP_STYLES
+from partc.sharding import GEMM_SPLIT, param_shard
 
 from . import hw
 
 STATE = {"replicate": "R", "colwise": "S", "rowwise": "P"}
-GEMM_SPLIT = {"replicate": None, "colwise": "n", "rowwise": "k"}
 NS = 1e9  # CP-SAT costs are integer nanoseconds: options within a few ns count as equal, then tie-breaks decide
 SEED = 0
 
@@ -131,22 +131,58 @@ def _needs(layer: Layer, style: str) -> tuple[str, str | None]:
     return {"colwise": ("R", "P"), "rowwise": ("S", "S"), "replicate": ("R", "R")}[style]
 
 
-def _conversions(state: str, needs: list[tuple[str, str | None, bool]], loss: bool) -> tuple[str | None, str | None]:
-    """(forward, backward) collective of a source in `state`, its consumers' (input, gradient, shard_ok)."""
-    need_r = loss or any(inp == "R" or (inp == "S" and not ok) for inp, _, ok in needs)
-    need_s = any(inp == "S" for inp, _, _ in needs)
-    grad_p = any(g == "P" for _, g, _ in needs)
-    grad_s = any(g == "S" for _, g, _ in needs)
-    grad_s_bad = any(g == "S" and not ok for _, g, ok in needs)
-    fwd = bwd = None
-    if state == "S":
-        fwd = "all_gather" if need_r else None
-        bwd = "all_reduce" if grad_p else "all_gather" if grad_s_bad else None
-    else:
-        if state == "P":
-            fwd = "all_reduce" if need_r or need_s else None
-        bwd = "all_reduce" if grad_p else "all_gather" if grad_s else None
-    return fwd, bwd
+# The collectives, as rules over the source's state and four facts about who reads it (Megatron's f and g, and
+# the gathers a split that does not line up needs). One table serves the evaluator (`_conversions`) and the
+# CP-SAT model (`_solve_classes`), so the solver charges exactly what the rewrite writes:
+#   need_r      the loss reads the source, or a consumer needs it whole (R), or split across an edge whose
+#               shards do not line up (gather to R, then split locally)
+#   need_s      a consumer needs it split (S: a rowwise input)
+#   grad_p      a consumer hands back a partial-sum gradient (P: colwise's input gradient)
+#   grad_s_bad  a consumer hands back a split gradient across an edge whose shards do not line up
+# Rows of one phase exclude each other. (phase, collective, source states, facts that must hold or not hold)
+CONVERSIONS = (
+    ("fwd", "all_gather", "S", {"need_r": True}),
+    ("fwd", "all_reduce", "P", {"need_r": True}),
+    ("fwd", "all_reduce", "P", {"need_r": False, "need_s": True}),
+    ("bwd", "all_reduce", "S", {"grad_p": True}),
+    ("bwd", "all_gather", "S", {"grad_p": False, "grad_s_bad": True}),
+    ("bwd", "all_reduce", "RP", {"grad_p": True}),
+    ("bwd", "all_gather", "RP", {"grad_p": False, "need_s": True}),
+)
+FACTS = ("need_r", "need_s", "grad_p", "grad_s_bad")
+
+
+def _consumer_facts(inp: str, grad: str | None, shard_ok: bool) -> set[str]:
+    """The facts a consumer taking its input in state `inp` and handing back its gradient in state `grad` makes
+    true of its source (`shard_ok`: the edge's shards line up)."""
+    facts = set()
+    if inp == "R" or (inp == "S" and not shard_ok):
+        facts.add("need_r")
+    if inp == "S":
+        facts.add("need_s")
+    if grad == "P":
+        facts.add("grad_p")
+    if grad == "S" and not shard_ok:
+        facts.add("grad_s_bad")
+    return facts
+
+
+def _facts(needs: list[tuple[str, str | None, bool]], loss: bool) -> set[str]:
+    """The facts of a source read by consumers with (input, gradient, shard_ok) `needs`, and by the loss."""
+    facts = {"need_r"} if loss else set()
+    for inp, grad, ok in needs:
+        facts |= _consumer_facts(inp, grad, ok)
+    return facts
+
+
+def _conversions(state: str, facts: set[str]) -> dict[str, str]:
+    """Phase -> collective of a source in `state` whose readers make `facts` true (`CONVERSIONS`)."""
+    out = {}
+    for phase, kind, states, cond in CONVERSIONS:
+        if state in states and all((f in facts) == want for f, want in cond.items()):
+            assert phase not in out, (state, facts)
+            out[phase] = kind
+    return out
 
 
 def _sources(graph: ModelGraph) -> list[_Source]:
@@ -204,10 +240,7 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
         for src in _sources(graph):
             layer, style = graph.layers[src.layer], styles[src.layer]
             needs = [(*_needs(graph.layers[c], styles[c]), ok) for c, ok in src.consumers.items()]
-            fwd, bwd = _conversions(STATE[style], needs, src.loss)
-            for phase, kind in (("fwd", fwd), ("bwd", bwd)):
-                if kind is None:
-                    continue
+            for phase, kind in _conversions(STATE[style], _facts(needs, src.loss)).items():
                 readers = _readers(phase, kind, list(src.consumers), needs)
                 coll = Collective(kind=kind, phase=phase, nbytes=src.nbytes, src=src.layer,
                                   reason=_reason(phase, kind, layer, style, readers))
@@ -266,7 +299,6 @@ def representatives(graph: ModelGraph) -> dict[str, str]:
 def _tied_conflicts(graph: ModelGraph, tp: int):
     """(style of a, style of b, a, b) for layers a, b sharing a parameter that those styles would split
     differently."""
-    from partc.passes.tp_rewrite import param_shard
     for dup, canon in graph.tied.items():
         a, b = dup.rsplit(".", 1)[0], canon.rsplit(".", 1)[0]
         if a not in graph.layers or b not in graph.layers or a == b:
@@ -322,27 +354,19 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
     indicators: list[tuple[int, object]] = []  # (cost in ns for all layers it stands for, literal)
     spans = _spans_nodes(cluster, tp)
     for (r, nbytes, consumers, loss), count in distinct.items():
-        need_r, need_s, grad_p, grad_s_bad = [loss], [], [], []
+        lits: dict[str, list] = {f: [] for f in FACTS}
+        lits["need_r"].append(loss)
         for c, ok in consumers:
-            if graph.layers[c].kind == "embedding":
-                need_r.append(True)
-                continue
-            col, row, repl = lit(c, "colwise"), lit(c, "rowwise"), lit(c, "replicate")
-            need_r += [col, repl] + ([] if ok else [row])
-            need_s.append(row)
-            grad_p.append(col)
-            grad_s_bad += [] if ok else [row]
-        need_r, need_s, grad_p, grad_s_bad = (_or(model, v) for v in (need_r, need_s, grad_p, grad_s_bad))
-        is_s, is_p = lit(r, "colwise"), lit(r, "rowwise")
-        for kind, cond in (("all_gather", [is_s, need_r]),
-                           ("all_reduce", [is_p, need_r]),
-                           ("all_reduce", [is_p, _neg(need_r), need_s]),
-                           ("all_reduce", [is_s, grad_p]),
-                           ("all_gather", [is_s, _neg(grad_p), grad_s_bad]),
-                           ("all_reduce", [_neg(is_s), grad_p]),
-                           ("all_gather", [_neg(is_s), _neg(grad_p), need_s])):
+            styles = x[rep[c]]
+            for fact in FACTS:
+                makes = [s for s in styles if fact in _consumer_facts(*_needs(graph.layers[c], s), ok)]
+                lits[fact] += [True] if len(makes) == len(styles) else [styles[s] for s in makes]
+        facts = {f: _or(model, v) for f, v in lits.items()}
+        state = {"S": lit(r, "colwise"), "P": lit(r, "rowwise"), "RP": _neg(lit(r, "colwise"))}
+        for _phase, kind, states, cond in CONVERSIONS:
+            cond = [state[states]] + [facts[f] if want else _neg(facts[f]) for f, want in cond.items()]
             y = _and(model, cond)
-            if not isinstance(y, bool):
+            if y is not False:  # a literal, or True: a collective every choice left open pays
                 ns = round(NS * hw.collective_time(cluster, kind, nbytes * b, tp, spans_nodes=spans))
                 indicators.append((ns * count, y))
 

@@ -31,21 +31,13 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from partc.errors import PartcError
+from partc import collectives as C
 from partc.ir import Layer
-from partc.passes.shard import _MATMUL, _SDPA, _VIEWS, shard_rule
-from partc.runtime import collectives as C
+from partc.passes.shard import BATCHED_OPS, VIEW_OPS, shard_rule
+from partc.sharding import Shard, param_shard
 
 aten = torch.ops.aten
 R, P = "R", "P"
-_BATCHED = _MATMUL | _SDPA
-
-
-@dataclass(kw_only=True, slots=True)
-class Shard:
-    """How a parameter is split over the tp axis: `dim`, in `fused` pieces each split separately."""
-
-    dim: int
-    fused: int = 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,18 +46,6 @@ class Rewrite:
     """Parameter FQN (the exported name) -> its split; parameters not listed are whole."""
     collectives: list[tuple[str, str]] = field(default_factory=list)
     """(collective, why) in graph order."""
-
-
-def shard_tensor(full: torch.Tensor, shard: Shard, rank: int, degree: int) -> torch.Tensor:
-    """This rank's part of a whole parameter (fused pieces split one by one)."""
-    pieces = full.chunk(shard.fused, dim=shard.dim)
-    return torch.cat([p.chunk(degree, dim=shard.dim)[rank] for p in pieces], dim=shard.dim)
-
-
-def unshard_tensor(parts: list[torch.Tensor], shard: Shard) -> torch.Tensor:
-    """The whole parameter from every rank's part (inverse of `shard_tensor`)."""
-    split = [p.chunk(shard.fused, dim=shard.dim) for p in parts]
-    return torch.cat([torch.cat([s[i] for s in split], dim=shard.dim) for i in range(shard.fused)], dim=shard.dim)
 
 
 def _local_shape(shape, dim: int, t: int, what: str) -> list[int]:
@@ -276,7 +256,7 @@ class _Rewriter:
                 aligned = out_dim - (glob.dim() - va.dim())
                 if aligned >= 0 and va.shape[aligned] != 1 and va.shape[aligned] == glob.shape[out_dim]:
                     whole.append((a, aligned))
-            if whole and node.target not in _BATCHED:
+            if whole and node.target not in BATCHED_OPS:
                 self._replace_inputs(node, {a: self.need(a, R, node) for a in ins})
                 return self._run_local(node, R)
             for a, aligned in whole:
@@ -296,7 +276,7 @@ class _Rewriter:
     def _rewrite_sizes(self, node: Node, out_dim) -> None:
         glob = node.meta.get("val")
         t = node.target
-        if t in _VIEWS or t is aten.expand.default:
+        if t in VIEW_OPS or t is aten.expand.default:
             sizes = list(node.args[1])
             local = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
             new = [-1 if s == -1 else local[i] for i, s in enumerate(sizes)]
@@ -362,26 +342,6 @@ class _Rewriter:
         for u in users:
             u.replace_input_with(node, final)
         return None
-
-
-def param_shard(layer: Layer, fqn: str, style: str) -> Shard | None:
-    """How `style` splits parameter `fqn` of `layer` (None: whole)."""
-    name = fqn.rsplit(".", 1)[1]
-    conv1d = layer.type == "Conv1D"
-    fused = layer.fused if style == "colwise" else 1
-    if layer.kind == "embedding":
-        if name != "weight":
-            return None
-        return Shard(dim=0) if style == "rowwise" else Shard(dim=1) if style == "colwise" else None
-    if layer.kind != "linear" or style == "replicate":
-        return None
-    if name == "weight":
-        if style == "colwise":
-            return Shard(dim=1 if conv1d else 0, fused=fused)
-        return Shard(dim=0 if conv1d else 1)
-    if name == "bias" and style == "colwise":
-        return Shard(dim=0, fused=fused)
-    return None
 
 
 def rewrite(ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],

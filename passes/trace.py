@@ -22,8 +22,9 @@ import torch.fx
 from torch import nn
 
 from partc.ir import Edge, Layer, ModelGraph, Unit
+from partc.model_file import infer_seq_len
 from partc.passes.export import export_on_meta
-from partc.passes.measure import NodeStats, _act_bytes, measure, stack_fqns
+from partc.passes.measure import NodeStats, activation_bytes, measure, stack_fqns
 from partc.passes.shard import ShardAnalysis
 
 aten = torch.ops.aten
@@ -414,7 +415,7 @@ def _gcd(a: int, b: int) -> int:
 def _val_bytes(n: torch.fx.Node) -> int:
     val = n.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else [val]
-    return sum(_act_bytes(v) for v in vals if isinstance(v, torch.Tensor))
+    return sum(activation_bytes(v) for v in vals if isinstance(v, torch.Tensor))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -433,7 +434,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: in
     ep = export_on_meta(model, args, kwargs, path=path)
     t1 = time.perf_counter()
     if seq_len is None:
-        seq_len = _guess_seq_len(args, kwargs)
+        seq_len = infer_seq_len(args, kwargs)
     if seq_len is None:
         seq_len = _tokens_from_graph(ep)
     stats = measure(ep, args, kwargs, seq_len)
@@ -451,9 +452,3 @@ def _tokens_from_graph(ep: torch.export.ExportedProgram) -> int | None:
     return None
 
 
-def _guess_seq_len(args, kwargs) -> int | None:
-    """Tokens per sample: the last dim of the first integer input (token ids)."""
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and v.dim() >= 2:
-            return int(v.shape[-1])
-    return None

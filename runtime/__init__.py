@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 -m partc.runtime partc_out --steps 100     # or: partc run partc_out --steps 100
 
 `load` returns a `Program` for training loops of your own (see `partc.runtime.api`). Importing this package is
-cheap: the generated stage files import `partc.runtime.collectives`, and the rest loads on first use.
+cheap: the generated stage files import `partc.collectives`, and the rest loads on first use.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ with parameters on meta, allocate and initialize this rank's stages only (with t
 shard of each split parameter), wrap each stage file as a module, apply ZeRO, build the optimizers and the
 pipeline schedule.
 
-Tensor parallelism is in the stage files: they hold local shards and call `partc.runtime.collectives`. Everything
+Tensor parallelism is in the stage files: they hold local shards and call `partc.collectives`. Everything
 here that meets a whole tensor (a state dict you pass or get back, a checkpoint) converts between whole tensors
-and shards with `partc.runtime.shards.TPLayout`, so none of it depends on the plan.
+and shards with `partc.sharding.TPLayout`, so none of it depends on the plan.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ import torch
 from torch import Tensor, nn
 
 from partc.errors import PartcError
-from partc.passes.load import ModelSpec, load_model_file
+from partc.model_file import ModelSpec, load_model_file
 from partc.runtime import checkpoint
-from partc.runtime.collectives import set_tp_group
+from partc.collectives import set_tp_group
 from partc.runtime.materialize import (build_model, canonical_names, init_weights, load_weights, materialize,
                                        open_checkpoint)
 from partc.runtime.mesh import World, init_world
 from partc.runtime.parallelize import GradSync, OptimizerConfig, build_optimizers, parallelize
 from partc.runtime.program import Program as ProgramFiles, StageFile, read_program
-from partc.runtime.shards import TPLayout
+from partc.sharding import TPLayout
 from partc.runtime.stage import StageModule
 from partc.runtime.train import PipelineRunner, global_batch, stage_shapes
 
@@ -58,7 +58,7 @@ class Program:
         self.runner = runner
         self.seed = seed
         self.layout = layout
-        """Which parameters the program splits over tp, and how (`partc.runtime.shards`)."""
+        """Which parameters the program splits over tp, and how (`partc.sharding`)."""
         self.states = checkpoint.StateDicts(stages, optimizers, canon, layout, world)
         self._model_keys = model.state_dict(keep_vars=True)
 

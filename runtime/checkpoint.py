@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from partc.errors import PartcError
 from partc.runtime.mesh import World
 from partc.runtime.parallelize import local_optimizer
-from partc.runtime.shards import TPLayout
+from partc.sharding import TPLayout
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _PREFIXES = ("state.", "param_groups.")

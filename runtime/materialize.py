@@ -28,7 +28,6 @@ tensor from its own shape and seed (not by copying another parameter).
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,9 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from partc.errors import PartcError
-from partc.passes.load import ModelSpec
+from partc.model_file import ModelSpec, is_hf
 from partc.runtime._torch import TorchDispatchMode
-from partc.runtime.shards import TPLayout
+from partc.sharding import TPLayout
 
 _RANDOM_FILLS = {torch.ops.aten.normal_, torch.ops.aten.uniform_, torch.ops.aten.bernoulli_,
                  torch.ops.aten.random_, torch.ops.aten.exponential_, torch.ops.aten.cauchy_,
@@ -250,10 +249,10 @@ def _init(model: nn.Module, tensors: dict[str, Tensor], seed: int) -> None:
     """`init_weights` for tensors of the shapes the model has (see there)."""
     holding = _modules_holding(model, tensors)
     with torch.no_grad(), SeedPerTensor(tensors, seed):
-        if _is_hf(model):
+        if is_hf(model):
             def visit(prefix: str, module: nn.Module, init) -> None:
                 for name, child in module.named_children():
-                    child_init = child._init_weights if _is_hf(child) else init
+                    child_init = child._init_weights if is_hf(child) else init
                     visit(f"{prefix}{name}.", child, child_init)
                 if prefix.rstrip(".") in holding:
                     init(module)
@@ -278,11 +277,6 @@ def _modules_holding(model: nn.Module, tensors: dict[str, Tensor]) -> set[str]:
         parts = n.split(".")[:-1]
         holding.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     return holding
-
-
-def _is_hf(model: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 class _SafetensorsFile(Mapping):

@@ -6,7 +6,7 @@ later step asks for ``mesh["dp"]`` rather than computing rank arithmetic. The ax
 
     global rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 
-The stage files find the ``tp`` group through `partc.runtime.collectives.set_tp_group`, which `partc.runtime.load`
+The stage files find the ``tp`` group through `partc.collectives.set_tp_group`, which `partc.runtime.load`
 calls with ``world.tp_group`` before any stage runs (on meta or for real).
 
 Checkpoints see a tensor-parallel shard further sharded by FSDP over dp as a DTensor on `World.tp_dp_mesh`: the

@@ -61,7 +61,7 @@ class Program:
     tp: dict
     """The manifest's ``tp`` section: ``degree``; ``shards``: parameter FQN (every alias) -> ``{"dim": d,
     "fused": n}``, how the stage files split it over tp; ``fused``: parameter FQN -> ``{"dim": d, "pieces": n}``
-    for the parameters of fused projections, whatever their style (`partc.runtime.shards.TPLayout`)."""
+    for the parameters of fused projections, whatever their style (`partc.sharding.TPLayout`)."""
 
     @property
     def num_stages(self) -> int:

@@ -9,7 +9,7 @@ hold) is attached at its own FQN.
 ``forward(*inputs)`` looks the tensors up again on every call (FSDP swaps sharded and unsharded parameters in
 the modules) and calls ``stage.forward(p, *inputs, **self.call_kwargs)``; ``call_kwargs`` is ``{"device": ...}``.
 With tensor parallelism the module's parameters are this tp rank's shards (at their local shapes, under the
-model's names) and the stage code's collectives use the group `partc.runtime.collectives.set_tp_group` set.
+model's names) and the stage code's collectives use the group `partc.collectives.set_tp_group` set.
 """
 
 from __future__ import annotations

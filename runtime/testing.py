@@ -31,7 +31,7 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train the whole model in this process on the runtime's batches (steps `start` .. `steps` - 1) from
     `init_state`; returns the losses and the final state dict."""
-    from partc.passes.load import load_model_file
+    from partc.model_file import load_model_file
     from partc.runtime.parallelize import OptimizerConfig
     from partc.runtime.train import global_batch
 
@@ -104,9 +104,9 @@ def replica_diff(prog) -> float:
 
 
 def check_collectives(group: dist.ProcessGroup) -> None:
-    """Megatron's conjugate functions (`partc.runtime.collectives`) over `group`: forward values and input
+    """Megatron's conjugate functions (`partc.collectives`) over `group`: forward values and input
     gradients against what they must be; raises AssertionError."""
-    from partc.runtime import collectives as C
+    from partc import collectives as C
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     C.set_tp_group(group)

@@ -33,11 +33,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from partc.passes.load import ModelSpec
+from partc.model_file import ModelSpec
 from partc.runtime._torch import tree_map
 from partc.runtime.mesh import World
 from partc.runtime.program import Program
-from partc.runtime.shards import TPLayout
+from partc.sharding import TPLayout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from partc.compile import compile_model
-from partc.passes.load import load_model_file
+from partc.model_file import load_model_file
 from partc.passes.search import Pins
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -454,7 +454,7 @@ def test_unit_times_reuse_only_truly_identical_units():
 
     import torch
 
-    from partc.passes.load import build_on_meta, load_model_file
+    from partc.model_file import build_on_meta, load_model_file
     from partc.passes.trace import trace
 
     spec = load_model_file(str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py"))

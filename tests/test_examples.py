@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from partc.errors import PartcError
-from partc.passes.load import build_on_meta, load_model_file
+from partc.model_file import build_on_meta, load_model_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

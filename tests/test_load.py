@@ -1,4 +1,4 @@
-"""Loading model files: the contract of passes/load.py and one clear line for every mistake."""
+"""Loading model files: the contract of partc/model_file.py and one clear line for every mistake."""
 
 import sys
 import textwrap
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from partc.errors import PartcError
-from partc.passes.load import DEFAULT_MAX_SEQ_LEN, build_on_meta, load_model_file
+from partc.model_file import DEFAULT_MAX_SEQ_LEN, build_on_meta, load_model_file
 
 PLAIN = """
 import torch

@@ -17,9 +17,9 @@ from torch import nn
 from partc.cli.main import main as cli
 from partc.compile import compile_model
 from partc.errors import PartcError
-from partc.passes.load import load_model_file
+from partc.model_file import load_model_file
 from partc.passes.search import Pins
-from partc.runtime import collectives
+from partc import collectives
 from partc.runtime.__main__ import main as runtime_main
 from partc.runtime.api import shared_holders, stage_tensor_names
 from partc.runtime.checkpoint import _canon_key
@@ -28,7 +28,7 @@ from partc.runtime.materialize import (SeedPerTensor, build_initialized, build_m
                                        init_weights, load_weights, materialize, parameters_on_meta)
 from partc.runtime.mesh import ParallelDims
 from partc.runtime.program import read_program
-from partc.runtime.shards import TPLayout
+from partc.sharding import TPLayout
 from partc.runtime.stage import StageModule
 from partc.runtime.train import global_batch, stage_shapes
 

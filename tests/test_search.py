@@ -21,7 +21,7 @@ import torch
 
 from partc.cluster import PRESETS, Cluster
 from partc.passes import cost
-from partc.passes.load import build_on_meta, load_model_file
+from partc.model_file import build_on_meta, load_model_file
 from partc.passes.search import Pins, _configs, _Costs, search
 from partc.passes.tp import allowed_styles, solve_tp, style_error
 from partc.passes.trace import trace

@@ -12,7 +12,7 @@ from ir_fixtures import embedding, gpt_graph, linear, norm
 from partc.cluster import PRESETS, Cluster
 from partc.errors import PartcError
 from partc.ir import Edge, ModelGraph, Unit
-from partc.passes.tp import _conversions, _solve_classes, allowed_styles, evaluate_tp, representatives, solve_tp
+from partc.passes.tp import _conversions, _facts, _solve_classes, allowed_styles, evaluate_tp, representatives, solve_tp
 
 A100 = PRESETS["a100-80g"]
 # The fixture's model is tiny (h = 256): on a real NVLink the 5 us ring-step latency outweighs its GEMMs. Without
@@ -39,7 +39,8 @@ COL, ROW, REP = ("R", "P", False), ("S", "S", True), ("R", "R", False)  # consum
     ("R", [("R", None, False)], False, (None, None)),  # an Embedding reader returns no gradient
 ])
 def test_conversion_rules(state, needs, loss, want):
-    assert _conversions(state, needs, loss) == want
+    got = _conversions(state, _facts(needs, loss))
+    assert (got.get("fwd"), got.get("bwd")) == want
 
 
 def block_styles(sol, i: int) -> dict[str, str]:

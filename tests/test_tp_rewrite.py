@@ -18,10 +18,10 @@ import torch.multiprocessing as mp
 
 from partc.compile import compile_model
 from partc.errors import PartcError
-from partc.passes.load import load_model_file
+from partc.model_file import load_model_file
 from partc.passes.search import Pins
-from partc.passes.tp_rewrite import Shard, shard_tensor, unshard_tensor
-from partc.runtime import collectives
+from partc.sharding import Shard, shard_tensor, unshard_tensor
+from partc import collectives
 from test_codegen import CASES, _load_stage
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import torch
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.ir import ACTIVATION_BYTES
-from partc.passes.load import build_on_meta, load_model_file
+from partc.model_file import build_on_meta, load_model_file
 from partc.passes.trace import trace
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

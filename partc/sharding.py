@@ -1,16 +1,15 @@
-"""How this rank holds each parameter under tensor parallelism (the manifest's ``tp`` section), in one place.
+"""How tensors are split over the tensor-parallel axis: the layouts the compiler writes and the runtime reads.
 
-The stage files were generated for local shards (`partc.passes.tp_rewrite`): a parameter split ``Shard(dim,
-fused)`` is held by tp rank r as ``shard_tensor(full, shard, r, t)``: its rows (or columns) ``[r/t, (r+1)/t)``,
-and for a fused projection (q, k and v in one weight) that part of each piece, so every rank has its own heads of
-q, of k and of v. `TPLayout` answers, for any FQN of the model (every alias of a tied weight):
+The compiler (`partc.passes.tp_rewrite`) generates stage files that work on local shards; the runtime allocates,
+initializes, checkpoints and gathers those shards. Both read the layouts from here:
 
-- `shard`, `local_shape`, `full_shape`: the split and the shapes on this rank and in the model;
-- `take` / `gather`: this rank's part of a whole tensor, and the whole tensor from every rank's part;
-- `fused`: ``(dim, pieces)`` of a fused projection's parameter, whatever the plan's style for it (checkpoints
-  store these viewed as ``[..., pieces, rows / pieces, ...]``, where the per-piece split is a plain split).
-
-With tp = 1 nothing is split and every method is the identity.
+- `Shard`: a parameter split along `dim` over the tp ranks, in `fused` pieces each split separately (a fused QKV
+  projection: every rank gets its own heads of q, of k and of v). `shard_tensor` / `unshard_tensor` convert.
+- `param_shard`: how a layer's TP style (``colwise``, ``rowwise``, ``replicate``) splits each of its parameters.
+- `GEMM_SPLIT`: which dimension of a layer's GEMM a style splits (colwise: the output features n; rowwise: the
+  inner dimension k, leaving partial sums).
+- `TPLayout`: for one tp rank, every parameter FQN (every alias of a tied weight) -> its split, local and whole
+  shapes, and `take` / `gather` between whole tensors and shards. With tp = 1 nothing is split.
 """
 
 from __future__ import annotations
@@ -21,7 +20,58 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from partc.passes.tp_rewrite import Shard, shard_tensor, unshard_tensor
+from partc.ir import Layer
+
+GEMM_SPLIT = {"replicate": None, "colwise": "n", "rowwise": "k"}
+"""TP style -> the GEMM dimension it splits (`partc.passes.hw.gemm_time`'s ``split``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Shard:
+    """How a parameter is split over the tp axis: `dim`, in `fused` pieces each split separately."""
+
+    dim: int
+    fused: int = 1
+
+
+def shard_tensor(full: torch.Tensor, shard: Shard, rank: int, degree: int) -> torch.Tensor:
+    """This rank's part of a whole parameter (fused pieces split one by one)."""
+    pieces = full.chunk(shard.fused, dim=shard.dim)
+    return torch.cat([p.chunk(degree, dim=shard.dim)[rank] for p in pieces], dim=shard.dim)
+
+
+def unshard_tensor(parts: list[torch.Tensor], shard: Shard) -> torch.Tensor:
+    """The whole parameter from every rank's part (inverse of `shard_tensor`)."""
+    split = [p.chunk(shard.fused, dim=shard.dim) for p in parts]
+    return torch.cat([torch.cat([s[i] for s in split], dim=shard.dim) for i in range(shard.fused)], dim=shard.dim)
+
+
+def param_shard(layer: Layer, fqn: str, style: str) -> Shard | None:
+    """How `style` splits parameter `fqn` of `layer` (None: whole)."""
+    name = fqn.rpartition(".")[2]
+    conv1d = layer.type == "Conv1D"
+    fused = layer.fused if style == "colwise" else 1
+    if layer.kind == "embedding":
+        if name != "weight":
+            return None
+        return Shard(dim=0) if style == "rowwise" else Shard(dim=1) if style == "colwise" else None
+    if layer.kind != "linear" or style == "replicate":
+        return None
+    if name == "weight":
+        if style == "colwise":
+            return Shard(dim=1 if conv1d else 0, fused=fused)
+        return Shard(dim=0 if conv1d else 1)
+    if name == "bias" and style == "colwise":
+        return Shard(dim=0, fused=fused)
+    return None
+
+
+def aliases_of(canon: dict[str, str]) -> dict[str, list[str]]:
+    """Canonical FQN -> every FQN of the same (tied) tensor, from a map of every FQN to its canonical one."""
+    out: dict[str, list[str]] = {}
+    for name, c in canon.items():
+        out.setdefault(c, []).append(name)
+    return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,9 +89,7 @@ class TPLayout:
     def from_manifest(cls, tp: dict, rank: int, canon: dict[str, str]) -> TPLayout:
         """`tp`: the manifest's ``tp`` section; `canon`: every parameter FQN -> its canonical name (so that an
         entry under one alias of a tied weight covers all of them)."""
-        aliases: dict[str, list[str]] = {}
-        for name, c in canon.items():
-            aliases.setdefault(c, []).append(name)
+        aliases = aliases_of(canon)
 
         def every_alias(table: dict) -> dict:
             out = {}

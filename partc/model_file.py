@@ -48,8 +48,6 @@ import importlib.util
 import inspect
 import re
 import sys
-import sysconfig
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -60,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partc.errors import PartcError
+from partc.frames import exception_frames, innermost
 
 DEFAULT_MAX_SEQ_LEN = 1024
 """Default tokens per sample for a Hugging Face token model: min(this, the config's max positions)."""
@@ -145,7 +144,7 @@ def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = No
 
         with torch.device("meta"):
             args, kwargs = inputs(1)
-        seq_len = _infer_seq_len(args, kwargs)
+        seq_len = infer_seq_len(args, kwargs)
     else:
         hf = _hf_inputs(_build_on_meta(build), shown, seq_len)
         if hf is None:
@@ -256,27 +255,11 @@ def _call_user(fn: Callable, what: str, shown: str, *args: Any) -> Any:
         raise PartcError(f"{where}: {what} raised {_describe(e)}") from None
 
 
-def _library_dirs() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    dirs.add(str(Path(__file__).resolve().parent))
-    dirs.add(str(Path(sys.modules[PartcError.__module__].__file__).resolve().parent))
-    return tuple(d.rstrip("/") + "/" for d in dirs)
-
-
 def _user_frame(e: BaseException) -> str | None:
-    """'file:line' of the innermost frame of `e` in user code (not the standard library, an installed package
-    or partc); None if there is none."""
-    libs = _library_dirs()
-    for frame in reversed(traceback.extract_tb(e.__traceback__)):
-        f = frame.filename
-        if f.startswith("<") or "site-packages" in f or "dist-packages" in f:
-            continue
-        resolved = str(Path(f).resolve())
-        if resolved.startswith(libs):
-            continue
-        return f"{_shown(Path(resolved))}:{frame.lineno}"
-    return None
+    """'file:line' of the innermost frame of `e` in the user's own files (not the standard library, an installed
+    package, torch or partc); None if there is none."""
+    frame = innermost(exception_frames(e), installed_packages=False)
+    return None if frame is None else f"{_shown(Path(frame.filename).resolve())}:{frame.lineno}"
 
 
 def _shown(file: Path) -> str:
@@ -326,12 +309,13 @@ def _normalize_inputs(raw: Any, batch_size: int, what: str) -> tuple[tuple, dict
     return tuple(args), kwargs
 
 
-def _infer_seq_len(args: tuple, kwargs: dict) -> int | None:
-    ids = kwargs.get("input_ids")
-    if ids is None:
-        ids = next((a for a in args if isinstance(a, Tensor)), None)
-    if isinstance(ids, Tensor) and ids.dim() >= 2 and not ids.is_floating_point() and not ids.is_complex():
-        return int(ids.shape[1])
+def infer_seq_len(args: tuple, kwargs: dict) -> int | None:
+    """Tokens per sample of the model's inputs: dim 1 of ``input_ids``, else of the first integer tensor input
+    with a sequence dim ([batch, seq, ...]: token ids), positional before keyword; None if there is none."""
+    candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
+    for ids in candidates:
+        if isinstance(ids, Tensor) and ids.dim() >= 2 and not ids.is_floating_point() and not ids.is_complex():
+            return int(ids.shape[1])
     return None
 
 
@@ -395,7 +379,8 @@ def _default_targets(build: Callable[[], nn.Module], inputs: Callable[[int], tup
 # Hugging Face models
 
 
-def _is_hf(model: nn.Module) -> bool:
+def is_hf(model: nn.Module) -> bool:
+    """True for a Hugging Face ``PreTrainedModel`` (without importing transformers when the model file did not)."""
     transformers = sys.modules.get("transformers")  # a PreTrainedModel means the file imported transformers
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
@@ -403,7 +388,7 @@ def _is_hf(model: nn.Module) -> bool:
 def _hf_inputs(model: nn.Module, shown: str, seq_len: int | None
                ) -> tuple[Callable[[int], tuple[tuple, dict]], int | None] | None:
     """(inputs, seq_len) synthesized for a Hugging Face model; None if `model` is not one."""
-    if not _is_hf(model):
+    if not is_hf(model):
         return None
     config = model.config
     cls = type(model).__name__
@@ -451,7 +436,7 @@ def _hf_inputs(model: nn.Module, shown: str, seq_len: int | None
 def _hf_targets(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], int] | None:
     """(target shape after the batch dim, number of classes) of a Hugging Face model, read from its class name
     and config (its forward cannot run on the meta device); None if not a Hugging Face model or not recognized."""
-    if not _is_hf(model):
+    if not is_hf(model):
         return None
     cls = type(model).__name__
     config = model.config
