@@ -140,7 +140,7 @@ def trace_size(size: str):
 
 def pins(row: Row, *, search_batching: bool = False):
     """The run's choices: t, p, full recomputation, and (unless `search_batching`) its b and v."""
-    from partc.passes.search import Pins
+    from partc.parallel import Pins
 
     if search_batching:
         return Pins(tp=row.tp, pp=row.pp, recompute="full",

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from partc.cluster import PRESETS
 from partc.errors import PartcError
-from partc.parallel import RECOMPUTE, SCHEDULES
+from partc.parallel import PINNABLE, Parallel, Pins
 
 GiB = 1024**3
 
@@ -50,6 +50,21 @@ def _pos_int(ctx, param, value):
     return value
 
 
+def _pin_options(command):
+    """One ``--NAME`` option per choice of `Parallel` a user may pin (`PINNABLE`), from the field's metadata."""
+    for f in reversed(PINNABLE):
+        meta = f.metadata
+        if meta["choices"] is not None and f.type in ("int", int):
+            kind = click.IntRange(min(meta["choices"]), max(meta["choices"]))
+        elif meta["choices"] is not None:
+            kind = click.Choice(meta["choices"])
+        else:
+            kind = int
+        command = click.option(f"--{f.name.replace('_', '-')}", f.name, type=kind, default=None, help=meta["help"],
+                               callback=_pos_int if meta["min"] == 1 else None)(command)
+    return command
+
+
 @main.command("compile")
 @click.argument("model_file", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--gpus", type=int, required=True, help="Number of GPUs to plan for.")
@@ -63,29 +78,21 @@ def _pos_int(ctx, param, value):
 @click.option("--seq-len", type=int, default=None, callback=_pos_int,
               help="Tokens per sample for a Hugging Face model without example_inputs (default: min(1024, max "
                    "positions)).")
-@click.option("--tp", type=int, default=None, callback=_pos_int, help="Pin the tensor-parallel degree.")
-@click.option("--pp", type=int, default=None, callback=_pos_int, help="Pin the pipeline-parallel degree.")
-@click.option("--dp", type=int, default=None, callback=_pos_int, help="Pin the data-parallel degree.")
-@click.option("--micro-batch-size", type=int, default=None, callback=_pos_int, help="Pin the micro-batch size.")
-@click.option("--zero", type=click.IntRange(0, 3), default=None, help="Pin the ZeRO stage (0-3).")
-@click.option("--recompute", type=click.Choice(RECOMPUTE), default=None, help="Pin activation recomputation.")
-@click.option("--schedule", type=click.Choice(SCHEDULES), default=None, help="Pin the pipeline schedule.")
+@_pin_options
 @click.option("--from-plan", "from_plan", type=str, default=None,
               help="Skip the search: validate and re-predict this plan.json (it replaces the pins).")
 @click.option("-o", "--out", "out_dir", default="partc_out", show_default=True, help="Output directory.")
 @click.option("--dump-dir", default=None, help="Also write graph.txt and costs.json here.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
               help="json: print the plan JSON to stdout instead of the summary.")
-def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_size, seq_len, tp, pp, dp,
-                micro_batch_size, zero, recompute, schedule, from_plan, out_dir, dump_dir, fmt):
+def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_size, seq_len, from_plan, out_dir,
+                dump_dir, fmt, **pinned):
     """Plan MODEL_FILE for --gpus GPUs: write OUT/plan.json and print why."""
     from partc.compile import compile_model
-    from partc.passes.search import Pins
 
     if gpus < 1:
         raise PartcError(f"--gpus must be a positive integer, got {gpus}")
-    pins = Pins(tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size, zero=zero, recompute=recompute,
-                schedule=schedule)
+    pins = Pins(**pinned)
     result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
                            global_batch_size=global_batch_size, seq_len=seq_len, pins=pins, from_plan=from_plan,
                            out_dir=out_dir, dump_dir=dump_dir)
@@ -114,14 +121,6 @@ def compress_modules(modules: list[str]) -> str:
     if run:
         out.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
     return ", ".join(out)
-
-
-def _par_text(p: dict) -> str:
-    text = f"dp={p['dp']} tp={p['tp']} pp={p['pp']} zero={p['zero']} mb={p['micro_batch_size']} " \
-           f"recompute={p['recompute']} {p['schedule']}"
-    if p.get("virtual_stages", 1) > 1:
-        text += f" v={p['virtual_stages']}"
-    return text
 
 
 def print_summary(result, plan_path: Path) -> None:
@@ -168,7 +167,7 @@ def print_summary(result, plan_path: Path) -> None:
         for col in ("plan", "step time", "vs chosen", "memory"):
             a.add_column(col, justify="left" if col == "plan" else "right")
         for alt in plan["alternatives"]:
-            a.add_row(_par_text(alt["parallel"]), f"{alt['step_time_s']:.3f} s",
+            a.add_row(Parallel.from_dict(alt["parallel"]).summary(), f"{alt['step_time_s']:.3f} s",
                       f"+{(alt['step_time_s'] / pred['step_time_s'] - 1) * 100:.1f}%",
                       f"{alt['memory_bytes'] / GiB:.1f} GiB")
         console.print(a)

@@ -18,10 +18,11 @@ import torch
 from partc.cluster import Cluster, load_cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.plan import Plan, Stage, check_batching, parallel_dict, read_plan, write_plan
+from partc.parallel import Pins
+from partc.plan import Plan, Stage, read_plan, write_plan
 from partc.passes import cost
 from partc.model_file import ModelSpec, build_on_meta, load_model_file
-from partc.passes.search import Candidate, Pins, SearchResult, search
+from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import evaluate_tp
 from partc.passes.codegen import Program, generate, write_program
 from partc.passes.export import export_on_meta
@@ -65,9 +66,9 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     if global_batch_size is not None and global_batch_size < 1:
         raise PartcError(f"--global-batch-size must be a positive integer, got {global_batch_size}")
     plan_in = read_plan(from_plan) if from_plan else None
-    if plan_in is not None and pins is not None and any(getattr(pins, f) is not None for f in Pins.__slots__):
-        raise PartcError("--from-plan takes the place of the pins (--tp, --pp, --dp, --micro-batch-size, --zero, "
-                         "--recompute, --schedule); edit the plan instead")
+    if plan_in is not None and pins is not None and pins.pinned():
+        raise PartcError(f"--from-plan takes the place of the pins (--{', --'.join(pins.pinned()).replace('_', '-')}); "
+                         f"edit the plan instead")
 
     # 1. Load the model file and build the model on the meta device.
     spec = load_model_file(path, entry=entry, seq_len=seq_len)
@@ -131,8 +132,7 @@ def _no_fit_message(clus: Cluster, result: SearchResult) -> str:
     c = result.least_memory_candidate
     p = c.parallel
     return (f"the model fits no plan: the least memory any plan needs is {result.least_memory / gib:.1f} GiB per "
-            f"GPU (dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero} recompute={p.recompute} micro-batch "
-            f"{p.micro_batch_size}), but a {clus.gpu} has {usable / gib:.1f} GiB usable "
+            f"GPU ({p.summary()}), but a {clus.gpu} has {usable / gib:.1f} GiB usable "
             f"({clus.memory_bytes / gib:.1f} GiB minus a {clus.memory_reserve_bytes / gib:.1f} GiB reserve); "
             f"use more GPUs or a larger GPU")
 
@@ -141,8 +141,7 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
     """Validate a plan from disk against the model and cluster, and predict it again."""
     par = plan.parallel
     if par.world_size != gpus:
-        raise PartcError(f"the plan is for dp x tp x pp = {par.dp} x {par.tp} x {par.pp} = {par.world_size} GPUs, "
-                         f"but --gpus is {gpus}")
+        raise PartcError(f"the plan is for {par.world_text()} GPUs, but --gpus is {gpus}")
     if global_batch_size is not None and global_batch_size != par.global_batch_size:
         raise PartcError(f"the plan's global batch is {par.global_batch_size}, but --global-batch-size is "
                          f"{global_batch_size}")
@@ -151,8 +150,7 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
                          f"{plan.cluster.get('name')} (or the same cluster file)")
     if par.tp > clus.gpus_per_node:
         raise PartcError(f"tp {par.tp} exceeds the {clus.gpus_per_node} GPUs of a node")
-    check_batching(par)
-    want = par.pp * par.virtual_stages
+    want = par.num_stages
     if len(plan.stages) != want:
         raise PartcError(f"the plan has {len(plan.stages)} stages; pp x virtual_stages = {want}")
     index = {u.fqn: i for i, u in enumerate(graph.units)}
@@ -208,7 +206,7 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
              "num_units": len(graph.units), **{k: v for k, v in graph.info.items() if v is not None}}
     alternatives = []
     for c in (result.alternatives[:5] if result else []):
-        alternatives.append({"parallel": parallel_dict(c.parallel), "step_time_s": c.step_time_s,
+        alternatives.append({"parallel": c.parallel.to_dict(), "step_time_s": c.step_time_s,
                              "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
                              "mfu": c.prediction.mfu})
     return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
@@ -241,6 +239,6 @@ def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path
               "collectives": [{"kind": c.kind, "phase": c.phase, "bytes_per_sample": c.nbytes, "reason": c.reason}
                               for c in best.tp.collectives.get(u.fqn, [])]}
              for i, u in enumerate(graph.units)]
-    data = {"parallel": parallel_dict(par), "units": units, "prediction": best.prediction.to_dict(),
+    data = {"parallel": par.to_dict(), "units": units, "prediction": best.prediction.to_dict(),
             "cut_bytes_per_sample": graph.cut_bytes}
     (out / "costs.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

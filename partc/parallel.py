@@ -1,34 +1,89 @@
-"""The parallel configuration of a plan: degrees, batching, ZeRO, recomputation and schedule."""
+"""The parallel configuration of a plan: one type that validates itself, serializes itself and names the mesh.
+
+Everything else is derived from `Parallel`: the plan's ``parallel`` section (`Parallel.to_dict` /
+`Parallel.from_dict`), the one-line summary people read (`Parallel.summary`), the search's pins (`Pins`, one
+optional field per choice of `Parallel`) and the CLI options that set them, the cache keys of the cost model
+(`Parallel.key`), where each mesh axis's groups sit on the nodes (`Parallel.spans_nodes`, `Parallel.ranks_per_node`)
+and the runtime's device mesh (`MESH_AXES`, `Parallel.degrees`, `Parallel.coords`).
+
+The mesh is torchtitan's: axes ``MESH_AXES`` = (``pp``, ``dp``, ``tp``), outermost first. ``tp`` is innermost
+(neighbouring ranks, the same node: the most traffic), ``pp`` outermost (point-to-point only):
+
+    global rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+A new dimension (say, context parallelism ``cp``) is a field here, with its mesh axis in `MESH_AXES` if it has one;
+the cost model, the search space and the runtime's ``apply_*`` for it read the field (see the README's
+architecture section).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from partc.errors import PartcError
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
 TP_STYLES = ("colwise", "rowwise", "replicate")
+
+MESH_AXES = ("pp", "dp", "tp")
+"""The device mesh's axes, outermost first; each is also the name of a degree of `Parallel`."""
+
+
+def _choice(help: str, *, choices: tuple | None = None, minimum: int | None = None, pin: bool = True) -> Any:
+    """Field metadata: the CLI help of its pin, its allowed values (or lower bound), and whether it can be pinned."""
+    return {"help": help, "choices": choices, "min": minimum, "pin": pin}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Parallel:
-    dp: int
+    dp: int = field(metadata=_choice("Pin the data-parallel degree.", minimum=1))
     """Data-parallel degree (mesh axis ``dp``)."""
-    tp: int
-    """Tensor-parallel degree (mesh axis ``tp``), inside a node."""
-    pp: int
+    tp: int = field(metadata=_choice("Pin the tensor-parallel degree.", minimum=1))
+    """Tensor-parallel degree (mesh axis ``tp``), inside a node unless pinned."""
+    pp: int = field(metadata=_choice("Pin the pipeline-parallel degree.", minimum=1))
     """Pipeline-parallel degree: number of pipeline ranks (mesh axis ``pp``)."""
-    zero: int
+    zero: int = field(metadata=_choice("Pin the ZeRO stage (0-3).", choices=ZERO_STAGES))
     """ZeRO stage 0-3 over the ``dp`` axis: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
-    micro_batch_size: int
+    micro_batch_size: int = field(metadata=_choice("Pin the micro-batch size.", minimum=1))
     """Samples per micro-batch on one pipeline."""
-    global_batch_size: int
+    global_batch_size: int = field(metadata=_choice("Samples per optimizer step.", minimum=1, pin=False))
     """Samples per optimizer step over all data-parallel replicas."""
-    schedule: str = "1f1b"
+    schedule: str = field(default="1f1b", metadata=_choice("Pin the pipeline schedule.", choices=SCHEDULES))
     """``1f1b``, ``interleaved-1f1b`` or ``gpipe``."""
-    virtual_stages: int = 1
+    virtual_stages: int = field(default=1, metadata=_choice("Pin the model chunks per pipeline rank "
+                                                            "(interleaved-1f1b).", minimum=1))
     """Model chunks per pipeline rank (``interleaved-1f1b`` only; 1 otherwise)."""
-    recompute: str = "none"
+    recompute: str = field(default="none", metadata=_choice("Pin activation recomputation.", choices=RECOMPUTE))
     """Activation recomputation: ``none``, ``selective`` (attention core) or ``full`` (block inputs only)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- validation ----------------------------------------------------------------------------------------------
+
+    def validate(self, where: str = "parallel") -> None:
+        """Each field in its range, and the batching consistent: the global batch divides into dp x micro-batch
+        x micro-batches, and interleaving needs pp >= 2, v >= 2 and m a multiple of p."""
+        for f in fields(self):
+            _check_value(f, getattr(self, f.name), where)
+        if self.global_batch_size % (self.dp * self.micro_batch_size):
+            raise PartcError(f"global batch size {self.global_batch_size} is not divisible by dp x micro-batch size "
+                             f"= {self.dp} x {self.micro_batch_size}")
+        if self.schedule == "interleaved-1f1b":
+            if self.pp < 2 or self.virtual_stages < 2:
+                raise PartcError("interleaved-1f1b needs pp >= 2 and virtual_stages >= 2")
+            if self.num_microbatches % self.pp:
+                raise PartcError(f"interleaved-1f1b needs the micro-batches ({self.num_microbatches}) to be a "
+                                 f"multiple of pp ({self.pp})")
+        elif self.virtual_stages != 1:
+            raise PartcError(f"virtual_stages must be 1 for schedule {self.schedule}")
+
+    # -- derived quantities --------------------------------------------------------------------------------------
 
     @property
     def num_microbatches(self) -> int:
@@ -37,9 +92,165 @@ class Parallel:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return math.prod(self.degrees().values())
 
     @property
     def num_stages(self) -> int:
         """Pipeline stages (model chunks): pp * virtual_stages."""
         return self.pp * self.virtual_stages
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """v: model chunks per pipeline rank (1 unless interleaved)."""
+        return self.virtual_stages if self.schedule == "interleaved-1f1b" else 1
+
+    # -- the mesh ------------------------------------------------------------------------------------------------
+
+    def degrees(self) -> dict[str, int]:
+        """Mesh axis -> its degree, in `MESH_AXES` order (outermost first)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh axis -> the coordinate of global rank `rank` (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
+        out = {}
+        for axis in reversed(MESH_AXES):
+            out[axis] = rank % getattr(self, axis)
+            rank //= getattr(self, axis)
+        return {axis: out[axis] for axis in MESH_AXES}
+
+    def rank_of(self, **coords: int) -> int:
+        """The global rank at mesh coordinates ``pp=..., dp=..., tp=...`` (inverse of `coords`)."""
+        rank = 0
+        for axis in MESH_AXES:
+            rank = rank * getattr(self, axis) + coords[axis]
+        return rank
+
+    def _stride(self, axis: str) -> int:
+        """Distance in global ranks between neighbours of an `axis` group: the product of the inner axes."""
+        return math.prod(getattr(self, a) for a in MESH_AXES[MESH_AXES.index(axis) + 1:])
+
+    def spans_nodes(self, axis: str, gpus_per_node: int) -> bool:
+        """Whether a group of `axis` crosses nodes (ranks are placed on nodes in order, `gpus_per_node` each)."""
+        size = getattr(self, axis)
+        return size > 1 and group_spans_nodes(size, self._stride(axis), gpus_per_node)
+
+    def ranks_per_node(self, axis: str, gpus_per_node: int) -> int:
+        """Members of one `axis` group sharing a node: each has its own InfiniBand adapter, so a group spanning
+        nodes crosses them that many links wide (`partc.passes.hw.link`)."""
+        return max(1, min(getattr(self, axis), gpus_per_node // self._stride(axis)))
+
+    # -- serialization and display -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """The plan's ``parallel`` section (also each alternative's): every field, and the micro-batches."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "num_microbatches": self.num_microbatches}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "parallel") -> Parallel:
+        """Read `to_dict`'s output back (fields with a default may be missing); PartcError names what is wrong."""
+        if not isinstance(data, dict):
+            raise PartcError(f"{where} must be a JSON object")
+        known = {f.name for f in fields(cls)} | {"num_microbatches"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PartcError(f"{where}: unknown field '{unknown[0]}'; known: {', '.join(sorted(known))}")
+        values = {}
+        for f in fields(cls):
+            if f.name in data:
+                values[f.name] = data[f.name]
+            elif f.default is dataclasses.MISSING:
+                raise PartcError(f"{where}: missing field '{f.name}'")
+            _check_value(f, values.get(f.name, f.default), where)
+        par = cls(**values)
+        if "num_microbatches" in data and data["num_microbatches"] != par.num_microbatches:
+            raise PartcError(f"{where}.num_microbatches is {data['num_microbatches']!r} but global_batch_size / "
+                             f"(dp * micro_batch_size) = {par.num_microbatches}")
+        return par
+
+    def world_text(self) -> str:
+        """``dp x tp x pp = 3 x 2 x 2 = 12``: how the degrees make the world size, for messages."""
+        axes = [f.name for f in fields(self) if f.name in MESH_AXES]  # the plan's order: dp, tp, pp
+        return (f"{' x '.join(axes)} = {' x '.join(str(getattr(self, a)) for a in axes)} = {self.world_size}")
+
+    def summary(self) -> str:
+        """One line for people: ``dp=64 tp=2 pp=4 zero=3 mb=1 recompute=none interleaved-1f1b v=4``."""
+        text = (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} mb={self.micro_batch_size} "
+                f"recompute={self.recompute} {self.schedule}")
+        return text + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+
+    def key(self, *independent: str) -> tuple:
+        """A cache key for a quantity that depends on every field except the `independent` ones: a field added to
+        `Parallel` is part of every key until a quantity declares itself independent of it."""
+        names = {f.name for f in fields(self)}
+        assert set(independent) <= names, set(independent) - names
+        return tuple((n, getattr(self, n)) for n in sorted(names - set(independent)))
+
+
+def group_spans_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
+    """Whether a group of `size` ranks `stride` apart, placed on nodes of `gpus_per_node` in rank order, crosses
+    nodes (``tp``: stride 1; ``dp``: stride tp; ``pp``: stride dp·tp)."""
+    return size > 1 and size * stride > gpus_per_node
+
+
+def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
+    meta = f.metadata
+    typ = int if f.type in ("int", int) else str
+    if typ is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise PartcError(f"{where}.{f.name} must be an integer, got {value!r}")
+    if typ is str and not isinstance(value, str):
+        raise PartcError(f"{where}.{f.name} must be a string, got {value!r}")
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise PartcError(f"{where}.{f.name} must be one of {', '.join(map(str, meta['choices']))}, got {value!r}")
+    if meta.get("min") is not None and value < meta["min"]:
+        raise PartcError(f"{where}.{f.name} must be >= {meta['min']}, got {value}")
+
+
+PINNABLE = tuple(f for f in fields(Parallel) if f.metadata["pin"])
+"""The choices of `Parallel` a user may fix for the search (all but the global batch, which is an input)."""
+
+
+def _pins_allows(self, par: Parallel) -> bool:
+    """Whether `par` agrees with every pinned choice."""
+    return all(getattr(self, f.name) is None or getattr(self, f.name) == getattr(par, f.name) for f in PINNABLE)
+
+
+def _pins_pinned(self) -> dict[str, Any]:
+    """The pinned choices only."""
+    return {f.name: getattr(self, f.name) for f in PINNABLE if getattr(self, f.name) is not None}
+
+
+def _pins_post_init(self) -> None:
+    for f in PINNABLE:
+        value = getattr(self, f.name)
+        if value is not None:
+            _check_value(f, value, "pins")
+
+
+Pins = dataclasses.make_dataclass(
+    "Pins", [(f.name, f"{f.type} | None", field(default=None, metadata=f.metadata)) for f in PINNABLE],
+    namespace={"__doc__": "Choices of `Parallel` fixed by the user (None: searched), one field per `PINNABLE`.",
+               "__post_init__": _pins_post_init, "allows": _pins_allows, "pinned": _pins_pinned,
+               "__module__": __name__},
+    kw_only=True, slots=True, frozen=True)
+
+
+def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None = None) -> None:
+    """The pinned degrees must fit the GPU count and the model; PartcError names the first that does not."""
+    if gpus < 1:
+        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
+    fixed = {f.name: getattr(pins, f.name) for f in PINNABLE
+             if f.name in MESH_AXES and getattr(pins, f.name) is not None}  # in the plan's order: dp, tp, pp
+    for axis, value in fixed.items():
+        if gpus % value:
+            raise PartcError(f"--{axis} {value} does not divide the GPU count {gpus}")
+    if fixed and gpus % math.prod(fixed.values()):
+        raise PartcError(f"the pinned degrees {' x '.join(map(str, fixed.values()))} do not divide the GPU count "
+                         f"{gpus}")
+    if len(fixed) == len(MESH_AXES) and math.prod(fixed.values()) != gpus:
+        raise PartcError(f"{' x '.join(fixed)} = {math.prod(fixed.values())} but --gpus is {gpus}")
+    if pins.pp is not None and pins.pp > num_units:
+        raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model has units ({num_units})")
+    if pins.pp is not None and max_stages is not None and pins.pp > max_stages:
+        raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model allows: its {num_units} units "
+                         f"split into at most {max_stages} stages, since the embeddings share the first stage and "
+                         f"the final layers the last")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partc.errors import PartcError
-from partc.parallel import RECOMPUTE, SCHEDULES, TP_STYLES, Parallel
+from partc.parallel import TP_STYLES, Parallel
 
 SCHEMA_VERSION = 1
 
@@ -45,7 +45,7 @@ class Plan:
             "schema_version": SCHEMA_VERSION,
             "model": self.model,
             "cluster": self.cluster,
-            "parallel": parallel_dict(self.parallel),
+            "parallel": self.parallel.to_dict(),
             "tp": dict(self.tp),
             "stages": [{"index": s.index, "rank": s.rank, "modules": list(s.modules), "predicted": s.predicted}
                        for s in self.stages],
@@ -55,13 +55,6 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-
-
-def parallel_dict(p: Parallel) -> dict:
-    """The ``parallel`` section of a plan (also each alternative's)."""
-    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "micro_batch_size": p.micro_batch_size,
-            "num_microbatches": p.num_microbatches, "global_batch_size": p.global_batch_size,
-            "schedule": p.schedule, "virtual_stages": p.virtual_stages, "recompute": p.recompute}
 
 
 def write_plan(plan: Plan, out_dir: str | Path) -> Path:
@@ -112,26 +105,7 @@ def read_plan(path: str | Path) -> Plan:
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise PartcError(f"plan file {where} has schema_version {version!r}; this partc reads {SCHEMA_VERSION}")
-    par = _get(data, "parallel", dict, where)
-    w = f"{where}: parallel"
-    values = {k: _get(par, k, int, w) for k in ("dp", "tp", "pp", "zero", "micro_batch_size", "global_batch_size")}
-    values["virtual_stages"] = _get(par, "virtual_stages", int, w) if "virtual_stages" in par else 1
-    values["schedule"] = _get(par, "schedule", str, w) if "schedule" in par else "1f1b"
-    values["recompute"] = _get(par, "recompute", str, w) if "recompute" in par else "none"
-    for k in ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages"):
-        if values[k] < 1:
-            raise PartcError(f"{w}.{k} must be >= 1, got {values[k]}")
-    if values["zero"] not in (0, 1, 2, 3):
-        raise PartcError(f"{w}.zero must be 0, 1, 2 or 3, got {values['zero']}")
-    if values["schedule"] not in SCHEDULES:
-        raise PartcError(f"{w}.schedule must be one of {', '.join(SCHEDULES)}, got {values['schedule']!r}")
-    if values["recompute"] not in RECOMPUTE:
-        raise PartcError(f"{w}.recompute must be one of {', '.join(RECOMPUTE)}, got {values['recompute']!r}")
-    parallel = Parallel(**values)
-    check_batching(parallel)
-    if "num_microbatches" in par and par["num_microbatches"] != parallel.num_microbatches:
-        raise PartcError(f"{w}.num_microbatches is {par['num_microbatches']} but global_batch_size / (dp * "
-                         f"micro_batch_size) = {parallel.num_microbatches}")
+    parallel = Parallel.from_dict(_get(data, "parallel", dict, where), f"{where}: parallel")
     tp = _get(data, "tp", dict, where)
     for fqn, style in tp.items():
         if style not in TP_STYLES:
@@ -149,18 +123,3 @@ def read_plan(path: str | Path) -> Plan:
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
     cluster = data.get("cluster") if isinstance(data.get("cluster"), dict) else {}
     return Plan(model=model, cluster=cluster, parallel=parallel, tp=dict(tp), stages=stages)
-
-
-def check_batching(par: Parallel) -> None:
-    """Global batch = dp * micro-batch * micro-batches; interleaving needs m to be a multiple of p."""
-    if par.global_batch_size % (par.dp * par.micro_batch_size):
-        raise PartcError(f"global batch size {par.global_batch_size} is not divisible by dp x micro-batch size "
-                         f"= {par.dp} x {par.micro_batch_size}")
-    if par.schedule == "interleaved-1f1b":
-        if par.pp < 2 or par.virtual_stages < 2:
-            raise PartcError("interleaved-1f1b needs pp >= 2 and virtual_stages >= 2")
-        if par.num_microbatches % par.pp:
-            raise PartcError(f"interleaved-1f1b needs the micro-batches ({par.num_microbatches}) to be a multiple "
-                             f"of pp ({par.pp})")
-    elif par.virtual_stages != 1:
-        raise PartcError(f"virtual_stages must be 1 for schedule {par.schedule}")

@@ -7,10 +7,11 @@ activation bytes); Rajbhandari et al. 2020, "ZeRO" (section 3: model states, DP 
 from `passes.hw`. The IR is per sample and unsharded: here it is multiplied by the micro-batch size b and divided
 by the TP degree t. Symbols as in calibration.md: b, s, h, a, t, p, m, v, Ψ, N_d.
 
-Mesh assumed (as torchtitan): axes ("pp", "dp", "tp"), tp innermost. A TP group crosses nodes when
-t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop when the world exceeds one node. A group
-crossing nodes uses the InfiniBand adapters of all its members in a node (`ranks_per_node`, `hw.link`); a pipeline
-hop sends 1/t of the boundary from each TP rank and all-gathers it (scatter/gather, `p2p_round_trip`).
+The mesh is `partc.parallel.MESH_AXES` (torchtitan's ("pp", "dp", "tp"), tp innermost): a TP group crosses nodes
+when t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop when the world exceeds one node
+(`Parallel.spans_nodes`). A group crossing nodes uses the InfiniBand adapters of all its members in a node
+(`Parallel.ranks_per_node`, `hw.link`); a pipeline hop sends 1/t of the boundary from each TP rank and all-gathers
+it (scatter/gather, `p2p_round_trip`).
 
 Validated (benchmarks/megatron_table1.py, tests/test_calibration.py): Megatron-LM's Table 1 iteration times within
 4% per row; activation bytes against autograd's saved tensors (tests/test_activations.py).
@@ -24,7 +25,7 @@ from typing import Sequence
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph, Unit
-from partc.parallel import TP_STYLES, Parallel
+from partc.parallel import MESH_AXES, TP_STYLES, Parallel
 from partc.sharding import GEMM_SPLIT
 from partc.passes.cost_types import Memory, Prediction, StagePrediction, TPPlan, UnitTime
 
@@ -57,25 +58,9 @@ def recompute_mode(unit: Unit, par: Parallel) -> str:
     return par.recompute if unit.kind == "block" else "none"
 
 
-def chunks_per_rank(par: Parallel) -> int:
-    """v: model chunks per pipeline rank (1 unless interleaved)."""
-    return par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
-
-
 def mesh_spans(cluster: Cluster, par: Parallel) -> dict[str, bool]:
-    """Whether the groups of each mesh axis cross nodes (mesh ("pp", "dp", "tp"), tp innermost)."""
-    g = cluster.gpus_per_node
-    return {"tp": par.tp > g, "dp": par.dp * par.tp > g, "pp": par.pp > 1 and par.world_size > g}
-
-
-def ranks_per_node(cluster: Cluster, par: Parallel, axis: str) -> int:
-    """Members of one `axis` group ("tp" or "dp") that share a node (mesh ("pp", "dp", "tp"), tp innermost): each
-    has its own InfiniBand adapter, so a group spanning nodes crosses them that many links wide (`hw.link`)."""
-    g = cluster.gpus_per_node
-    if axis == "tp":
-        return min(par.tp, g)
-    assert axis == "dp", axis
-    return max(1, min(par.dp, g // par.tp))
+    """Mesh axis -> whether its groups cross nodes (`Parallel.spans_nodes`)."""
+    return {axis: par.spans_nodes(axis, cluster.gpus_per_node) for axis in MESH_AXES}
 
 
 def _unit_list(graph: ModelGraph, units: Sequence[int] | Sequence[Unit]) -> list[Unit]:
@@ -122,7 +107,7 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
     """
     t, b = par.tp, par.micro_batch_size
     spans_tp = mesh_spans(cluster, par)["tp"]
-    per_node = ranks_per_node(cluster, par, "tp")
+    per_node = par.ranks_per_node("tp", cluster.gpus_per_node)
     out = []
     seen: dict[tuple, UnitTime] = {}  # identical blocks with identical styles and collectives cost the same
     for unit in graph.units:
@@ -252,7 +237,7 @@ def in_flight(par: Parallel, stage: int) -> float:
     assert 0 <= stage < p, stage
     if par.schedule == "gpipe":
         return float(m)
-    v = chunks_per_rank(par)
+    v = par.chunks_per_rank
     if v == 1:
         return float(min(p - stage, m))
     warmup = (v - 1) * p + 2 * (p - 1 - stage)
@@ -294,7 +279,7 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
 def bubble_fraction(par: Parallel) -> float:
     """Idle fraction of the step (Narayanan et al.): (p - 1)/(m + p - 1) for GPipe and 1F1B; interleaved with v
     chunks per rank the bubble shrinks v times: ((p - 1)/v) / (m + (p - 1)/v)."""
-    p, m, v = par.pp, par.num_microbatches, chunks_per_rank(par)
+    p, m, v = par.pp, par.num_microbatches, par.chunks_per_rank
     return ((p - 1) / v) / (m + (p - 1) / v)
 
 
@@ -303,10 +288,10 @@ def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_n
     stage 0 all-reduce; stages 1, 2 reduce-scatter + all-gather (the same 2Ψ volume as a ring all-reduce);
     stage 3 reduce-scatter + an all-gather of parameters in forward and another in backward (1.5x).
     The exposed part is (1 - cluster.dp_overlap) of the total. A group spanning nodes uses the InfiniBand
-    adapters of all its members in a node (`ranks_per_node`)."""
+    adapters of all its members in a node (`Parallel.ranks_per_node`)."""
     kinds = (["all_reduce"] if par.zero == 0 else
              ["reduce_scatter", "all_gather"] + (["all_gather"] if par.zero >= 3 else []))
-    per_node = ranks_per_node(cluster, par, "dp")
+    per_node = par.ranks_per_node("dp", cluster.gpus_per_node)
     total = sum(hw.collective_time(cluster, k, GRAD_BYTES * params_per_gpu, par.dp, spans_nodes=spans_nodes,
                                    ranks_per_node=per_node) for k in kinds)
     return (1.0 - cluster.dp_overlap) * total
@@ -323,15 +308,15 @@ def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes_per_sample: float, sp
     nbytes, t = nbytes_per_sample * par.micro_batch_size, par.tp
     one = hw.collective_time(cluster, "p2p", nbytes / t, 2, spans_nodes=spans_nodes)
     if t > 1:
-        one += hw.collective_time(cluster, "all_gather", nbytes, t, spans_nodes=mesh_spans(cluster, par)["tp"],
-                                  ranks_per_node=ranks_per_node(cluster, par, "tp"))
+        one += hw.collective_time(cluster, "all_gather", nbytes, t, spans_nodes=par.spans_nodes("tp", cluster.gpus_per_node),
+                                  ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
     return 2 * one
 
 
 def p2p_time(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
     """Pipeline traffic per micro-batch of one rank (Narayanan et al.: b·s·h per micro-batch between stages, b·s·h/t
     per GPU with scatter/gather, v times as much when interleaved): one send forward and one backward per chunk."""
-    return chunks_per_rank(par) * p2p_round_trip(cluster, par, nbytes_per_sample, spans_nodes)
+    return par.chunks_per_rank * p2p_round_trip(cluster, par, nbytes_per_sample, spans_nodes)
 
 
 def optimizer_time(cluster: Cluster, par: Parallel, params_per_gpu: float) -> float:
@@ -348,7 +333,7 @@ def fits(cluster: Cluster, mem: Memory) -> bool:
 
 def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, int]]) -> None:
     """`bounds`: one half-open unit range [start, end) per model chunk, contiguous, covering every unit."""
-    want = par.pp * chunks_per_rank(par)
+    want = par.pp * par.chunks_per_rank
     if len(bounds) != want:
         raise PartcError(f"expected {want} pipeline chunks (pp x virtual stages), got {len(bounds)}")
     prev = 0
@@ -374,7 +359,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     graph, par and tp) save recomputing them when the caller has them.
     """
     check_bounds(graph, par, bounds)
-    p, v, m, b = par.pp, chunks_per_rank(par), par.num_microbatches, par.micro_batch_size
+    p, v, m, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.micro_batch_size
     if m < 1:
         raise PartcError(f"global batch {par.global_batch_size} is smaller than dp x micro-batch ({par.dp} x {b})")
     parts = parts if parts is not None else unit_time_parts(graph, cluster, par, tp)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.parallel import RECOMPUTE, SCHEDULES, Parallel
+from partc.parallel import RECOMPUTE, SCHEDULES, ZERO_STAGES, Parallel, Pins, check_pins
 from partc.passes import cost
 from partc.passes.stages import partition_stages, stage_memory
 from partc.passes.tp import TPSolution, solve_tp
@@ -29,20 +30,6 @@ from partc.passes.tp import TPSolution, solve_tp
 
 MAX_VIRTUAL_STAGES = 8
 """Interleaved 1F1B tries v = 2 .. 8 model chunks a rank (Megatron-LM's runs use 2-4)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Pins:
-    """Choices fixed by the user (None: searched)."""
-
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    micro_batch_size: int | None = None
-    zero: int | None = None
-    recompute: str | None = None
-    schedule: str | None = None
-    virtual_stages: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,107 +67,94 @@ def max_stages(graph: ModelGraph) -> int:
     return max(1, n - max(len(graph.first_unit_required) - 1, 0) - max(len(graph.last_unit_required) - 1, 0))
 
 
-def check_pins(gpus: int, pins: Pins, cluster: Cluster, num_units: int, max_stages: int | None = None) -> None:
-    if gpus < 1:
-        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
-    for name in ("tp", "pp", "dp"):
-        value = getattr(pins, name)
-        if value is not None and (value < 1 or gpus % value):
-            raise PartcError(f"--{name} {value} does not divide the GPU count {gpus}")
-    fixed = [getattr(pins, n) for n in ("tp", "pp", "dp") if getattr(pins, n) is not None]
-    if fixed and gpus % math.prod(fixed):
-        raise PartcError(f"the pinned degrees {' x '.join(map(str, fixed))} do not divide the GPU count {gpus}")
-    if len(fixed) == 3 and math.prod(fixed) != gpus:
-        raise PartcError(f"dp x tp x pp = {math.prod(fixed)} but --gpus is {gpus}")
-    if pins.pp is not None and pins.pp > num_units:
-        raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model has units ({num_units})")
-    if pins.pp is not None and max_stages is not None and pins.pp > max_stages:
-        raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model allows: its {num_units} units "
-                         f"split into at most {max_stages} stages, since the embeddings share the first stage and "
-                         f"the final layers the last")
-    if pins.micro_batch_size is not None and pins.micro_batch_size < 1:
-        raise PartcError(f"--micro-batch-size must be >= 1, got {pins.micro_batch_size}")
-
-
-def _configs(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch: int, pins: Pins):
-    """Every Parallel the pins allow."""
+def _configs(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch: int, pins: Pins) -> Iterator[Parallel]:
+    """Every Parallel the pins allow, in a fixed order (ties in the search go to the first): degrees, then the
+    micro-batch size, then the memory and schedule policies."""
     n_units = len(graph.units)
+    for dp, tp, pp in _degrees(cluster, gpus, global_batch, pins, n_units):
+        per_replica = global_batch // dp
+        for b in divisors(per_replica):
+            for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
+                par = Parallel(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
+                               schedule=schedule, virtual_stages=v, recompute=recompute)
+                if pins.allows(par):
+                    yield par
+
+
+def _degrees(cluster: Cluster, gpus: int, global_batch: int, pins: Pins, n_units: int):
+    """(dp, tp, pp) with dp * tp * pp = gpus: tp inside a node unless pinned, pp at most one unit a stage, dp
+    dividing the global batch."""
     for tp in divisors(gpus):
-        if pins.tp is not None and tp != pins.tp:
-            continue
         if pins.tp is None and tp > cluster.gpus_per_node:
             continue
         for pp in divisors(gpus // tp):
-            if (pins.pp is not None and pp != pins.pp) or pp > n_units:
-                continue
             dp = gpus // (tp * pp)
-            if pins.dp is not None and dp != pins.dp:
-                continue
-            if global_batch % dp:
-                continue
-            per_replica = global_batch // dp
-            for b in divisors(per_replica):
-                if pins.micro_batch_size is not None and b != pins.micro_batch_size:
+            if pp <= n_units and global_batch % dp == 0:
+                yield dp, tp, pp
+
+
+def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):
+    """(zero, recompute, schedule, v) for one (dp, pp) and m micro-batches. Unpinned, the choices that change
+    nothing are skipped: ZeRO without data parallelism, and any schedule but 1F1B without a pipeline."""
+    for zero in ZERO_STAGES:
+        if pins.zero is None and dp == 1 and zero:
+            continue
+        for recompute in RECOMPUTE:
+            for schedule in SCHEDULES:
+                if pins.schedule is None and pp == 1 and schedule != "1f1b":
                     continue
-                m = per_replica // b
-                for zero in (0, 1, 2, 3):
-                    if (pins.zero is not None and zero != pins.zero) or (pins.zero is None and dp == 1 and zero):
-                        continue
-                    for recompute in RECOMPUTE:
-                        if pins.recompute is not None and recompute != pins.recompute:
-                            continue
-                        for schedule in SCHEDULES:
-                            if pins.schedule is not None and schedule != pins.schedule:
-                                continue
-                            if pins.schedule is None and pp == 1 and schedule != "1f1b":
-                                continue  # one stage: every schedule is the same
-                            vs = [1]
-                            if schedule == "interleaved-1f1b":
-                                if pp < 2 or m % pp:
-                                    continue
-                                vs = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if n_units >= pp * v]
-                                if pins.virtual_stages is not None:
-                                    vs = [v for v in vs if v == pins.virtual_stages]
-                            for v in vs:
-                                yield Parallel(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b,
-                                               global_batch_size=global_batch, schedule=schedule,
-                                               virtual_stages=v, recompute=recompute)
+                if schedule != "interleaved-1f1b":
+                    yield zero, recompute, schedule, 1
+                elif pp >= 2 and m % pp == 0:
+                    for v in range(2, MAX_VIRTUAL_STAGES + 1):
+                        if n_units >= pp * v:
+                            yield zero, recompute, schedule, v
+
+
+# What each cached quantity does NOT depend on: its cache key is every other field of `Parallel`
+# (`Parallel.key`), so a field added to `Parallel` is part of every key until it is listed here. A quantity that
+# depends on a function of fields listed here (say, whether the pipeline has more than one rank) adds that value
+# to its key explicitly.
+_PIPELINE = ("pp", "global_batch_size", "schedule", "virtual_stages")
+_INDEPENDENT = {
+    "tp": ("dp", "zero", "recompute", *_PIPELINE),  # the TP solve: (tp, b)
+    "parts": ("dp", "zero", *_PIPELINE),  # unit times: (tp, b, recompute)
+    "shards": ("dp", "zero", "recompute", *_PIPELINE),  # parameters on one GPU: (tp, b)
+    "acts": ("dp", "zero", *_PIPELINE),  # activations a micro-batch leaves: (tp, b, recompute)
+    "extra": ("dp", "zero", *_PIPELINE),  # + whether parameters are gathered (ZeRO-3 over dp > 1)
+    "cut": ("dp", "zero", "recompute", *_PIPELINE),  # + pp > 1 and whether a pipeline hop crosses nodes
+    "free": ("dp", "zero", *_PIPELINE),  # + the chunk count, pp > 1 and the pipeline hop's nodes
+}
 
 
 class _Costs:
-    """Caches keyed by the choices each quantity depends on: the TP solve on (tp, b), unit times on
-    (tp, b, recompute), parameters on (tp, b), activations on (tp, b, recompute)."""
+    """The search's caches: each quantity is computed once per key (`_INDEPENDENT`)."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, tp_pins: dict[str, str] | None):
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
         self._cache: dict[tuple, object] = {}
 
-    def _get(self, key: tuple, make):
+    def _get(self, name: str, par: Parallel, make, *derived):
+        key = (name, par.key(*_INDEPENDENT[name]), *derived)
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
 
     def tp(self, par: Parallel) -> TPSolution:
-        return self._get(("tp", par.tp, par.micro_batch_size),
+        return self._get("tp", par,
                          lambda: solve_tp(self.graph, par.tp, self.cluster, par.micro_batch_size, self.tp_pins))
 
     def parts(self, par: Parallel) -> list[cost.UnitTime]:
-        spans = cost.mesh_spans(self.cluster, par)["tp"]
-        return self._get(("parts", par.tp, par.micro_batch_size, par.recompute, spans),
-                         lambda: cost.unit_time_parts(self.graph, self.cluster, par, self.tp(par)))
+        return self._get("parts", par, lambda: cost.unit_time_parts(self.graph, self.cluster, par, self.tp(par)))
 
     def times(self, par: Parallel) -> list[float]:
-        spans = cost.mesh_spans(self.cluster, par)["tp"]
-        return self._get(("times", par.tp, par.micro_batch_size, par.recompute, spans),
-                         lambda: [u.compute_s + u.tp_comm_s for u in self.parts(par)])
+        return self._get("parts", par, lambda: [u.compute_s + u.tp_comm_s for u in self.parts(par)], "times")
 
     def shards(self, par: Parallel) -> list[dict[str, int]]:
-        return self._get(("shards", par.tp, par.micro_batch_size),
-                         lambda: cost.unit_param_shards(self.graph, par, self.tp(par)))
+        return self._get("shards", par, lambda: cost.unit_param_shards(self.graph, par, self.tp(par)))
 
     def params(self, par: Parallel) -> list[int]:
-        return self._get(("params", par.tp, par.micro_batch_size),
-                         lambda: [sum(d.values()) for d in self.shards(par)])
+        return self._get("shards", par, lambda: [sum(d.values()) for d in self.shards(par)], "params")
 
     def predict(self, par: Parallel, bounds: list[tuple[int, int]]) -> cost.Prediction:
         return cost.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
@@ -189,30 +163,29 @@ class _Costs:
     def params_all(self, par: Parallel) -> int:
         """Parameters of the whole model on one GPU after TP sharding, a tied tensor counted once: no more than the
         sum over pipeline ranks of what each holds (a rank holding both ends of a tie holds the tensor once)."""
-        return self._get(("params_all", par.tp, par.micro_batch_size),
-                         lambda: cost.stage_param_count(self.graph, par, self.tp(par), range(len(self.graph.units))))
+        return self._get("shards", par, lambda: cost.stage_param_count(self.graph, par, self.tp(par),
+                                                                       range(len(self.graph.units))), "all")
 
     def acts(self, par: Parallel) -> list[float]:
-        return self._get(("acts", par.tp, par.micro_batch_size, par.recompute),
-                         lambda: cost.unit_activation_bytes(self.graph, par, self.tp(par)))
+        return self._get("acts", par, lambda: cost.unit_activation_bytes(self.graph, par, self.tp(par)))
 
     def extra(self, par: Parallel) -> tuple[float, float]:
         """Transient stage memory: (any stage, the last stage), bounded over all units."""
         units = list(range(len(self.graph.units)))
-        return self._get(("extra", par.tp, par.micro_batch_size, par.recompute, par.zero >= 3 and par.dp > 1),
-                         lambda: (cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units),
-                                  cost.stage_extra_bytes(self.graph, par, self.tp(par), units)))
+        return self._get("extra", par, lambda: (cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units),
+                                                cost.stage_extra_bytes(self.graph, par, self.tp(par), units)),
+                         par.zero >= 3 and par.dp > 1)
 
     def cut_time(self, par: Parallel) -> list[float]:
-        spans = cost.mesh_spans(self.cluster, par)["pp"]
-        return self._get(("cut", par.pp > 1, par.tp, par.micro_batch_size, spans),
-                         lambda: [cost.p2p_round_trip(self.cluster, par, c, spans) for c in self.graph.cut_bytes])
+        spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
+        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, c, spans)
+                                              for c in self.graph.cut_bytes], par.pp > 1, spans)
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
         least 1/p of the parameters (for DP traffic and the optimizer); with p > 1 each chunk crosses at least
         the cheapest boundary."""
-        p, v = par.pp, cost.chunks_per_rank(par)
+        p, v = par.pp, par.chunks_per_rank
         per_rank = sum(self.times(par)) / p
         cuts = self.cut_time(par)
         if p > 1 and cuts:
@@ -237,16 +210,16 @@ class _Costs:
 
     def _step_bound(self, par: Parallel, per_rank: float) -> float:
         """`cost.predict`'s step time for a slowest rank of at least `per_rank` seconds per micro-batch."""
-        p, v, m = par.pp, cost.chunks_per_rank(par), par.num_microbatches
+        p, v, m = par.pp, par.chunks_per_rank, par.num_microbatches
         params = self.params_all(par) / p  # the most loaded rank holds at least the average
-        spans = cost.mesh_spans(self.cluster, par)["dp"]
+        spans = par.spans_nodes("dp", self.cluster.gpus_per_node)
         return ((m + (p - 1) / v) * per_rank + cost.dp_comm_time(self.cluster, par, params, spans)
                 + cost.optimizer_time(self.cluster, par, params))
 
     def split_stages(self, par: Parallel, *, mem_limit: float) -> list[tuple[int, int]] | None:
         """Stage boundaries of least max time that fit `mem_limit` (None if none fits)."""
         graph = self.graph
-        v = cost.chunks_per_rank(par)
+        v = par.chunks_per_rank
         chunks = par.pp * v
         per_param = cost.model_state_bytes(1, par).total  # ZeRO model states are linear in the parameters
         static = [per_param * n for n in self.params(par)]
@@ -279,9 +252,6 @@ class _Costs:
 
     def free_split(self, par: Parallel, chunks: int) -> list[tuple[int, int]] | None:
         """The least-time split into `chunks` stages with no memory limit (cached)."""
-        spans = cost.mesh_spans(self.cluster, par)
-        key = ("free", par.tp, par.micro_batch_size, par.recompute, chunks, spans["tp"], spans["pp"], par.pp > 1)
-
         def make():
             n = len(self.graph.units)
             part = partition_stages(self.times(par), self.cut_time(par), [0.0] * n, [0.0] * n, num_stages=chunks,
@@ -290,14 +260,14 @@ class _Costs:
                                     last_required=len(self.graph.last_unit_required))
             return None if part is None else [tuple(b) for b in part.bounds]
 
-        return self._get(key, make)
+        return self._get("free", par, make, chunks, par.pp > 1, par.spans_nodes("pp", self.cluster.gpus_per_node))
 
 
 def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size: int, pins: Pins | None = None,
            tp_pins: dict[str, str] | None = None, keep: int = 6, prune: bool = True) -> SearchResult:
     """The fastest plan that fits, and the next `keep - 1`."""
     pins = pins or Pins()
-    check_pins(gpus, pins, cluster, len(graph.units), max_stages(graph))
+    check_pins(pins, gpus, num_units=len(graph.units), max_stages=max_stages(graph))
     mem_limit = cluster.memory_bytes - cluster.memory_reserve_bytes
     costs = _Costs(graph, cluster, tp_pins)
     configs = list(_configs(graph, cluster, gpus, global_batch_size, pins))

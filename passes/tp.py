@@ -47,7 +47,7 @@ from ortools.sat.python import cp_model
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import Layer, ModelGraph
-from partc.parallel import TP_STYLES
+from partc.parallel import TP_STYLES, group_spans_nodes
 from partc.sharding import GEMM_SPLIT, param_shard
 
 from . import hw
@@ -228,7 +228,8 @@ def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str]) -
 
 
 def _spans_nodes(cluster: Cluster, tp: int) -> bool:
-    return tp > cluster.gpus_per_node
+    """Whether a tp group crosses nodes (the innermost mesh axis: neighbouring ranks)."""
+    return group_spans_nodes(tp, 1, cluster.gpus_per_node)
 
 
 def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster, b: int) -> TPSolution:

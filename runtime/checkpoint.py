@@ -171,7 +171,7 @@ def _param_of(key: str) -> str | None:
 def _write_dp_slice(dt: DTensor, whole: Tensor, world: World) -> None:
     """Copy this dp rank's FSDP slice (``torch.chunk`` of dim 0, as DTensor's ``Shard(0)``) of `whole` into
     `dt`'s local shard."""
-    chunks = whole.chunk(world.dims.dp, dim=0)
+    chunks = whole.chunk(world.par.dp, dim=0)
     local = dt.to_local()
     src = chunks[world.dp_rank] if world.dp_rank < len(chunks) else whole[:0]
     assert src.shape == local.shape, (src.shape, local.shape)

@@ -22,9 +22,8 @@ def torchrun_command(out_dir: str, extra: list[str], nproc_per_node: int | None 
     plan = read_plan(Path(out_dir) / "plan.json")
     world = plan.parallel.world_size
     if nproc_per_node is not None and nproc_per_node != world:
-        p = plan.parallel
-        raise PartcError(f"the plan needs dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = {world} processes, not "
-                         f"--nproc-per-node {nproc_per_node}; compile a plan for {nproc_per_node} GPUs")
+        raise PartcError(f"the plan needs {plan.parallel.world_text()} processes, not --nproc-per-node "
+                         f"{nproc_per_node}; compile a plan for {nproc_per_node} GPUs")
     try:
         import torch
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,10 +1,9 @@
-"""Process group and device mesh: ``(pp, dp, tp)`` over the torchrun world.
+"""Process group and device mesh: `partc.parallel.MESH_AXES` (``pp``, ``dp``, ``tp``) over the torchrun world.
 
 torchtitan's `ParallelDims`: the degrees must multiply to the world size, and the mesh names its axes so every
-later step asks for ``mesh["dp"]`` rather than computing rank arithmetic. The axis order puts ``tp`` innermost
-(neighbouring ranks, the same node: the most traffic), then ``dp``, then ``pp`` outermost (point-to-point only):
-
-    global rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+later step asks for ``mesh["dp"]`` rather than computing rank arithmetic. The plan's `Parallel` owns the degrees, the
+axis order and the rank arithmetic (`Parallel.coords`, `Parallel.rank_of`); this module checks the world size and
+builds the mesh.
 
 The stage files find the ``tp`` group through `partc.collectives.set_tp_group`, which `partc.runtime.load`
 calls with ``world.tp_group`` before any stage runs (on meta or for real).
@@ -31,43 +30,19 @@ from partc.errors import PartcError
 from partc.parallel import Parallel
 
 
-@dataclass(kw_only=True, slots=True)
-class ParallelDims:
-    pp: int
-    """Pipeline ranks (mesh axis ``pp``)."""
-    dp: int
-    """Data-parallel replicas (mesh axis ``dp``); ZeRO shards over this axis."""
-    tp: int
-    """Tensor-parallel ranks (mesh axis ``tp``); the stage files call collectives over it."""
-    world_size: int
-    """Processes started by torchrun."""
-
-    def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp"):
-            if getattr(self, name) < 1:
-                raise PartcError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.pp * self.dp * self.tp != self.world_size:
-            raise PartcError(f"the plan needs dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = "
-                             f"{self.pp * self.dp * self.tp} processes, but {self.world_size} were started; run "
-                             f"`partc run OUT` or torchrun --nproc-per-node {self.pp * self.dp * self.tp}")
-
-    @classmethod
-    def from_plan(cls, par: Parallel, world_size: int) -> ParallelDims:
-        return cls(pp=par.pp, dp=par.dp, tp=par.tp, world_size=world_size)
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a global rank."""
-        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
-
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+def check_world_size(par: Parallel, world_size: int) -> None:
+    """The plan's degrees must multiply to the processes torchrun started."""
+    if par.world_size != world_size:
+        raise PartcError(f"the plan needs {par.world_text()} processes, but {world_size} were started; run "
+                         f"`partc run OUT` or torchrun --nproc-per-node {par.world_size}")
 
 
 @dataclass(kw_only=True, slots=True)
 class World:
     """This process's place in the run."""
 
-    dims: ParallelDims
+    par: Parallel
+    """The plan's parallel configuration: degrees and mesh order."""
     mesh: DeviceMesh
     device: torch.device
     rank: int
@@ -110,17 +85,19 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
         raise PartcError("partc.runtime runs under torchrun: `partc run OUT` or "
                          "`torchrun --nproc-per-node N -m partc.runtime OUT`")
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
-    dims = ParallelDims.from_plan(par, world_size)  # raises before any collective if the world size is wrong
+    check_world_size(par, world_size)  # before any collective
     device, backend = pick_device()
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    degrees = par.degrees()
+    mesh = init_device_mesh(device.type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
     rank = dist.get_rank()
-    pp_rank, dp_rank, tp_rank = dims.coords(rank)
-    assert tuple(mesh.get_coordinate()) == (pp_rank, dp_rank, tp_rank), (mesh.get_coordinate(), rank)
-    groups = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
+    coords = par.coords(rank)
+    assert tuple(mesh.get_coordinate()) == tuple(coords.values()), (mesh.get_coordinate(), rank)
+    pp_rank, dp_rank, tp_rank = coords["pp"], coords["dp"], coords["tp"]
+    groups = {name: mesh.get_group(name) for name in degrees}
     ranks = mesh.mesh[pp_rank].t().contiguous()  # [tp, dp] global ranks of this pipeline rank
     tp_dp = DeviceMesh.from_group([groups["tp"], groups["dp"]], device.type, ranks, mesh_dim_names=("tp", "dp"))
-    return World(dims=dims, mesh=mesh, device=device, rank=rank, pp_rank=pp_rank, dp_rank=dp_rank,
+    return World(par=par, mesh=mesh, device=device, rank=rank, pp_rank=pp_rank, dp_rank=dp_rank,
                  tp_rank=tp_rank, groups=groups, tp_dp_mesh=tp_dp)

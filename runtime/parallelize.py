@@ -89,7 +89,7 @@ def parallelize(stages: list[StageModule], world: World, *, zero: int, recompute
             st.recompute = True
         # 3. compile: none.
         # 4. data parallelism / ZeRO over dp
-        if zero >= 2 and world.dims.dp > 1:
+        if zero >= 2 and world.par.dp > 1:
             fully_shard(st, mesh=world.mesh["dp"], reshard_after_forward=zero == 3)
     return list(stages)
 
@@ -102,7 +102,7 @@ def build_optimizers(stages: list[nn.Module], world: World, config: OptimizerCon
     out = []
     for st in stages:
         params = [p for p in st.parameters() if p.requires_grad]
-        if zero == 1 and world.dims.dp > 1:
+        if zero == 1 and world.par.dp > 1:
             out.append(ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=world.dp_group,
                                                **kwargs))
         else:
@@ -135,9 +135,9 @@ class GradSync:
         """`holders`: canonical FQN -> indices of the stages (all of them, not only local) holding a copy."""
         self.stages = stages
         self.world = world
-        self.all_reduce_dp = zero <= 1 and world.dims.dp > 1
+        self.all_reduce_dp = zero <= 1 and world.par.dp > 1
         self.shared: list[SharedGroup] = []
-        pp = world.dims.pp
+        pp = world.par.pp
         by_ranks: dict[tuple[int, ...], list[str]] = {}
         for name, idx in sorted(holders.items()):
             if len(idx) > 1:
@@ -145,9 +145,9 @@ class GradSync:
         for ranks, names in sorted(by_ranks.items()):
             sg = SharedGroup(names=names)
             if len(ranks) > 1:  # every rank creates every group, in the same order (new_group is collective)
-                for dp_r in range(world.dims.dp):
-                    for tp_r in range(world.dims.tp):
-                        members = [world.dims.rank_of(r, dp_r, tp_r) for r in ranks]
+                for dp_r in range(world.par.dp):
+                    for tp_r in range(world.par.tp):
+                        members = [world.par.rank_of(pp=r, dp=dp_r, tp=tp_r) for r in ranks]
                         group = dist.new_group(members)
                         if world.rank in members:
                             sg.group = group

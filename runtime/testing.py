@@ -88,13 +88,13 @@ def replica_diff(prog) -> float:
 
     world = prog.world
     worst = torch.zeros((), dtype=torch.float64, device=world.device)
-    if world.dims.tp > 1:
+    if world.par.tp > 1:
         for st in prog.stages:
             for name, p in st.named_parameters():
                 if prog.layout.shard(name) is not None:
                     continue
                 local = (p.to_local() if isinstance(p, DTensor) else p).detach().contiguous()
-                parts = [torch.empty_like(local) for _ in range(world.dims.tp)]
+                parts = [torch.empty_like(local) for _ in range(world.par.tp)]
                 dist.all_gather(parts, local, group=world.tp_group)
                 for q in parts[1:]:
                     if q.numel():

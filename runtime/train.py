@@ -122,7 +122,7 @@ class PipelineRunner:
         return self.loss_fn(self.last_code.outputs(flat), targets)
 
     def dp_slice(self, n: int) -> slice:
-        dp, r = self.world.dims.dp, self.world.dp_rank
+        dp, r = self.world.par.dp, self.world.dp_rank
         if n % dp:
             raise ValueError(f"a global batch of {n} samples does not split over {dp} data-parallel ranks")
         return slice(r * n // dp, (r + 1) * n // dp)
@@ -159,7 +159,7 @@ class PipelineRunner:
         total = torch.zeros((), dtype=torch.float64, device=self.world.device)
         if self.has_last:
             assert len(losses) == self.num_microbatches
-            dims = self.world.dims
-            total += torch.stack([l.detach().double() for l in losses]).mean() / (dims.dp * dims.tp)
+            par = self.world.par
+            total += torch.stack([l.detach().double() for l in losses]).mean() / (par.dp * par.tp)
         dist.all_reduce(total)
         return float(total)

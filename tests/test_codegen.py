@@ -9,7 +9,7 @@ import torch
 
 from partc.compile import compile_model
 from partc.model_file import load_model_file
-from partc.passes.search import Pins
+from partc.parallel import Pins
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from partc.cli.main import main
 from partc.compile import compile_model
 from partc.model_file import build_on_meta
-from partc.passes.search import Pins
+from partc.parallel import Pins
 from partc.passes.tp import style_error
 from partc.plan import read_plan, write_plan
 

@@ -408,11 +408,11 @@ def test_collectives_across_nodes_use_every_adapter():
     assert bw8 == pytest.approx(min(8 * bw1, hw.link(A100, spans_nodes=False)[0]))  # capped by NVLink
     assert eight < one
     # The DP group of (dp=32, tp=1) has 8 members a node; of (dp=32, tp=8), one.
-    assert cost.ranks_per_node(A100, par(dp=32), "dp") == 8
-    assert cost.ranks_per_node(A100, par(dp=32, tp=8), "dp") == 1
-    assert cost.ranks_per_node(A100, par(dp=32, tp=2), "dp") == 4
-    assert cost.ranks_per_node(A100, par(dp=2, tp=2), "dp") == 2
-    assert cost.dp_comm_time(A100, par(dp=32), 1e9, True) == pytest.approx(
+    assert par(dp=32, global_batch_size=32).ranks_per_node("dp", A100.gpus_per_node) == 8
+    assert par(dp=32, tp=8, global_batch_size=32).ranks_per_node("dp", A100.gpus_per_node) == 1
+    assert par(dp=32, tp=2, global_batch_size=32).ranks_per_node("dp", A100.gpus_per_node) == 4
+    assert par(dp=2, tp=2).ranks_per_node("dp", A100.gpus_per_node) == 2
+    assert cost.dp_comm_time(A100, par(dp=32, global_batch_size=32), 1e9, True) == pytest.approx(
         hw.collective_time(A100, "all_reduce", 2e9, 32, spans_nodes=True, ranks_per_node=8))
 
 
@@ -432,16 +432,16 @@ def test_p2p_scatter_gather():
 
 
 def test_interleaved_bubble_and_microbatches():
-    from partc.plan import check_batching
-    from partc.passes.search import Pins, _configs
+    from partc.parallel import Pins
+    from partc.passes.search import _configs
 
     p, m = 4, 8
     for v in (2, 4):
         il = par(pp=p, global_batch_size=m, schedule="interleaved-1f1b", virtual_stages=v)
         assert cost.bubble_fraction(il) * (m + (p - 1) / v) == pytest.approx((p - 1) / v)  # (1/v)(p-1)/m ideal
         assert cost.bubble_fraction(il) < cost.bubble_fraction(par(pp=p, global_batch_size=m))
-    with pytest.raises(PartcError):
-        check_batching(par(pp=4, global_batch_size=6, schedule="interleaved-1f1b", virtual_stages=2))
+    with pytest.raises(PartcError, match="multiple of pp"):
+        par(pp=4, global_batch_size=6, schedule="interleaved-1f1b", virtual_stages=2)
     g = gpt(L=8)
     configs = list(_configs(g, A100, 8, 24, Pins(schedule="interleaved-1f1b")))
     assert configs and all(c.num_microbatches % c.pp == 0 and c.virtual_stages >= 2 for c in configs)

@@ -18,7 +18,7 @@ from partc.cli.main import main as cli
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import load_model_file
-from partc.passes.search import Pins
+from partc.parallel import Parallel, Pins
 from partc import collectives
 from partc.runtime.__main__ import main as runtime_main
 from partc.runtime.api import shared_holders, stage_tensor_names
@@ -26,7 +26,7 @@ from partc.runtime.checkpoint import _canon_key
 from partc.runtime.launch import torchrun_command
 from partc.runtime.materialize import (SeedPerTensor, build_initialized, build_model, canonical_names,
                                        init_weights, load_weights, materialize, parameters_on_meta)
-from partc.runtime.mesh import ParallelDims
+from partc.runtime.mesh import check_world_size
 from partc.runtime.program import read_program
 from partc.sharding import TPLayout
 from partc.runtime.stage import StageModule
@@ -334,12 +334,13 @@ def test_global_batch_is_deterministic():
     assert torch.equal(a[0][0], spec.inputs(4)[0][0])  # what one process draws after manual_seed(seed + k)
 
 
-def test_parallel_dims():
-    d = ParallelDims(pp=2, dp=3, tp=2, world_size=12)
-    assert [d.rank_of(*d.coords(r)) for r in range(12)] == list(range(12))
-    assert d.coords(7) == (1, 0, 1)
+def test_mesh_coordinates_and_world_size():
+    par = Parallel(pp=2, dp=3, tp=2, zero=0, micro_batch_size=1, global_batch_size=3)
+    assert [par.rank_of(**par.coords(r)) for r in range(12)] == list(range(12))
+    assert par.coords(7) == {"pp": 1, "dp": 0, "tp": 1}  # 7 = (1 * 3 + 0) * 2 + 1
+    check_world_size(par, 12)
     with pytest.raises(PartcError, match=r"dp x tp x pp = 3 x 2 x 2 = 12 processes, but 8 were started"):
-        ParallelDims(pp=2, dp=3, tp=2, world_size=8)
+        check_world_size(par, 8)
 
 
 def test_canonical_checkpoint_keys():

@@ -20,7 +20,7 @@ import torch
 
 from partc.compile import compile_model
 from partc.model_file import load_model_file
-from partc.passes.search import Pins
+from partc.parallel import Pins
 from partc.runtime.materialize import build_initialized
 from partc.runtime.testing import reference_run
 

@@ -22,7 +22,8 @@ import torch
 from partc.cluster import PRESETS, Cluster
 from partc.passes import cost
 from partc.model_file import build_on_meta, load_model_file
-from partc.passes.search import Pins, _configs, _Costs, search
+from partc.parallel import Pins
+from partc.passes.search import _configs, _Costs, search
 from partc.passes.tp import allowed_styles, solve_tp, style_error
 from partc.passes.trace import trace
 
@@ -154,7 +155,7 @@ def test_cached_split_equals_the_constrained_dp(case_id):
     limit = cluster.memory_bytes - cluster.memory_reserve_bytes
     checked = 0
     for par in _configs(graph, cluster, case.gpus, case.gbs, case.pins or Pins()):
-        v = cost.chunks_per_rank(par)
+        v = par.chunks_per_rank
         chunks = par.pp * v
         static = [cost.model_state_bytes(1, par).total * n for n in costs.params(par)]
         extra_any, extra_last = costs.extra(par)
@@ -198,6 +199,26 @@ def test_pruning_bound_is_below_every_step_time(case_id):
         assert costs.lower_bound(par) <= costs.split_bound(par, bounds) <= step * (1 + 1e-9), par
         checked += 1
     assert checked > 50
+
+
+def test_cache_keys_miss_no_dependency():
+    """Every cached quantity of the search, computed through one cache shared by all configurations, equals the
+    same quantity computed for that configuration alone: no cache key leaves out a choice it depends on (a field
+    of `Parallel` is in every key unless a quantity declares itself independent of it)."""
+    graph, cluster = gpt_graph("tied"), small_cluster(2, gpus_per_node=2)
+    limit = cluster.memory_bytes - cluster.memory_reserve_bytes
+    shared = _Costs(graph, cluster, None)
+    configs = list(_configs(graph, cluster, 8, 32, Pins()))
+
+    def values(costs, par):
+        return (costs.tp(par).styles, costs.parts(par), costs.times(par), costs.shards(par), costs.params(par),
+                costs.params_all(par), costs.acts(par), costs.extra(par), costs.cut_time(par),
+                costs.free_split(par, par.num_stages), costs.split_stages(par, mem_limit=limit),
+                costs.lower_bound(par))
+
+    for par in configs[::7]:
+        assert values(shared, par) == values(_Costs(graph, cluster, None), par), par
+    assert len({(p.dp, p.tp, p.pp, p.zero, p.recompute, p.schedule) for p in configs[::7]}) > 20
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import load_model_file
-from partc.passes.search import Pins
+from partc.parallel import Pins
 from partc.sharding import Shard, shard_tensor, unshard_tensor
 from partc import collectives
 from test_codegen import CASES, _load_stage
