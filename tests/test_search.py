@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import EXAMPLES, GiB
 from partc.cluster import PRESETS, Cluster
 from partc.passes import cost
 from partc.passes.load import build_on_meta, load_model_file
@@ -26,8 +26,6 @@ from partc.passes.search import Pins, _configs, _Costs, search
 from partc.passes.tp import allowed_styles, solve_tp, style_error
 from partc.passes.trace import trace
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-GiB = 1024**3
 A100 = PRESETS["a100-80g"]
 
 
