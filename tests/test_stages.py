@@ -85,7 +85,8 @@ def test_infeasible_cases():
     args = dict(cut_time=[0.0, 0.0], static_mem=[1, 1, 1], act_mem=[1, 1, 1])
     assert partition_stages([1.0] * 3, num_stages=4, in_flight=[1] * 4, mem_limit=100, **args) is None
     assert partition_stages([1.0] * 3, num_stages=3, in_flight=[3, 2, 1], mem_limit=3, **args) is None  # 1 + 3*1
-    assert partition_stages([1.0] * 3, num_stages=3, in_flight=[3, 2, 1], mem_limit=4, **args) is not None
+    assert partition_stages([1.0] * 3, num_stages=3, in_flight=[3, 2, 1], mem_limit=4, **args).bounds == \
+        [(0, 1), (1, 2), (2, 3)]
     assert partition_stages([1.0] * 3, num_stages=2, in_flight=[1, 1], mem_limit=100, first_required=2,
                             last_required=2, **args) is None  # the required ends overlap
     # Extra memory on stage 0 (say embedding gradients) pushes units right.

@@ -94,6 +94,8 @@ def _worker(rank, world, port, path, out, result_file):
         logits_err = (got - ref).abs().max().item()
         scale = max(g.abs().max().item() for g in ref_grads.values())
         grad_err = 0.0
+        # Every parameter must get a gradient from the program (a skipped one would not count in grad_err).
+        no_grad = sorted(n for n, q in p.items() if isinstance(q, torch.nn.Parameter) and q.grad is None)
         for n, q in p.items():
             if not isinstance(q, torch.nn.Parameter) or q.grad is None:
                 continue
@@ -104,7 +106,8 @@ def _worker(rank, world, port, path, out, result_file):
                 g = unshard_tensor(parts, shards[n])
             grad_err = max(grad_err, (g - ref_grads[n]).abs().max().item() / scale)
         if rank == 0:
-            Path(result_file).write_text(json.dumps({"logits": logits_err, "grads": grad_err, **counts}))
+            Path(result_file).write_text(json.dumps({"logits": logits_err, "grads": grad_err, "no_grad": no_grad,
+                                                     **counts}))
     finally:
         dist.destroy_process_group()
     # Leave without interpreter finalization: a gloo worker thread torn down there aborts the process now and
@@ -116,7 +119,9 @@ def run_tp(path: str, out: Path, tp: int) -> dict:
     result = out / "result.json"
     mp.start_processes(_worker, args=(tp, _free_port(), path, str(out), str(result)), nprocs=tp, join=True,
                        start_method="spawn")
-    return json.loads(result.read_text())
+    r = json.loads(result.read_text())
+    assert r["no_grad"] == [], f"parameters without a gradient from the program: {r['no_grad']}"
+    return r
 
 
 @pytest.mark.slow
@@ -179,9 +184,9 @@ def test_gqa_with_fewer_kv_heads_than_tp_is_refused(tmp_path):
 def test_solver_never_splits_kv_heads_beyond_their_count(tmp_path):
     path = str(EXAMPLES / "llama.py")
     res = compile_model(path, gpus=4, pins=Pins(tp=4, pp=1), global_batch_size=4, out_dir=tmp_path / "o")
-    for fqn, style in res.plan.tp.items():
-        if re.search(r"attn\.[kv]$", fqn):
-            assert style == "replicate"
+    kv = {fqn: style for fqn, style in res.plan.tp.items() if re.search(r"attn\.[kv]$", fqn)}
+    assert len(kv) == 2 * sum(u.kind == "block" for u in res.graph.units) > 0  # k and v of every block
+    assert set(kv.values()) == {"replicate"}
 
 
 def test_shard_round_trip_with_fused_pieces():
