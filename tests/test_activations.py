@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,11 +43,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from helpers import EXAMPLES
 from partc.parallel import Parallel
 from partc.passes import cost
 from partc.passes.trace import trace
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MICRO_BATCHES = (1, 2, 4)
 MODES = ("none", "selective", "full")
 aten = torch.ops.aten

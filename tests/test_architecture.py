@@ -6,7 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 PACKAGES = {"partc": "partc", "partc.passes": "passes", "partc.runtime": "runtime", "partc.cli": "cli"}
 ENTRY = {"partc.compile"}
 """Core modules that run the compiler's pipeline (the public API `compile_model`): the core may reach the passes

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import BENCHMARKS
 from partc.compile import compile_model
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "megatron_table1.py"
+BENCHMARK = BENCHMARKS / "megatron_table1.py"
 SIZES = ("1.7b", "7.5b", "18.4b", "39.1b", "76.1b", "145.6b")
 
 
@@ -38,16 +38,19 @@ def results():
     return mt.table(rows)
 
 
+@pytest.mark.slow
 def test_each_row_within_10_percent(results):
     for r in results:
         assert abs(r.error) <= 0.10, f"{r.row.size}: published {r.published_s:.2f} s, predicted {r.predicted_s:.2f} s"
 
 
+@pytest.mark.slow
 def test_mean_error_at_most_5_percent(results):
     errors = [abs(r.error) for r in results]
     assert sum(errors) / len(errors) <= 0.05, [f"{r.row.size} {100 * r.error:+.1f}%" for r in results]
 
 
+@pytest.mark.slow
 def test_plans_follow_the_paper(results):
     """The pins hold (t, p, b, v, full recompute) and each plan fits the GPU with its reserve."""
     mt = _table1()
@@ -69,6 +72,7 @@ def test_published_time_formula():
     assert mt.published_time(last) == pytest.approx(102.6, abs=0.1)
 
 
+@pytest.mark.slow
 def test_compile_model_gives_the_same_prediction(results, monkeypatch):
     """`partc compile benchmarks/megatron_table1.py` (PARTC_GPT_SIZE=1.7b, the row's pins) predicts the same."""
     mt = _table1()

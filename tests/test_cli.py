@@ -10,17 +10,14 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from helpers import EXAMPLES, ROOT, GiB
 from partc.cli.main import compress_modules, main
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
 GPT = str(EXAMPLES / "gpt.py")
-GiB = 1024**3
 
 # One line of the branchy model below: `if y.sum() > 0:` on a tensor (data-dependent control flow).
 BRANCHY = """
@@ -69,11 +66,6 @@ BAD_FILES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _tiny_gpt(monkeypatch):
-    monkeypatch.delenv("PARTC_GPT_SIZE", raising=False)
-
-
 def run_error(args, pattern: str | None = None, tmp_path=None) -> str:
     """Run `partc` in-process; it must fail with exit code 2 and exactly one line ``error: ...`` on stderr."""
     if tmp_path is not None and "-o" not in args:
@@ -109,6 +101,7 @@ def test_bad_model_files(name, tmp_path, monkeypatch):
     run_error(["compile", name, "--gpus", "1"], pattern, tmp_path)
 
 
+@pytest.mark.slow
 def test_model_torch_export_cannot_trace_names_module_and_line(tmp_path):
     """A real subprocess: exit code 2 and one stderr line, even though torch.export prints the partial graph."""
     path = tmp_path / "branchy.py"

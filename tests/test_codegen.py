@@ -1,24 +1,15 @@
 """The generated stage programs, run one after another in one process, equal the model (outputs and grads)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import EXAMPLES, load_stage, model_file
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_stage(path: Path):
-    spec = importlib.util.spec_from_file_location(f"stage_{path.stem}_{id(path)}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def run_program(out: Path, model, args, kwargs):
@@ -28,7 +19,7 @@ def run_program(out: Path, model, args, kwargs):
     p.update(dict(model.named_buffers(remove_duplicate=False)))
     x = tuple(args[k] if isinstance(k, int) else kwargs[k] for k in manifest["input_keys"])
     for st in manifest["stages"]:
-        mod = _load_stage(out / "program" / st["file"])
+        mod = load_stage(out / "program" / st["file"])
         assert len(x) == len(mod.INPUTS)
         x = mod.forward(p, *x, device=torch.device("cpu"))
         assert isinstance(x, tuple) and len(x) == len(mod.OUTPUTS)
@@ -39,41 +30,13 @@ def _logits(out):
     return out if torch.is_tensor(out) else out.logits
 
 
-HF_FILE = '''
-import transformers as tf
-def model():
-    return tf.{cls}(tf.{cfg}({kw}))
-'''
-
-
-def _hf_file(tmp_path, cls, cfg, kw):
-    f = tmp_path / "hf_model.py"
-    f.write_text(HF_FILE.format(cls=cls, cfg=cfg, kw=kw))
-    return str(f)
-
-
-CASES = {
-    "gpt": lambda tmp: str(ROOT / "examples" / "gpt.py"),
-    "llama": lambda tmp: str(ROOT / "examples" / "llama.py"),
-    "hf_gpt2": lambda tmp: str(ROOT / "examples" / "hf_gpt2.py"),
-    "hf_llama": lambda tmp: _hf_file(tmp, "LlamaForCausalLM", "LlamaConfig",
-                                     "num_hidden_layers=2, hidden_size=64, num_attention_heads=4, "
-                                     "num_key_value_heads=2, intermediate_size=128, vocab_size=128"),
-    "hf_bert": lambda tmp: _hf_file(tmp, "BertForMaskedLM", "BertConfig",
-                                    "num_hidden_layers=2, hidden_size=64, num_attention_heads=4, "
-                                    "intermediate_size=128, vocab_size=128, hidden_dropout_prob=0.0, "
-                                    "attention_probs_dropout_prob=0.0"),
-    "hf_vit": lambda tmp: _hf_file(tmp, "ViTForImageClassification", "ViTConfig",
-                                   "num_hidden_layers=2, hidden_size=64, num_attention_heads=4, "
-                                   "intermediate_size=128, image_size=32, patch_size=8, hidden_dropout_prob=0.0, "
-                                   "attention_probs_dropout_prob=0.0"),
-}
+CASES = ("gpt", "llama", "hf_gpt2", "hf_llama", "hf_bert", "hf_vit")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_stages_chain_equals_model(case, tmp_path):
+def test_stages_chain_equals_model(case, hf_dir, tmp_path):
     torch.manual_seed(0)
-    path = CASES[case](tmp_path)
+    path = model_file(case, hf_dir)
     out = tmp_path / "out"
     compile_model(path, gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"), global_batch_size=4, out_dir=out,
                   seq_len=None)
@@ -93,7 +56,7 @@ def test_stages_chain_equals_model(case, tmp_path):
 
 def test_program_is_readable(tmp_path):
     out = tmp_path / "out"
-    compile_model(str(ROOT / "examples" / "gpt.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"),
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"),
                   global_batch_size=4, out_dir=out)
     text = (out / "program" / "stage_0.py").read_text()
     # A header with the plan, the stage's modules and its predictions.
@@ -102,12 +65,12 @@ def test_program_is_readable(tmp_path):
     assert "# blocks.0.attn.qkv  gpt.py:" in text and "self.qkv(x)" in text
     # Parameters by their original FQNs; the meta device never leaks into the program.
     assert 'p["blocks.0.attn.qkv.weight"]' in text and "meta" not in text
-    s0, s1 = _load_stage(out / "program" / "stage_0.py"), _load_stage(out / "program" / "stage_1.py")
+    s0, s1 = load_stage(out / "program" / "stage_0.py"), load_stage(out / "program" / "stage_1.py")
     assert s1.INPUTS == s0.OUTPUTS
     assert s0.MODULES[-1].startswith("blocks.") and s1.MODULES[-1] == "lm_head"
     # The same inputs give the same program (byte for byte).
     out2 = tmp_path / "out2"
-    compile_model(str(ROOT / "examples" / "gpt.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"),
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"),
                   global_batch_size=4, out_dir=out2)
     for f in ("stage_0.py", "stage_1.py", "manifest.json"):
         assert (out / "program" / f).read_text() == (out2 / "program" / f).read_text()
@@ -115,17 +78,17 @@ def test_program_is_readable(tmp_path):
 
 def test_tied_weights_named_by_the_stage_that_owns_them(tmp_path):
     out = tmp_path / "out"
-    compile_model(str(ROOT / "examples" / "hf_gpt2.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"),
+    compile_model(str(EXAMPLES / "hf_gpt2.py"), gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"),
                   global_batch_size=4, out_dir=out)
     manifest = json.loads((out / "program" / "manifest.json").read_text())
     assert ["lm_head.weight", "transformer.wte.weight"] in manifest["tied"]
-    s0, s1 = _load_stage(out / "program" / "stage_0.py"), _load_stage(out / "program" / "stage_1.py")
+    s0, s1 = load_stage(out / "program" / "stage_0.py"), load_stage(out / "program" / "stage_1.py")
     assert "transformer.wte.weight" in s0.PARAMETERS
     assert "lm_head.weight" in s1.PARAMETERS and "transformer.wte.weight" not in s1.PARAMETERS
 
 
 def test_selective_recompute_checkpoints_the_attention_core(tmp_path):
-    path = str(ROOT / "examples" / "gpt.py")
+    path = str(EXAMPLES / "gpt.py")
     out = tmp_path / "out"
     compile_model(path, gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b", recompute="selective"),
                   global_batch_size=4, out_dir=out)

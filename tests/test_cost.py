@@ -7,16 +7,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from ir_fixtures import MEGATRON, gpt_block, gpt_graph
 from partc.cluster import PRESETS
 from partc.errors import PartcError
-from partc.ir import Gemm, Layer, ModelGraph, Unit
+from partc.ir import Gemm, ModelGraph
 from partc.parallel import Parallel
 from partc.passes import cost, hw
 
 A100 = PRESETS["a100-80g"]
 
 
-# --- stand-ins for passes.tp.TPSolution (written elsewhere) ---------------------------------------------------
+# --- stand-ins for passes.tp.TPSolution ----------------------------------------------------------------------
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,80 +42,20 @@ def par(**kw) -> Parallel:
     return Parallel(**base)
 
 
-# --- a synthetic GPT: tok -> blocks.* -> ln_f -> lm_head (tied to tok.weight) --------------------------------
-
-
-def _linear(fqn: str, unit: str, k: int, n: int, s: int, *, col_groups: int = 0, row_groups: int = 0) -> Layer:
-    g = Gemm(batch=1, m=s, n=n, k=k, batch_scales=False)
-    return Layer(fqn=fqn, type="Linear", kind="linear", unit=unit,
-                 params={f"{fqn}.weight": (n, k), f"{fqn}.bias": (n,)}, num_params=n * k + n,
-                 in_features=k, out_features=n, col_groups=col_groups or n, row_groups=row_groups or k,
-                 gemms=[g], fwd_flops=g.flops, out_bytes=2 * s * n, saved_bytes=2 * s * k, memory_bytes=2 * s * n)
-
-
-def _norm(fqn: str, unit: str, h: int, s: int) -> Layer:
-    return Layer(fqn=fqn, type="LayerNorm", kind="norm", unit=unit,
-                 params={f"{fqn}.weight": (h,), f"{fqn}.bias": (h,)}, num_params=2 * h, in_features=h,
-                 out_bytes=2 * s * h, saved_bytes=2 * s * h, memory_bytes=4 * s * h)
-
-
-def gpt_block(fqn: str, *, s: int, h: int, a: int) -> tuple[Unit, list[Layer]]:
-    """A GPT-2 block whose saved bytes follow Korthikanti et al. per sample: sbh·34 + 5as², of which 10sbh
-    replicated (norm and residual inputs) and 5as² the attention core."""
-    layers = [_norm(f"{fqn}.ln_1", fqn, h, s),
-              _linear(f"{fqn}.attn.qkv", fqn, h, 3 * h, s, col_groups=a),
-              _linear(f"{fqn}.attn.proj", fqn, h, h, s, row_groups=a),
-              _norm(f"{fqn}.ln_2", fqn, h, s),
-              _linear(f"{fqn}.mlp.fc", fqn, h, 4 * h, s),
-              _linear(f"{fqn}.mlp.proj", fqn, 4 * h, h, s)]
-    core = [Gemm(batch=a, m=s, n=s, k=h // a, batch_scales=True),   # scores  Q K^T
-            Gemm(batch=a, m=s, n=h // a, k=s, batch_scales=True)]   # context P V
-    unit = Unit(fqn=fqn, kind="block", layers=[x.fqn for x in layers],
-                num_params=sum(x.num_params for x in layers),
-                fwd_flops=sum(x.fwd_flops for x in layers) + sum(g.flops for g in core), core_gemms=core,
-                saved_bytes=34 * s * h + 5 * a * s * s, saved_bytes_core=5 * a * s * s,
-                saved_bytes_replicated=10 * s * h, input_bytes=2 * s * h, memory_bytes=20 * s * h,
-                signature="block")
-    return unit, layers
+# --- a synthetic GPT (tests/ir_fixtures.py): tok -> blocks.* -> ln_f -> lm_head (tied to tok.weight) -------------
 
 
 def gpt(*, L: int = 4, s: int = 32, h: int = 64, a: int = 4, V: int = 512) -> ModelGraph:
-    units, layers = [], []
-    tok = Layer(fqn="tok", type="Embedding", kind="embedding", unit="tok", params={"tok.weight": (V, h)},
-                num_params=V * h, in_features=h, out_features=V, col_groups=h, row_groups=V,
-                out_bytes=2 * s * h, memory_bytes=4 * s * h)
-    units.append(Unit(fqn="tok", kind="module", layers=["tok"], num_params=V * h, input_bytes=8 * s))
-    layers.append(tok)
-    for i in range(L):
-        u, ls = gpt_block(f"blocks.{i}", s=s, h=h, a=a)
-        units.append(u)
-        layers += ls
-    ln_f = _norm("ln_f", "ln_f", h, s)
-    units.append(Unit(fqn="ln_f", kind="module", layers=["ln_f"], num_params=2 * h, saved_bytes=2 * s * h,
-                      input_bytes=2 * s * h))
-    g = Gemm(batch=1, m=s, n=V, k=h, batch_scales=False)
-    head = Layer(fqn="lm_head", type="Linear", kind="linear", unit="lm_head", params={"lm_head.weight": (V, h)},
-                 num_params=0, in_features=h, out_features=V, col_groups=V, row_groups=h, gemms=[g],
-                 fwd_flops=g.flops, out_bytes=2 * s * V, saved_bytes=2 * s * h)
-    units.append(Unit(fqn="lm_head", kind="module", layers=["lm_head"], num_params=0, fwd_flops=g.flops,
-                      saved_bytes=2 * s * h, input_bytes=2 * s * h))
-    layers += [ln_f, head]
-    for u in units:
-        if u.kind == "module" and u.fqn != "lm_head":
-            u.fwd_flops = sum(x.fwd_flops for x in layers if x.unit == u.fqn)
-    return ModelGraph(name="gpt-test", num_params=sum(u.num_params for u in units), seq_len=s, units=units,
-                      layers={x.fqn: x for x in layers}, edges=[], cut_bytes=[2 * s * h] * (len(units) - 1),
-                      tied={"lm_head.weight": "tok.weight"}, first_unit_required=["tok"],
-                      last_unit_required=["lm_head"], info={"hidden": h, "heads": a, "vocab": V, "layers": L})
+    return gpt_graph(num_blocks=L, seq=s, dim=h, heads=a, vocab=V, tied=True)
 
 
 def megatron_tp(graph: ModelGraph, *, s: int, h: int) -> FakeTP:
-    """Megatron TP: qkv/fc colwise, proj rowwise; 2 all-reduces of b·s·h forward and 2 backward per block."""
+    """Megatron TP (ir_fixtures.MEGATRON: qkv/fc1 colwise, proj/fc2 rowwise); 2 all-reduces of b·s·h forward and
+    2 backward per block."""
     tp = FakeTP()
     for u in graph.units:
         for f in u.layers:
-            tp.styles[f] = ("colwise" if f.endswith(("qkv", "fc")) else
-                            "rowwise" if f.endswith("proj") else "replicate")
+            tp.styles[f] = MEGATRON[f[len(u.fqn) + 1:]] if u.kind == "block" else "replicate"
         if u.kind == "block":
             tp.collectives[u.fqn] = [FakeCollective(kind="all_reduce", phase=ph, nbytes=2 * s * h)
                                      for ph in ("fwd", "fwd", "bwd", "bwd")]
@@ -146,7 +87,7 @@ def test_zero_split_by_kind():
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
 def test_korthikanti_activations(t):
     s, h, a, b = 256, 512, 8, 2
-    unit, layers = gpt_block("blocks.0", s=s, h=h, a=a)
+    unit, layers = gpt_block("blocks.0", seq=s, dim=h, heads=a)
     graph = ModelGraph(name="one", num_params=unit.num_params, seq_len=s, units=[unit],
                        layers={x.fqn: x for x in layers}, edges=[], cut_bytes=[])
     tp = megatron_tp(graph, s=s, h=h)
@@ -447,21 +388,10 @@ def test_interleaved_bubble_and_microbatches():
     assert configs and all(c.num_microbatches % c.pp == 0 and c.virtual_stages >= 2 for c in configs)
 
 
-def test_unit_times_reuse_only_truly_identical_units():
+def test_unit_times_reuse_only_truly_identical_units(traced_example):
     """unit_time_parts computes identical blocks once; a block that also carries glue ops (blocks.0 holds the
     embedding sum) must still get its own time."""
-    from pathlib import Path
-
-    import torch
-
-    from partc.model_file import build_on_meta, load_model_file
-    from partc.passes.trace import trace
-
-    spec = load_model_file(str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py"))
-    model = build_on_meta(spec)
-    with torch.device("meta"):
-        args, kwargs = spec.inputs(1)
-    graph = trace(model, args, kwargs, name="gpt").graph
+    graph = traced_example("gpt")[1].graph
     par = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=4, global_batch_size=4)
     parts = cost.unit_time_parts(graph, PRESETS["a100-80g"], par, None)
     for i, unit in enumerate(graph.units):

@@ -1,22 +1,17 @@
 """The bundled model files in examples/ load, build on meta and train one step on the CPU at tiny size."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
+from helpers import EXAMPLES
 from partc.errors import PartcError
 from partc.model_file import build_on_meta, load_model_file
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "hf_gpt2"])
-def test_tiny_example_trains_on_cpu(name, monkeypatch):
+def test_tiny_example_trains_on_cpu(name):
     if name.startswith("hf_"):
         pytest.importorskip("transformers")
-    monkeypatch.delenv("PARTC_GPT_SIZE", raising=False)
-    monkeypatch.delenv("PARTC_LLAMA_SIZE", raising=False)
     spec = load_model_file(str(EXAMPLES / f"{name}.py"))
     assert spec.seq_len in (64, 128)
     torch.manual_seed(0)
@@ -30,9 +25,7 @@ def test_tiny_example_trains_on_cpu(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_meta_build_and_init_weights(name, monkeypatch):
-    monkeypatch.delenv("PARTC_GPT_SIZE", raising=False)
-    monkeypatch.delenv("PARTC_LLAMA_SIZE", raising=False)
+def test_meta_build_and_init_weights(name):
     spec = load_model_file(str(EXAMPLES / f"{name}.py"))
     model = build_on_meta(spec)
     assert all(p.is_meta for p in model.parameters())
@@ -41,8 +34,7 @@ def test_meta_build_and_init_weights(name, monkeypatch):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_gpt_module_names(monkeypatch):
-    monkeypatch.delenv("PARTC_GPT_SIZE", raising=False)
+def test_gpt_module_names():
     names = {n for n, _ in build_on_meta(load_model_file(str(EXAMPLES / "gpt.py"))).named_modules()}
     assert {"tok", "pos", "blocks", "ln_f", "lm_head", "blocks.3.ln_1", "blocks.3.attn.qkv", "blocks.3.attn.proj",
             "blocks.3.ln_2", "blocks.3.mlp.fc1", "blocks.3.mlp.fc2"} <= names
@@ -79,23 +71,32 @@ def test_unknown_size_is_a_clear_error(monkeypatch):
         load_model_file(str(EXAMPLES / "gpt.py"))  # load calls example_inputs(1) on meta
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "hf_gpt2"])
-def test_exports_on_meta(name, monkeypatch):
-    """What the tracer does: build and make inputs on the meta device, then torch.export (non-strict)."""
+# The units partc's tracer must find: the leading modules, the repeated blocks, the trailing modules.
+UNITS = {"gpt": (["tok", "pos"], "blocks", ["ln_f", "lm_head"]),
+         "llama": (["tok"], "blocks", ["norm", "lm_head"]),
+         "hf_gpt2": (["transformer.wte", "transformer.wpe"], "transformer.h", ["transformer.ln_f", "lm_head"])}
+
+
+@pytest.mark.parametrize("name", list(UNITS))
+def test_traces_on_meta(name, traced_example):
+    """partc's trace of each example (export on meta, one sample): the expected units in execution order, every
+    parameter counted once, and nothing materialized."""
     if name.startswith("hf_"):
         pytest.importorskip("transformers")
-    monkeypatch.delenv("PARTC_GPT_SIZE", raising=False)
-    monkeypatch.delenv("PARTC_LLAMA_SIZE", raising=False)
-    spec = load_model_file(str(EXAMPLES / f"{name}.py"))
-    model = build_on_meta(spec)
-    with torch.device("meta"):
-        args, kwargs = spec.inputs(2)
-    program = torch.export.export(model, args, kwargs, strict=False)
-    assert any(n.op == "call_function" for n in program.graph.nodes)
+    _, traced = traced_example(name)
+    graph, model = traced.graph, traced.model
+    first, blocks, last = UNITS[name]
+    num_blocks = len(model.get_submodule(blocks))
+    names = [u.fqn for u in graph.units]
+    assert set(names[:len(first)]) == set(first)  # embeddings run before the first block, in either order
+    assert names[len(first):] == [f"{blocks}.{i}" for i in range(num_blocks)] + last
+    assert [u.kind for u in graph.units if u.fqn.startswith(blocks + ".")] == ["block"] * num_blocks
+    assert graph.first_unit_required == names[:len(first)] and graph.last_unit_required == last
+    assert graph.num_params == sum(p.numel() for p in model.parameters())
+    assert all(p.is_meta for p in model.parameters())
 
 
-def test_gpt_tie_weights(monkeypatch):
-    monkeypatch.delenv("PARTC_GPT_SIZE", raising=False)
+def test_gpt_tie_weights():
     gpt = load_model_file(str(EXAMPLES / "gpt.py")).module
     untied = gpt.GPT(gpt.GPTConfig())
     assert untied.lm_head.weight is not untied.tok.weight

@@ -14,6 +14,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+from helpers import EXAMPLES
 from partc.cli.main import main as cli
 from partc.compile import compile_model
 from partc.errors import PartcError
@@ -32,8 +33,6 @@ from partc.sharding import TPLayout
 from partc.runtime.stage import StageModule
 from partc.runtime.train import global_batch, stage_shapes
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
 CPU = torch.device("cpu")
 
 

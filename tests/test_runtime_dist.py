@@ -9,24 +9,19 @@ runtime's batches; its losses and gathered final state dict must equal `referenc
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import EXAMPLES, assert_close_losses, assert_close_states, run_jobs, torchrun
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
 from partc.runtime.materialize import build_initialized
 from partc.runtime.testing import reference_run
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-LAUNCH_TIMEOUT_S = 240
+pytestmark = pytest.mark.slow  # torchrun launches of 2 and 4 gloo ranks
 
 # name: (model file, world size, pp, dp, zero, schedule, micro-batch size, global batch, recompute)
 CONFIGS = {
@@ -54,51 +49,12 @@ def compile_program(name: str, out: Path, *, model: str, world: int, pp: int, dp
     return out / name
 
 
-def torchrun(nproc: int, args: list[str], *, env: dict | None = None, check: bool = True,
-             timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """torchrun in its own session, so a hang kills every rank (not only the launcher)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout}s:\n{out[-5000:]}")
-    if check and proc.returncode != 0:
-        pytest.fail(f"torchrun exited with {proc.returncode}:\n{out[-8000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-
-
-def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:
-    path = tmp / f"jobs_{nproc}.json"
-    path.write_text(json.dumps(jobs))
-    torchrun(nproc, ["-m", "partc.runtime.testing", str(path)])
-
-
 def save_init(model: str, path: Path, seed: int = 1234) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     m = load_model_file(str(EXAMPLES / f"{model}.py")).build()
     sd = m.state_dict()
     torch.save(sd, path)
     return sd
-
-
-def assert_close_states(got: dict, want: dict, *, rtol: float = 1e-5, atol: float = 0.0) -> None:
-    assert list(got) == list(want), "the gathered state dict must have the model's keys, in order"
-    for k, w in want.items():
-        g = got[k]
-        assert g.shape == w.shape and g.dtype == w.dtype, k
-        err = (g.double() - w.double()).norm().item()
-        assert err <= rtol * w.double().norm().item() + atol * w.numel() ** 0.5, f"{k}: |diff| {err:.3g}"
-
-
-def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert abs(g - w) <= rtol * abs(w), (got, want)
 
 
 @pytest.fixture(scope="module")

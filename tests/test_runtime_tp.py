@@ -11,32 +11,22 @@ CI has two cores, and eight ranks on them are slow, so steps and sizes are tiny.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import (EXAMPLES, assert_close_losses, assert_close_states, megatron_style, run_jobs, torchrun,
+                     write_hf_model)
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
 from partc.runtime.materialize import build_initialized
 from partc.runtime.testing import reference_run
-from test_runtime_dist import assert_close_losses, assert_close_states, run_jobs, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-HF_LLAMA = '''import transformers as tf
+pytestmark = pytest.mark.slow  # torchrun launches of 2, 4 and 8 gloo ranks
 
-
-def model():
-    return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                              num_key_value_heads=2, intermediate_size=128, vocab_size=128))
-'''
 HF_LLAMA_SEQ_LEN = 32
-COLWISE = r"(attn\.qkv|mlp\.fc1|attn\.c_attn|mlp\.c_fc|attn\.[qkv]|mlp\.gate|mlp\.up|[qkv]_proj|gate_proj|up_proj)$"
-ROWWISE = r"(attn\.proj|mlp\.fc2|attn\.c_proj|mlp\.c_proj|attn\.o|mlp\.down|o_proj|down_proj)$"
-VOCAB = r"(^tok|wte|embed_tokens)$"
 
 # name: (model, tp, pp, dp, zero, schedule, micro-batch size, global batch, recompute, extra style edits)
 CONFIGS = {
@@ -75,9 +65,7 @@ ADAMW = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1}
 def model_path(model: str, tmp: Path) -> str:
     if model == "hf_llama":
         path = tmp / "hf_llama.py"
-        if not path.exists():
-            path.write_text(HF_LLAMA)
-        return str(path)
+        return str(path) if path.exists() else write_hf_model(tmp, "llama")
     return str(EXAMPLES / f"{model}.py")
 
 
@@ -94,19 +82,10 @@ def compile_tp(name: str, tmp: Path) -> Path:
     compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, seq_len=seq_len(model), out_dir=out)
     plan = json.loads((out / "plan.json").read_text())
     for fqn in plan["tp"]:
-        if tp == 1:
-            style = "replicate"
-        elif re.search(COLWISE, fqn):
-            style = "colwise"
-        elif re.search(ROWWISE, fqn):
-            style = "rowwise"
-        elif re.search(VOCAB, fqn):
-            style = "rowwise"
-        elif fqn == "lm_head":
-            style = "colwise"
-        else:
-            style = "replicate"
+        style = "replicate" if tp == 1 else megatron_style(fqn, vocab=True) or "replicate"
         plan["tp"][fqn] = edits.get(fqn, style)
+    if tp > 1:  # the pattern matched: both halves of Megatron's pairs, the embedding and the head split
+        assert {"colwise", "rowwise"} <= set(plan["tp"].values()) and plan["tp"]["lm_head"] == "colwise", name
     edited = tmp / f"{name}.plan.json"
     edited.write_text(json.dumps(plan, indent=2))
     compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), seq_len=seq_len(model), out_dir=out)

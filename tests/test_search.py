@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import EXAMPLES, GiB
 from partc.cluster import PRESETS, Cluster
 from partc.passes import cost
 from partc.model_file import build_on_meta, load_model_file
@@ -27,8 +27,6 @@ from partc.passes.search import _configs, _Costs, search
 from partc.passes.tp import allowed_styles, solve_tp, style_error
 from partc.passes.trace import trace
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-GiB = 1024**3
 A100 = PRESETS["a100-80g"]
 
 
@@ -138,6 +136,7 @@ def test_pruned_search_equals_brute_force(case_id):
     assert [_key(c) for c in _ranked(pruned)] == [_key(c) for c in _ranked(brute)]
     assert pruned.least_memory == brute.least_memory
     if case.pins is not None:
+        assert _ranked(pruned), "a pinned case must have plans to check the pins on"
         for c in _ranked(pruned):
             for field in ("tp", "pp", "dp", "zero", "micro_batch_size", "recompute", "schedule"):
                 want = getattr(case.pins, field)
@@ -371,6 +370,7 @@ def gpt2_xl_like():
 def test_gpt2_xl_heads_not_divisible(gpt2_xl_like):
     graph = gpt2_xl_like
     blocks = [u.fqn for u in graph.units if u.kind == "block"]
+    assert len(blocks) == 2
     for tp in (2, 4):
         sol = solve_tp(graph, tp, A100, 1)
         for b in blocks:
@@ -396,6 +396,7 @@ def test_llama_gqa_kv_heads_not_split_beyond_their_count():
         model = llama.Llama(cfg)
     graph = _trace(model, cfg.seq_len, cfg.vocab_size, "llama-gqa")
     blocks = [u.fqn for u in graph.units if u.kind == "block"]
+    assert len(blocks) == cfg.layers
     k = graph.layers["blocks.0.attn.k"]
     assert "colwise" in allowed_styles(k, 2) and "colwise" not in allowed_styles(k, 4)
     for tp in (4, 8):

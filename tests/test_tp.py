@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from ir_fixtures import embedding, gpt_graph, linear, norm
+from ir_fixtures import MEGATRON, embedding, gpt_graph, linear, norm
 from partc.cluster import PRESETS, Cluster
 from partc.errors import PartcError
 from partc.ir import Edge, ModelGraph, Unit
@@ -18,8 +18,6 @@ A100 = PRESETS["a100-80g"]
 # The fixture's model is tiny (h = 256): on a real NVLink the 5 us ring-step latency outweighs its GEMMs. Without
 # latency it behaves like a large model, where Megatron's pattern is the known optimum.
 NO_LATENCY = Cluster.from_dict({"intra_node_latency": 0.0}, name="a100-no-latency")
-MEGATRON = {"ln_1": "replicate", "attn.qkv": "colwise", "attn.proj": "rowwise", "ln_2": "replicate",
-            "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
 
 
 COL, ROW, REP = ("R", "P", False), ("S", "S", True), ("R", "R", False)  # consumers: (input, gradient, shard_ok)

@@ -16,19 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import EXAMPLES, VOCAB, load_stage, megatron_style, model_file
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import load_model_file
 from partc.parallel import Pins
 from partc.sharding import Shard, shard_tensor, unshard_tensor
 from partc import collectives
-from test_codegen import CASES, _load_stage
-
-ROOT = Path(__file__).resolve().parents[1]
-COLWISE = r"(qkv|fc1|c_attn|c_fc|q_proj|k_proj|v_proj|gate_proj|up_proj|query|key|value|intermediate\.dense|" \
-          r"attn\.[qkv]|mlp\.gate|mlp\.up)$"
-ROWWISE = r"(attn\.proj|fc2|attn\.c_proj|mlp\.c_proj|o_proj|down_proj|attention\.output\.dense|output\.dense|" \
-          r"attn\.o|mlp\.down)$"
 
 
 def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False, extra: dict | None = None) -> dict:
@@ -36,15 +30,12 @@ def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False, extra: 
     the plan."""
     compile_model(path, gpus=tp, pins=Pins(tp=tp, pp=1, micro_batch_size=2), global_batch_size=2, out_dir=out)
     plan = json.loads((out / "plan.json").read_text())
-    for fqn in plan["tp"]:
-        if re.search(COLWISE, fqn):
-            plan["tp"][fqn] = "colwise"
-        elif re.search(ROWWISE, fqn):
-            plan["tp"][fqn] = "rowwise"
-        elif vocab and re.search(r"(^tok|wte|embed_tokens)$", fqn):
-            plan["tp"][fqn] = "rowwise"
-        elif vocab and fqn == "lm_head":
-            plan["tp"][fqn] = "colwise"
+    matched = {fqn: style for fqn in plan["tp"] if (style := megatron_style(fqn, vocab=vocab))}
+    # The pattern must match, or a case would test whatever the solver chose instead of Megatron's split.
+    assert "colwise" in matched.values() and "rowwise" in matched.values(), sorted(plan["tp"])
+    if vocab:
+        assert matched.get("lm_head") == "colwise" and any(re.search(VOCAB, f) for f in matched), sorted(matched)
+    plan["tp"].update(matched)
     plan["tp"].update(extra or {})
     edited = out / "edited.json"
     edited.write_text(json.dumps(plan))
@@ -93,7 +84,7 @@ def _worker(rank, world, port, path, out, result_file):
         dist.all_reduce = counting
         x = tuple(args[k] if isinstance(k, int) else kwargs[k] for k in manifest["input_keys"])
         for st in manifest["stages"]:
-            mod = _load_stage(Path(out) / "program" / st["file"])
+            mod = load_stage(Path(out) / "program" / st["file"])
             x = mod.forward(p, *x, device=torch.device("cpu"))
         got = mod.outputs(x)
         got = got if torch.is_tensor(got) else got.logits
@@ -103,6 +94,8 @@ def _worker(rank, world, port, path, out, result_file):
         logits_err = (got - ref).abs().max().item()
         scale = max(g.abs().max().item() for g in ref_grads.values())
         grad_err = 0.0
+        # Every parameter must get a gradient from the program (a skipped one would not count in grad_err).
+        no_grad = sorted(n for n, q in p.items() if isinstance(q, torch.nn.Parameter) and q.grad is None)
         for n, q in p.items():
             if not isinstance(q, torch.nn.Parameter) or q.grad is None:
                 continue
@@ -113,7 +106,8 @@ def _worker(rank, world, port, path, out, result_file):
                 g = unshard_tensor(parts, shards[n])
             grad_err = max(grad_err, (g - ref_grads[n]).abs().max().item() / scale)
         if rank == 0:
-            Path(result_file).write_text(json.dumps({"logits": logits_err, "grads": grad_err, **counts}))
+            Path(result_file).write_text(json.dumps({"logits": logits_err, "grads": grad_err, "no_grad": no_grad,
+                                                     **counts}))
     finally:
         dist.destroy_process_group()
     # Leave without interpreter finalization: a gloo worker thread torn down there aborts the process now and
@@ -125,24 +119,31 @@ def run_tp(path: str, out: Path, tp: int) -> dict:
     result = out / "result.json"
     mp.start_processes(_worker, args=(tp, _free_port(), path, str(out), str(result)), nprocs=tp, join=True,
                        start_method="spawn")
-    return json.loads(result.read_text())
+    r = json.loads(result.read_text())
+    assert r["no_grad"] == [], f"parameters without a gradient from the program: {r['no_grad']}"
+    return r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,tp,vocab", [("gpt", 4, True), ("llama", 2, True), ("hf_gpt2", 2, True),
                                            ("hf_llama", 2, False)])
-def test_tp_equals_one_process(case, tp, vocab, tmp_path):
+def test_tp_equals_one_process(case, tp, vocab, hf_dir, tmp_path):
     """Fused QKV (gpt, HF GPT-2 Conv1D), GQA + RoPE + SwiGLU (llama), a vocabulary-parallel embedding and a tied,
     vocabulary-parallel LM head (HF GPT-2)."""
-    path = CASES[case](tmp_path)
+    path = model_file(case, hf_dir)
     megatron_plan(path, tmp_path / "out", tp, vocab=vocab)
+    manifest = json.loads((tmp_path / "out" / "program" / "manifest.json").read_text())
+    assert manifest["tp"]["shards"]  # the program holds shards, not whole weights
     r = run_tp(path, tmp_path / "out", tp)
     assert r["logits"] < 1e-5
     assert r["grads"] < 1e-5
+    assert r["fwd"] > 0 and r["bwd"] > 0  # the ranks exchanged partial results
 
 
+@pytest.mark.slow
 def test_megatron_layer_costs_two_all_reduces_each_way(tmp_path):
     """One GPT block under Megatron's pattern: 2 all-reduces in forward, 2 in backward (4 blocks here)."""
-    path = str(ROOT / "examples" / "gpt.py")
+    path = str(EXAMPLES / "gpt.py")
     out = tmp_path / "out"
     megatron_plan(path, out, 2)
     r = run_tp(path, out, 2)
@@ -161,10 +162,11 @@ def test_megatron_layer_costs_two_all_reduces_each_way(tmp_path):
     assert "aten.view.default(getitem, [2, 64, 2, 16])" in text
 
 
+@pytest.mark.slow
 def test_split_embedding_dim_is_gathered_once_not_per_block(tmp_path):
     """A colwise (embedding-dim) split of `tok` meets the whole `pos` output in the embedding sum: the rewrite
     gathers there, once, so the residual stream stays whole through every block (as the solver charges it)."""
-    path = str(ROOT / "examples" / "gpt.py")
+    path = str(EXAMPLES / "gpt.py")
     out = tmp_path / "out"
     megatron_plan(path, out, 2, extra={"tok": "colwise"})
     text = (out / "program" / "stage_0.py").read_text()
@@ -174,17 +176,17 @@ def test_split_embedding_dim_is_gathered_once_not_per_block(tmp_path):
 
 
 def test_gqa_with_fewer_kv_heads_than_tp_is_refused(tmp_path):
-    path = str(ROOT / "examples" / "llama.py")  # 2 KV heads
+    path = str(EXAMPLES / "llama.py")  # 2 KV heads
     with pytest.raises(PartcError, match="attn.k.*divisible by tp=4"):
         megatron_plan(path, tmp_path / "out", 4)
 
 
 def test_solver_never_splits_kv_heads_beyond_their_count(tmp_path):
-    path = str(ROOT / "examples" / "llama.py")
+    path = str(EXAMPLES / "llama.py")
     res = compile_model(path, gpus=4, pins=Pins(tp=4, pp=1), global_batch_size=4, out_dir=tmp_path / "o")
-    for fqn, style in res.plan.tp.items():
-        if re.search(r"attn\.[kv]$", fqn):
-            assert style == "replicate"
+    kv = {fqn: style for fqn, style in res.plan.tp.items() if re.search(r"attn\.[kv]$", fqn)}
+    assert len(kv) == 2 * sum(u.kind == "block" for u in res.graph.units) > 0  # k and v of every block
+    assert set(kv.values()) == {"replicate"}
 
 
 def test_shard_round_trip_with_fused_pieces():

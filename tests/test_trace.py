@@ -8,47 +8,36 @@ Megatron-LM", section 5.1): per transformer block and sample, forward GEMM FLOPs
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import EXAMPLES, trace_file
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.ir import ACTIVATION_BYTES
-from partc.model_file import build_on_meta, load_model_file
-from partc.passes.trace import trace
+from partc.model_file import build_on_meta
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BLOCK_LAYERS = ["ln_1", "attn.qkv", "attn.proj", "ln_2", "mlp.fc1", "mlp.fc2"]
 
 
-def trace_file(path, **load_kwargs):
-    """(spec, Traced) of a model file, as compile_model traces it: one sample of meta inputs."""
-    spec = load_model_file(str(path), **load_kwargs)
-    model = build_on_meta(spec)
-    with torch.device("meta"):
-        args, kwargs = spec.inputs(1)
-    return spec, trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=str(path))
-
-
 @pytest.fixture(scope="module")
-def gpt():
+def gpt(traced_example):
     """The tiny examples/gpt.py (h 64, 4 heads, 4 blocks, s 64, V 512, untied), its config and its graph."""
+    spec, traced = traced_example("gpt")
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("PARTC_GPT_SIZE", raising=False)
-        spec, traced = trace_file(EXAMPLES / "gpt.py")
         torch.manual_seed(0)
         real = spec.build()  # on the CPU: the reference for parameter counts
-    return spec.module.config(), traced.graph, real
+        return spec.module.config(), traced.graph, real
 
 
 @pytest.fixture(scope="module")
-def llama():
+def llama(traced_example):
+    spec, traced = traced_example("llama")
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("PARTC_LLAMA_SIZE", raising=False)
-        spec, traced = trace_file(EXAMPLES / "llama.py")
-    return spec.module.config(), traced.graph
+        return spec.module.config(), traced.graph
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,9 +185,9 @@ def test_llama_gqa_groups(llama):
     assert graph.unit(b).fwd_flops == gemm + 4 * s * s * h
 
 
-def test_hf_gpt2_tied_head_counted_once():
+def test_hf_gpt2_tied_head_counted_once(traced_example):
     pytest.importorskip("transformers")
-    spec, traced = trace_file(EXAMPLES / "hf_gpt2.py")
+    spec, traced = traced_example("hf_gpt2")
     graph, cfg = traced.graph, spec.module.CONFIG
     model = build_on_meta(spec)
     assert graph.tied == {"lm_head.weight": "transformer.wte.weight"}
@@ -224,9 +213,8 @@ def test_hf_gpt2_tied_head_counted_once():
 # --dump-dir and a model export rejects
 
 
-def test_dump_dir_files(tmp_path, monkeypatch, gpt):
+def test_dump_dir_files(tmp_path, gpt):
     cfg, graph, _ = gpt
-    monkeypatch.delenv("PARTC_GPT_SIZE", raising=False)
     result = compile_model(str(EXAMPLES / "gpt.py"), gpus=2, dump_dir=tmp_path / "dump")
     text = (tmp_path / "dump" / "graph.txt").read_text()
     lines = text.splitlines()

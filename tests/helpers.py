@@ -1,0 +1,171 @@
+"""What several test modules share: paths, the tiny Hugging Face model files, Megatron's TP map, and helpers that
+trace a model file, load a generated stage file and launch torchrun. The fixtures built on them are in conftest.py;
+the hand-built `ModelGraph`s are in ir_fixtures.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from partc.model_file import build_on_meta, load_model_file
+from partc.passes.trace import trace
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+BENCHMARKS = ROOT / "benchmarks"
+GiB = 1024**3
+
+# --- model files -----------------------------------------------------------------------------------------------
+
+HF_MODELS = {
+    "gpt2": """
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        def model():
+            return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128,
+                                              bos_token_id=511, eos_token_id=511, resid_pdrop=0.0, embd_pdrop=0.0,
+                                              attn_pdrop=0.0))
+    """,
+    "llama": """
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        def model():
+            return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=128))
+    """,
+    "bert": """
+        from transformers import BertConfig, BertForMaskedLM
+
+        def model():
+            return BertForMaskedLM(BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, intermediate_size=128,
+                                              max_position_embeddings=128, hidden_dropout_prob=0.0,
+                                              attention_probs_dropout_prob=0.0))
+    """,
+    "vit": """
+        from transformers import ViTConfig, ViTForImageClassification
+
+        def model():
+            return ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
+                                                       num_hidden_layers=2, num_attention_heads=4,
+                                                       intermediate_size=128, num_labels=10,
+                                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    """,
+}
+"""Tiny Hugging Face models in files that define only ``model()``: partc synthesizes the inputs (``input_ids``, or
+``pixel_values`` for ViT). Two layers, h 64, 4 heads (LLaMA: 2 KV heads), at most 128 positions; dropout off, so a
+program can be compared with one process exactly."""
+
+
+def write_hf_model(directory: Path, name: str) -> str:
+    """HF_MODELS[name] as DIRECTORY/hf_NAME.py; returns the path."""
+    path = Path(directory) / f"hf_{name}.py"
+    path.write_text(textwrap.dedent(HF_MODELS[name]))
+    return str(path)
+
+
+def model_file(case: str, hf_dir: Path) -> str:
+    """examples/CASE.py, or for ``hf_NAME`` that examples/ lacks the tiny Hugging Face model NAME in `hf_dir`."""
+    path = EXAMPLES / f"{case}.py"
+    if path.exists():
+        return str(path)
+    path = Path(hf_dir) / f"{case}.py"
+    assert case.startswith("hf_") and path.exists(), f"no model file for case {case!r}"
+    return str(path)
+
+
+def trace_file(path, **load_kwargs):
+    """(spec, Traced) of a model file, as compile_model traces it: one sample of meta inputs."""
+    spec = load_model_file(str(path), **load_kwargs)
+    model = build_on_meta(spec)
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(1)
+    return spec, trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=str(path))
+
+
+def load_stage(path: Path):
+    """A generated stage_K.py as a module (a fresh one per call)."""
+    spec = importlib.util.spec_from_file_location(f"stage_{path.stem}_{id(path)}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --- tensor parallelism ----------------------------------------------------------------------------------------
+
+COLWISE = r"(qkv|fc1|c_attn|c_fc|q_proj|k_proj|v_proj|gate_proj|up_proj|query|key|value|intermediate\.dense|" \
+          r"attn\.[qkv]|mlp\.gate|mlp\.up)$"
+ROWWISE = r"(attn\.proj|fc2|attn\.c_proj|mlp\.c_proj|o_proj|down_proj|attention\.output\.dense|output\.dense|" \
+          r"attn\.o|mlp\.down)$"
+VOCAB = r"(^tok|wte|embed_tokens)$"
+
+
+def megatron_style(fqn: str, *, vocab: bool) -> str | None:
+    """Megatron-LM's style of a layer of the example or Hugging Face models: QKV / fc1 / gate / up colwise, the
+    output projections rowwise, and with `vocab` the vocabulary split (token embedding rowwise, LM head colwise);
+    None where the pattern says nothing."""
+    if re.search(COLWISE, fqn):
+        return "colwise"
+    if re.search(ROWWISE, fqn):
+        return "rowwise"
+    if vocab and re.search(VOCAB, fqn):
+        return "rowwise"
+    if vocab and fqn == "lm_head":
+        return "colwise"
+    return None
+
+
+# --- torchrun ---------------------------------------------------------------------------------------------------
+
+LAUNCH_TIMEOUT_S = 240
+
+
+def torchrun(nproc: int, args: list[str], *, env: dict | None = None, check: bool = True,
+             timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """torchrun in its own session, so a hang kills every rank (not only the launcher)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout}s:\n{out[-5000:]}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"torchrun exited with {proc.returncode}:\n{out[-8000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:
+    """Run `partc.runtime.testing` jobs in one torchrun launch of `nproc` ranks."""
+    path = tmp / f"jobs_{nproc}.json"
+    path.write_text(json.dumps(jobs))
+    torchrun(nproc, ["-m", "partc.runtime.testing", str(path)])
+
+
+def assert_close_states(got: dict, want: dict, *, rtol: float = 1e-5, atol: float = 0.0) -> None:
+    assert list(got) == list(want), "the gathered state dict must have the model's keys, in order"
+    for k, w in want.items():
+        g = got[k]
+        assert g.shape == w.shape and g.dtype == w.dtype, k
+        err = (g.double() - w.double()).norm().item()
+        assert err <= rtol * w.double().norm().item() + atol * w.numel() ** 0.5, f"{k}: |diff| {err:.3g}"
+
+
+def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert abs(g - w) <= rtol * abs(w), (got, want)
