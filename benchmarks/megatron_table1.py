@@ -22,9 +22,7 @@ so that each size is traced once.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,13 +36,9 @@ MEGATRON_DROPOUT = 0.1
 
 
 def _examples_gpt():
-    name = "partc_examples_gpt_for_table1"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _GPT_PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    from partc.model_file import import_file
+
+    return import_file(_GPT_PATH)
 
 
 # --- the model file -------------------------------------------------------------------------------------------

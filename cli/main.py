@@ -157,8 +157,8 @@ def print_summary(result, plan_path: Path) -> None:
     ranks: dict[int, list[str]] = {}
     for st in plan["stages"]:
         ranks.setdefault(st["rank"], []).extend(st["modules"])
-    for rank in pred_stages(result):
-        s.add_row(str(rank.index), compress_modules(ranks.get(rank.index, [])), f"{rank.time_s * 1e3:.1f} ms",
+    for rank in result.best.prediction.ranks:
+        s.add_row(str(rank.rank), compress_modules(ranks.get(rank.rank, [])), f"{rank.time_s * 1e3:.1f} ms",
                   f"{rank.memory.total / GiB:.1f} GiB")
     console.print(s)
 
@@ -182,10 +182,6 @@ def print_summary(result, plan_path: Path) -> None:
                   f"{timings['codegen']:.1f}s{searched})")
     console.print(f"run it: partc run {plan_path.parent} --steps N   (or torchrun --nproc-per-node "
                   f"{par['dp'] * par['tp'] * par['pp']} -m partc.runtime {plan_path.parent} ...)")
-
-
-def pred_stages(result):
-    return result.best.prediction.stages
 
 
 @main.command("run", context_settings={"ignore_unknown_options": True})

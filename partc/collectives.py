@@ -42,7 +42,11 @@ def _size(group: dist.ProcessGroup | None) -> int:
 # On the meta device (the runtime runs the stage files on meta to learn the shapes a stage sends) each
 # collective only computes its output's shape.
 
-def _all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+def _identity(x: Tensor, dim: int | None, group: dist.ProcessGroup) -> Tensor:
+    return x
+
+
+def _all_reduce(x: Tensor, dim: int | None, group: dist.ProcessGroup) -> Tensor:
     x = x.clone()
     if x.is_meta:
         return x
@@ -73,86 +77,45 @@ def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
         out = moved.new_empty((moved.shape[0] // dist.get_world_size(group), *moved.shape[1:]))
         dist.reduce_scatter_tensor(out, moved, group=group)
         return out.movedim(0, dim).contiguous()
-    return _chunk(_all_reduce(x, group), dim, group)
+    return _chunk(_all_reduce(x, None, group), dim, group)
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+class _Conjugate(torch.autograd.Function):
+    """`forward_op` on the value and `backward_op` on its gradient, both over `dim` of `group`."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, dim, group, forward_op, backward_op):
+        ctx.dim, ctx.group, ctx.backward_op = dim, group, backward_op
+        return forward_op(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _chunk(grad, ctx.dim, ctx.group), None, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _chunk(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+def _apply(x: Tensor, dim: int | None, group: dist.ProcessGroup | None, forward_op, backward_op) -> Tensor:
+    group = group or _TP_GROUP
+    return x if _size(group) == 1 else _Conjugate.apply(x, dim, group, forward_op, backward_op)
 
 
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
-    group = group or _TP_GROUP
-    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+    return _apply(x, None, group, _identity, _all_reduce)
 
 
 def reduce_from_tp(x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
-    group = group or _TP_GROUP
-    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return _apply(x, None, group, _all_reduce, _identity)
 
 
 def gather_from_tp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
-    group = group or _TP_GROUP
-    return x if _size(group) == 1 else _GatherFromTP.apply(x, dim, group)
+    return _apply(x, dim, group, _all_gather, _chunk)
 
 
 def scatter_to_tp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
-    group = group or _TP_GROUP
-    return x if _size(group) == 1 else _ScatterToTP.apply(x, dim, group)
+    return _apply(x, dim, group, _chunk, _all_gather)
 
 
 def reduce_scatter_to_tp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
-    group = group or _TP_GROUP
-    return x if _size(group) == 1 else _ReduceScatterToTP.apply(x, dim, group)
+    return _apply(x, dim, group, _reduce_scatter, _all_gather)
 
 
 def masked_embedding(weight: Tensor, ids: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:

@@ -24,7 +24,7 @@ from partc.passes import cost
 from partc.model_file import ModelSpec, build_on_meta, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import evaluate_tp
-from partc.passes.codegen import Program, generate, write_program
+from partc.passes.codegen import GeneratedProgram, generate, write_program
 from partc.passes.export import export_on_meta
 from partc.passes.trace import Traced, trace
 
@@ -114,7 +114,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
 
 
 def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,
-                 entry: str) -> Program:
+                 entry: str) -> GeneratedProgram:
     b = plan.parallel.micro_batch_size
     ep = traced.exported
     if b != 1 or plan.parallel.tp > 1:  # a fresh graph: codegen rewrites it in place for TP
@@ -199,7 +199,7 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
     par, pred = best.parallel, best.prediction
     stages = []
     for k, (lo, hi) in enumerate(best.bounds):
-        rank = pred.stages[k % par.pp]
+        rank = pred.ranks[k % par.pp]
         stages.append(Stage(index=k, rank=k % par.pp, modules=[u.fqn for u in graph.units[lo:hi]],
                             predicted={"time_s": rank.time_s, "memory_bytes": int(round(rank.memory.total))}))
     model = {"name": graph.name, "path": path, "entry": entry, "num_params": graph.num_params,

@@ -189,14 +189,25 @@ def default_loss(outputs: Any, targets: Tensor) -> Tensor:
 # Importing the file
 
 
+def import_file(path: str | Path) -> ModuleType:
+    """The Python file at `path` imported once per process (later calls return the first import), as
+    `load_model_file` imports it. For benchmarks and tests that build on a model file's code."""
+    file = Path(path).resolve()
+    return sys.modules.get(_module_name(file)) or _import_file(file, _shown(file))
+
+
+def _module_name(file: Path) -> str:
+    stem = re.sub(r"\W", "_", file.stem)
+    return f"_partc_model_{stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:10]}"
+
+
 def _import_file(file: Path, shown: str) -> ModuleType:
     """Imports `file` under a name unique to its path, with its directory first on sys.path during the import.
 
     Sibling modules it imports (``from gpt import GPT``) land in sys.modules under their own names, as in
     ``python model.py``; only imports at the file's top level see the directory on sys.path.
     """
-    stem = re.sub(r"\W", "_", file.stem)
-    name = f"_partc_model_{stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:10]}"
+    name = _module_name(file)
     spec = importlib.util.spec_from_file_location(name, file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -27,7 +27,7 @@ from partc.errors import PartcError
 from partc.ir import ModelGraph, Unit
 from partc.parallel import MESH_AXES, TP_STYLES, Parallel
 from partc.sharding import GEMM_SPLIT
-from partc.passes.cost_types import Memory, Prediction, StagePrediction, TPPlan, UnitTime
+from partc.passes.cost_types import Memory, Prediction, RankPrediction, TPPlan, UnitTime
 
 from . import hw
 
@@ -226,21 +226,21 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> flo
     return (rep + sharded / (par.tp if split else 1)) * par.micro_batch_size
 
 
-def in_flight(par: Parallel, stage: int) -> float:
-    """Micro-batches whose activations pipeline rank `stage` (i) holds at peak. GPipe: m. 1F1B (Narayanan et
+def in_flight(par: Parallel, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` (i) holds at peak. GPipe: m. 1F1B (Narayanan et
     al.): i runs p - i forwards before its first backward: min(p - i, m). Interleaved, v chunks a rank: Megatron's
     and torch.distributed.pipelining's schedules run W = (v - 1)·p + 2·(p - 1 - i) chunk forwards before the first
     backward, then one more; a chunk is 1/v of the rank, so min(W + 1, m·v) / v. For rank 0, p + (p - 1)/v =
     p·(1 + (p - 1)/(p·v)): Korthikanti et al.'s factor, whose "m" is the number of interleaved chunks (v here),
     not of micro-batches as calibration.md section 2 reads. Later ranks hold more than (p - i)·(1 + ...)."""
     p, m = par.pp, par.num_microbatches
-    assert 0 <= stage < p, stage
+    assert 0 <= rank < p, rank
     if par.schedule == "gpipe":
         return float(m)
     v = par.chunks_per_rank
     if v == 1:
-        return float(min(p - stage, m))
-    warmup = (v - 1) * p + 2 * (p - 1 - stage)
+        return float(min(p - rank, m))
+    warmup = (v - 1) * p + 2 * (p - 1 - rank)
     return min(warmup + 1, m * v) / v
 
 
@@ -367,7 +367,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     shards = shards if shards is not None else unit_param_shards(graph, par, tp)
     spans, cut = mesh_spans(cluster, par), graph.cut_bytes
 
-    stages, comps = [], []
+    ranks, comps = [], []
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
         idx = [i for lo, hi in chunks for i in range(lo, hi)]
@@ -379,14 +379,14 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         params = stage_param_count(graph, par, tp, idx, shards)
         mem = model_state_bytes(params, par)
         mem.activations = in_flight(par, r) * sum(acts[i] for i in idx) + stage_extra_bytes(graph, par, tp, idx)
-        stages.append(StagePrediction(index=r, time_s=compute + tp_comm + pp_comm, memory=mem,
-                                      num_params=params, chunks=chunks))
+        ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem,
+                                    num_params=params, chunks=chunks))
         comps.append((compute, tp_comm, pp_comm))
 
-    slow = max(range(p), key=lambda r: stages[r].time_s)
-    t_max = stages[slow].time_s
+    slow = max(range(p), key=lambda r: ranks[r].time_s)
+    t_max = ranks[slow].time_s
     bubble_s = (p - 1) / v * t_max
-    max_params = max(s.num_params for s in stages)
+    max_params = max(r.num_params for r in ranks)
     dp_s = dp_comm_time(cluster, par, max_params, spans["dp"])
     opt_s = optimizer_time(cluster, par, max_params)
     step = m * t_max + bubble_s + dp_s + opt_s
@@ -402,8 +402,8 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         model_tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / cluster.peak_flops,
         bubble_fraction=bubble_fraction(par),
-        memory_per_gpu=max((s.memory for s in stages), key=lambda mem: mem.total),
-        stages=stages,
+        memory_per_gpu=max((r.memory for r in ranks), key=lambda mem: mem.total),
+        ranks=ranks,
         compute_s=m * compute, tp_comm_s=m * tp_comm, pp_comm_s=m * pp_comm,
         bubble_s=bubble_s, dp_comm_s=dp_s, optimizer_s=opt_s,
     )

@@ -47,9 +47,11 @@ class UnitTime:
 
 
 @dataclass(kw_only=True, slots=True)
-class StagePrediction:
-    index: int
-    """Pipeline rank (it holds model chunks index, index + p, index + 2p, ... when interleaved)."""
+class RankPrediction:
+    """One pipeline rank (every GPU of it: they hold the same share)."""
+
+    rank: int
+    """Pipeline rank: it holds model chunks rank, rank + p, rank + 2p, ... (p chunks apart when interleaved)."""
     time_s: float
     """Seconds per micro-batch on this rank: all its chunks, forward + backward, TP and p2p comm included."""
     memory: Memory
@@ -68,7 +70,8 @@ class Prediction:
     bubble_fraction: float
     memory_per_gpu: Memory
     """Memory of the most loaded pipeline rank."""
-    stages: list[StagePrediction]
+    ranks: list[RankPrediction]
+    """One per pipeline rank, in rank order."""
     # The step on the slowest rank, split up: step_time_s is the sum of these six.
     compute_s: float = 0.0
     tp_comm_s: float = 0.0
@@ -78,9 +81,9 @@ class Prediction:
     optimizer_s: float = 0.0
 
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("memory_per_gpu", "stages")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("memory_per_gpu", "ranks")}
         out["memory_per_gpu"] = self.memory_per_gpu.to_dict()
-        out["stages"] = [{"index": s.index, "time_s": s.time_s, "num_params": s.num_params,
-                          "chunks": [list(c) for c in s.chunks], "memory": s.memory.to_dict()}
-                         for s in self.stages]
+        out["ranks"] = [{"rank": r.rank, "time_s": r.time_s, "num_params": r.num_params,
+                         "chunks": [list(c) for c in r.chunks], "memory": r.memory.to_dict()}
+                        for r in self.ranks]
         return out

@@ -259,17 +259,22 @@ def _check_degree(tp: int, b: int) -> None:
         raise PartcError(f"micro_batch_size must be a positive integer, got {b!r}")
 
 
+def _check_styles(graph: ModelGraph, styles: dict[str, str], tp: int, what: str) -> None:
+    """Every named layer exists and can take its style at degree `tp`; PartcError otherwise."""
+    for fqn, style in styles.items():
+        if fqn not in graph.layers:
+            raise PartcError(f"{what} unknown layer {fqn!r}")
+        err = style_error(graph.layers[fqn], style, tp)
+        if err:
+            raise PartcError(err)
+
+
 def evaluate_tp(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster,
                 micro_batch_size: int) -> TPSolution:
     """Collectives and time of a complete style map (say, a hand-edited plan). PartcError for an unknown or
     missing layer, an unknown style, a style the layer's kind cannot take or a divisibility violation."""
     _check_degree(tp, micro_batch_size)
-    for fqn, style in styles.items():
-        if fqn not in graph.layers:
-            raise PartcError(f"TP styles name unknown layer {fqn!r}")
-        err = style_error(graph.layers[fqn], style, tp)
-        if err:
-            raise PartcError(err)
+    _check_styles(graph, styles, tp, "TP styles name")
     missing = [f for f in graph.layers if f not in styles]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -410,12 +415,7 @@ def solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int
     """
     _check_degree(tp, micro_batch_size)
     pinned = dict(pinned or {})
-    for fqn, style in pinned.items():
-        if fqn not in graph.layers:
-            raise PartcError(f"pinned TP style names unknown layer {fqn!r}")
-        err = style_error(graph.layers[fqn], style, tp)
-        if err:
-            raise PartcError(err)
+    _check_styles(graph, pinned, tp, "pinned TP style names")
     rep = representatives(graph) if tp > 1 else {f: f for f in graph.layers}
     pins: dict[str, str] = {}
     for fqn, style in pinned.items():

@@ -178,41 +178,62 @@ def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
 
 def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[torch.fx.Node, NodeStats], *,
                 name: str, seq_len: int | None) -> ModelGraph:
-    graph = ep.graph
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    """The `ModelGraph` of an exported model and its per-node costs (`measure`), in steps."""
+    a = assign(ep, model)                                  # 1. node -> layer and unit; execution order
+    tied, counted = _tied(a)                               # 2. tied parameters: one canonical name each
+    layer_out = _layer_outputs(a)                          # 3. the node that carries each layer's output
+    linear_out = {m: layer_out[m] for m in a.ordered_layers
+                  if _module_kind(a.layer_mods[m]) == "linear" and m in layer_out}
+    shard = ShardAnalysis(ep.graph, a.node_layer, linear_out)  # 4. where a colwise split flows without collectives
+    layers = _layers(a, shard, counted)                    # 5. layers: shapes, split groups, fused pieces
+    units = _costs(a, stats, layers, shard, layer_out)     # 6. per-node costs into layers and units
+    unit_index = {u: i for i, u in enumerate(a.unit_names)}
+    edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
+                   {u for u, k in a.unit_kind.items() if k == "block"})
+    cut_bytes = _cuts(ep, a, units)                        # 8. bytes across each pipeline cut; unit inputs
+    for u in units.values():
+        u.signature = _signature(u, layers)                # 9. identical blocks share TP decisions
+    ordered = [units[u] for u in a.unit_names]
+    first_req, last_req = _required_ends(ordered)          # 10. embeddings first, head last
+    return ModelGraph(name=name, num_params=sum(_numel(tuple(p.shape)) for p in _unique_params(model)),
+                      seq_len=seq_len or 1, units=ordered, layers={m: layers[m] for m in a.ordered_layers},
+                      edges=edges, cut_bytes=cut_bytes, tied=tied, first_unit_required=first_req,
+                      last_unit_required=last_req, info=_model_info(layers, ordered, seq_len))
 
-    a = assign(ep, model)
-    nodes, layer_mods, node_layer, node_unit = a.nodes, a.layer_mods, a.node_layer, a.node_unit
-    unit_names, unit_kind, ordered_layers, by_id = a.unit_names, a.unit_kind, a.ordered_layers, a.by_id
-    unit_list = list(unit_kind.items())
-    unit_index = {u: i for i, u in enumerate(unit_names)}
-    big = len(nodes) + 1
 
-    # Tied parameters: the canonical name is the first owner in execution order.
+def _tied(a: Assignment) -> tuple[dict[str, str], set[str]]:
+    """(every alias of a tied parameter -> its canonical name, the canonical names of all parameters): the
+    canonical name is the first owner in execution order."""
+    big = len(a.nodes) + 1
+
     def param_rank(pname: str) -> int:
-        owner = pname.rsplit(".", 1)[0] if "." in pname else ""
-        return ordered_layers.index(owner) if owner in ordered_layers else big
+        owner = pname.rpartition(".")[0]
+        return a.ordered_layers.index(owner) if owner in a.ordered_layers else big
+
     tied: dict[str, str] = {}
     counted: set[str] = set()
-    for names in by_id.values():
+    for names in a.by_id.values():
         names = sorted(names, key=param_rank)
         counted.add(names[0])
         for dup in names[1:]:
             tied[dup] = names[0]
+    return tied, counted
 
-    # Shard analysis: where a feature-split Linear output can flow without a collective.
-    layer_out: dict[str, torch.fx.Node] = {}
-    for n in nodes:
-        if n in node_layer and any(node_layer.get(u) != node_layer[n] for u in n.users):
-            layer_out[node_layer[n]] = n  # the last node of the layer consumed outside it
-    linear_outputs = {m: layer_out[m] for m in ordered_layers if _module_kind(layer_mods[m]) == "linear"
-                      and m in layer_out}
-    shard = ShardAnalysis(graph, node_layer, linear_outputs)
 
-    # Layers.
+def _layer_outputs(a: Assignment) -> dict[str, torch.fx.Node]:
+    """Layer FQN -> its last node consumed outside it (the layer's output)."""
+    out: dict[str, torch.fx.Node] = {}
+    for n in a.nodes:
+        if n in a.node_layer and any(a.node_layer.get(u) != a.node_layer[n] for u in n.users):
+            out[a.node_layer[n]] = n
+    return out
+
+
+def _layers(a: Assignment, shard: ShardAnalysis, counted: set[str]) -> dict[str, Layer]:
+    """One `Layer` per weight-bearing module: features, the groups a TP split must respect, fused pieces."""
     layers: dict[str, Layer] = {}
-    for m in ordered_layers:
-        mod = layer_mods[m]
+    for m in a.ordered_layers:
+        mod = a.layer_mods[m]
         kind = _module_kind(mod)
         params = {f"{m}.{k}" if m else k: tuple(p.shape) for k, p in mod._parameters.items() if p is not None}
         in_f = out_f = 0
@@ -223,7 +244,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
             out_f, in_f = w.shape[0], w.shape[1]
         elif kind == "norm" and w is not None:
             in_f = w.shape[-1]
-        unit = _owner(m, unit_names) or (unit_names[0] if unit_names else "")
+        unit = _owner(m, a.unit_names) or (a.unit_names[0] if a.unit_names else "")
         region = shard.regions.get(m)
         fused = region.fused if region else 1
         col_groups = out_f
@@ -236,22 +257,26 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
                           in_features=in_f, out_features=out_f, col_groups=col_groups, row_groups=in_f,
                           fused=fused)
     # Row groups: a rowwise split must respect the heads of every region that reaches it split.
-    for src, region in shard.regions.items():
+    for region in shard.regions.values():
         for dst, ok in region.reaches.items():
             if ok and dst in layers and region.groups:
-                layer = layers[dst]
-                layer.row_groups = _gcd(layer.row_groups, region.groups)
+                layers[dst].row_groups = _gcd(layers[dst].row_groups, region.groups)
+    return layers
 
-    # Per-node costs into layers and units.
-    units = {u: Unit(fqn=u, kind=unit_kind[u], layers=[], num_params=0) for u in unit_names}
+
+def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[str, Layer], shard: ShardAnalysis,
+           layer_out: dict[str, torch.fx.Node]) -> dict[str, Unit]:
+    """Units with their layers, and every node's GEMMs, bytes moved and bytes saved added to its layer (or, outside
+    layers, to its unit: the attention core)."""
+    units = {u: Unit(fqn=u, kind=a.unit_kind[u], layers=[], num_params=0) for u in a.unit_names}
     for m, layer in layers.items():
         if layer.unit in units:
             units[layer.unit].layers.append(m)
             units[layer.unit].num_params += layer.num_params
     sharded_nodes = set(shard.dims)
-    for n in nodes:
+    for n in a.nodes:
         st = stats.get(n)
-        u = node_unit[n]
+        u = a.node_unit[n]
         if st is None or u is None:
             continue
         unit = units[u]
@@ -259,7 +284,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
         saved = sum(b for _, b, _ in st.saved)
         unit.fwd_flops += flops
         unit.saved_bytes += saved
-        layer = layers.get(node_layer.get(n, ""))
+        layer = layers.get(a.node_layer.get(n, ""))
         if layer is not None:
             layer.gemms.extend(st.gemms)
             layer.fwd_flops += flops
@@ -270,70 +295,63 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
             unit.memory_bytes += st.memory_bytes
             unit.saved_bytes_core += sum(b for _, b, core in st.saved if core) - st.core_input_bytes
         # TP leaves whole what is saved outside split regions: norm and residual inputs, inputs of colwise layers.
-        split_input = layer is not None and layer.kind == "linear" and any(a in sharded_nodes for a in n.args
-                                                                           if isinstance(a, torch.fx.Node))
+        split_input = layer is not None and layer.kind == "linear" and any(x in sharded_nodes for x in n.args
+                                                                           if isinstance(x, torch.fx.Node))
         if not (n in sharded_nodes or split_input):
             unit.saved_bytes_replicated += saved
     for m, n in layer_out.items():
         if m in layers:
             layers[m].out_bytes = _val_bytes(n)
+    return units
 
-    # Edges: layer -> layer through non-layer ops (walk back from each layer's inputs).
-    edges = _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out,
-                   {u for u, k in unit_list if k == "block"})
 
-    # Unit inputs and pipeline cut sizes.
+def _cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[str, Unit]) -> list[int]:
+    """Bytes per sample crossing a pipeline boundary after each unit (all but the last); sets each unit's
+    `input_bytes` (what enters it from elsewhere)."""
+    unit_index = {u: i for i, u in enumerate(a.unit_names)}
     producer_pos: dict[torch.fx.Node, int] = {}
-    for n in graph.nodes:
+    for n in ep.graph.nodes:
         if n.op == "placeholder":
             producer_pos[n] = -1
         elif n.op == "call_function":
-            producer_pos[n] = unit_index.get(node_unit[n], -1)
+            producer_pos[n] = unit_index.get(a.node_unit[n], -1)
     param_nodes = {spec.arg.name for spec in ep.graph_signature.input_specs
                    if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT}
-    diff = [0] * (len(unit_names) + 1)
-    input_bytes = defaultdict(int)
+    diff = [0] * (len(a.unit_names) + 1)
+    input_bytes: dict[str, int] = defaultdict(int)
     for n, pu in producer_pos.items():
         if n.op == "placeholder" and n.name in param_nodes:
             continue
-        consumers = {unit_index[node_unit[u]] for u in n.users if u.op == "call_function" and node_unit.get(u)}
+        consumers = {unit_index[a.node_unit[u]] for u in n.users if u.op == "call_function" and a.node_unit.get(u)}
         if not consumers:
             continue
         nbytes = _val_bytes(n)
         for c in consumers:
             if c != pu:
-                input_bytes[unit_names[c]] += nbytes
+                input_bytes[a.unit_names[c]] += nbytes
         last = max(consumers)
-        start = max(pu, 0) if pu >= 0 else 0
+        start = max(pu, 0)
         if last > start:
             diff[start] += nbytes
             diff[last] -= nbytes
     cut_bytes, running = [], 0
-    for i in range(len(unit_names) - 1):
+    for i in range(len(a.unit_names) - 1):
         running += diff[i]
         cut_bytes.append(running)
     for u, b in input_bytes.items():
         units[u].input_bytes = b
+    return cut_bytes
 
-    for u in units.values():
-        u.signature = _signature(u, layers)
-    ordered_units = [units[u] for u in unit_names]
-    kinds = [u.kind for u in ordered_units]
-    first_block = kinds.index("block") if "block" in kinds else None
-    first_req = [u.fqn for u in ordered_units[:first_block]] if first_block else ordered_units[:1]
-    last_block = len(kinds) - 1 - kinds[::-1].index("block") if "block" in kinds else None
-    last_req = [u.fqn for u in ordered_units[last_block + 1:]] if last_block is not None else []
-    if first_block is None:
-        first_req = [ordered_units[0].fqn] if ordered_units else []
-        last_req = [ordered_units[-1].fqn] if ordered_units else []
-    else:
-        first_req = [u.fqn for u in ordered_units[:first_block]]
 
-    info = _model_info(layers, ordered_units, seq_len)
-    return ModelGraph(name=name, num_params=sum(_numel(tuple(p.shape)) for p in _unique_params(model)),
-                      seq_len=seq_len or 1, units=ordered_units, layers={m: layers[m] for m in ordered_layers},
-                      edges=edges, cut_bytes=cut_bytes, tied=tied, first_unit_required=first_req,
-                      last_unit_required=last_req, info=info)
+def _required_ends(units: list[Unit]) -> tuple[list[str], list[str]]:
+    """(units that must be on the first stage: those before the first block; units that must be on the last: those
+    after the last block). Without blocks, the first and the last unit."""
+    kinds = [u.kind for u in units]
+    if "block" not in kinds:
+        return [units[0].fqn] if units else [], [units[-1].fqn] if units else []
+    first_block = kinds.index("block")
+    last_block = len(kinds) - 1 - kinds[::-1].index("block")
+    return [u.fqn for u in units[:first_block]], [u.fqn for u in units[last_block + 1:]]
 
 
 def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, block_units) -> list[Edge]:

@@ -28,18 +28,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from partc.collectives import set_tp_group
 from partc.errors import PartcError
 from partc.model_file import ModelSpec, load_model_file
 from partc.runtime import checkpoint
-from partc.collectives import set_tp_group
 from partc.runtime.materialize import (build_model, canonical_names, init_weights, load_weights, materialize,
                                        open_checkpoint)
 from partc.runtime.mesh import World, init_world
 from partc.runtime.parallelize import GradSync, OptimizerConfig, build_optimizers, parallelize
-from partc.runtime.program import Program as ProgramFiles, StageFile, read_program
-from partc.sharding import TPLayout
+from partc.runtime.program import ProgramFiles, StageFile, read_program
 from partc.runtime.stage import StageModule
 from partc.runtime.train import PipelineRunner, global_batch, stage_shapes
+from partc.sharding import TPLayout, aliases_of
 
 
 class Program:
@@ -134,7 +134,7 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     tensors = materialize(model, names, world.device, layout)
     if init_checkpoint is not None:
         buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
-        aliases = _aliases(canon)
+        aliases = aliases_of(canon)
         load_weights(tensors, aliases, open_checkpoint(init_checkpoint), where=str(init_checkpoint),
                      buffers=buffers, layout=layout)
     else:
@@ -189,13 +189,6 @@ def untie_across_stages(stages: list[StageModule]) -> None:
                         copies[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
                     mod._parameters[key] = copies[id(p)]
         seen |= here
-
-
-def _aliases(canon: dict[str, str]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for name, c in canon.items():
-        out.setdefault(c, []).append(name)
-    return out
 
 
 def _load_spec(files: ProgramFiles) -> ModelSpec:

@@ -44,7 +44,9 @@ class StageFile:
 
 
 @dataclass(kw_only=True, slots=True)
-class Program:
+class ProgramFiles:
+    """A compiled program as read from disk: the plan, the manifest's facts and the imported stage files."""
+
     out_dir: Path
     plan: Plan
     model_path: str
@@ -68,7 +70,7 @@ class Program:
         return len(self.stages)
 
 
-def read_program(out_dir: str | Path) -> Program:
+def read_program(out_dir: str | Path) -> ProgramFiles:
     """Parse ``OUT/plan.json`` and ``OUT/program/manifest.json`` and import every stage file."""
     out = Path(out_dir)
     if not out.is_dir():
@@ -116,7 +118,7 @@ def read_program(out_dir: str | Path) -> Program:
                          f"compile again")
     if not hasattr(stages[-1].code, "outputs"):
         raise PartcError(f"{stages[-1].path}: the last stage must define outputs(flat)")
-    return Program(out_dir=out, plan=plan, model_path=manifest["model_path"], entry=manifest["entry"],
+    return ProgramFiles(out_dir=out, plan=plan, model_path=manifest["model_path"], entry=manifest["entry"],
                    micro_batch_size=manifest["micro_batch_size"], stages=stages,
                    tied=[list(g) for g in manifest.get("tied", [])], inputs=list(manifest["inputs"]),
                    input_keys=list(manifest["input_keys"]), tp=dict(tp))

@@ -36,7 +36,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from partc.model_file import ModelSpec
 from partc.runtime._torch import tree_map
 from partc.runtime.mesh import World
-from partc.runtime.program import Program
+from partc.runtime.program import ProgramFiles
 from partc.sharding import TPLayout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -56,7 +56,7 @@ def flatten_inputs(args: tuple, kwargs: dict, keys: list[int | str]) -> list[Ten
     return [args[k] if isinstance(k, int) else kwargs[k] for k in keys]
 
 
-def stage_shapes(program: Program, model: nn.Module, spec: ModelSpec,
+def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
                  layout: TPLayout | None = None) -> list[tuple[tuple[Tensor, ...], ...]]:
     """(inputs, outputs) of every stage for one micro-batch, as meta tensors: the stage files run in a chain on
     the meta device (no memory, no compute). `PipelineStage` takes them as static shapes, so no stage runs a
@@ -85,7 +85,7 @@ def _meta(t: Tensor, shape: tuple[int, ...] | None = None) -> Tensor:
 class PipelineRunner:
     """Runs training steps of this rank's stages; every rank calls `step` with the same global batch."""
 
-    def __init__(self, program: Program, spec: ModelSpec, world: World, modules: list[nn.Module],
+    def __init__(self, program: ProgramFiles, spec: ModelSpec, world: World, modules: list[nn.Module],
                  optimizers: list[torch.optim.Optimizer], grad_sync: Callable[[], None],
                  shapes: list[tuple[tuple[Tensor, ...], ...]]):
         par = program.plan.parallel

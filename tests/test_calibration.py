@@ -8,26 +8,18 @@ each traced once. Bounds (the issue's): every row within 10%, mean absolute erro
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
 from helpers import BENCHMARKS
 from partc.compile import compile_model
+from partc.model_file import import_file
 
 BENCHMARK = BENCHMARKS / "megatron_table1.py"
 SIZES = ("1.7b", "7.5b", "18.4b", "39.1b", "76.1b", "145.6b")
 
 
 def _table1():
-    name = "partc_benchmark_megatron_table1"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARK)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return import_file(BENCHMARK)
 
 
 @pytest.fixture(scope="module")

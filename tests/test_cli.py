@@ -14,43 +14,10 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from helpers import EXAMPLES, ROOT, GiB
+from helpers import BRANCHY, EXAMPLES, ROOT, GiB
 from partc.cli.main import compress_modules, main
 
 GPT = str(EXAMPLES / "gpt.py")
-
-# One line of the branchy model below: `if y.sum() > 0:` on a tensor (data-dependent control flow).
-BRANCHY = """
-    import torch
-    from torch import nn
-
-    class Gate(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x):
-            y = self.lin(x)
-            if y.sum() > 0:
-                return 2 * y
-            return y
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(16, 8)
-            self.gate = Gate()
-            self.head = nn.Linear(8, 16)
-
-        def forward(self, ids):
-            return self.head(self.gate(self.emb(ids)))
-
-    def model():
-        return Net()
-
-    def example_inputs(batch_size):
-        return (torch.randint(0, 16, (batch_size, 4)),)
-"""
 
 BAD_FILES = {
     "syntax.py": ("def model(:\n", r"syntax\.py:1: syntax error"),

@@ -64,7 +64,9 @@ def test_program_is_readable(tmp_path):
     # The module FQN and the user's source line above the statements they produce.
     assert "# blocks.0.attn.qkv  gpt.py:" in text and "self.qkv(x)" in text
     # Parameters by their original FQNs; the meta device never leaks into the program.
-    assert 'p["blocks.0.attn.qkv.weight"]' in text and "meta" not in text
+    assert "p['blocks.0.attn.qkv.weight']" in text and "meta" not in text
+    # One function a unit, called in order by the stage's forward.
+    assert "def blocks_0(p, " in text and "run('blocks.0', blocks_0, p, " in text
     s0, s1 = load_stage(out / "program" / "stage_0.py"), load_stage(out / "program" / "stage_1.py")
     assert s1.INPUTS == s0.OUTPUTS
     assert s0.MODULES[-1].startswith("blocks.") and s1.MODULES[-1] == "lm_head"

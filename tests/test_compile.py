@@ -138,7 +138,7 @@ def test_from_plan_honours_a_hand_edited_tp_map(mid_gpt, tmp_path):
     assert written["parallel"] == first.plan.to_dict()["parallel"]
     # the edited layer now runs whole on every TP rank: more time, more memory, other collectives
     assert again.plan.predicted["step_time_s"] != first.plan.predicted["step_time_s"]
-    held = [sum(s.num_params for s in r.best.prediction.stages) for r in (first, again)]
+    held = [sum(s.num_params for s in r.best.prediction.ranks) for r in (first, again)]
     assert held[1] > held[0]
     block0 = [(c.kind, c.phase) for c in again.best.tp.collectives["blocks.0"]]
     block1 = [(c.kind, c.phase) for c in again.best.tp.collectives["blocks.1"]]

@@ -238,8 +238,8 @@ def test_predict_consistent():
     p_ = par(dp=2, tp=2, pp=2, zero=1, micro_batch_size=2, global_batch_size=32)
     m = p_.num_microbatches
     pred = cost.predict(g, A100, p_, tp, [(0, 3), (3, 7)])
-    t_max = max(st.time_s for st in pred.stages)
-    assert len(pred.stages) == 2
+    t_max = max(st.time_s for st in pred.ranks)
+    assert len(pred.ranks) == 2
     assert pred.step_time_s >= (m + 1) * t_max
     parts = (pred.compute_s + pred.tp_comm_s + pred.pp_comm_s + pred.bubble_s + pred.dp_comm_s
              + pred.optimizer_s)
@@ -247,18 +247,18 @@ def test_predict_consistent():
     assert pred.tokens_per_s == pytest.approx(32 * s / pred.step_time_s)
     assert 0 < pred.mfu <= 1
     assert pred.bubble_fraction == pytest.approx(1 / (m + 1))
-    assert pred.memory_per_gpu.total == max(st.memory.total for st in pred.stages)
+    assert pred.memory_per_gpu.total == max(st.memory.total for st in pred.ranks)
     assert pred.pp_comm_s > 0 and pred.tp_comm_s > 0 and pred.dp_comm_s > 0
     # Model FLOPs equal Megatron's 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) for this GPT (GEMMs only).
     mf = 72 * 32 * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
     assert pred.model_tflops_per_gpu * 1e12 * pred.step_time_s * p_.world_size == pytest.approx(mf)
     # Stage memory: states of its (tied-dedup) params + in-flight activations + extras.
     acts = cost.unit_activation_bytes(g, p_, tp)
-    st0 = pred.stages[0]
+    st0 = pred.ranks[0]
     states = cost.model_state_bytes(st0.num_params, p_)
     extra = cost.stage_extra_bytes(g, p_, tp, [0, 1, 2])
     assert st0.memory.total == pytest.approx(states.total + 2 * sum(acts[:3]) + extra)
-    assert pred.stages[1].memory.activations >= g.layers["lm_head"].out_bytes * 2 * 2  # fp32 logits
+    assert pred.ranks[1].memory.activations >= g.layers["lm_head"].out_bytes * 2 * 2  # fp32 logits
     assert pred.to_dict()["memory_per_gpu"]["total"] == int(round(pred.memory_per_gpu.total))
 
 
@@ -269,7 +269,7 @@ def test_predict_single_gpu_no_comm():
     t = sum(cost.unit_times(g, A100, par(global_batch_size=4), None))
     assert pred.step_time_s == pytest.approx(4 * t + pred.optimizer_s)
     # One stage holds the tied weight once.
-    assert pred.stages[0].num_params == g.num_params
+    assert pred.ranks[0].num_params == g.num_params
 
 
 def test_predict_interleaved():
@@ -277,12 +277,12 @@ def test_predict_interleaved():
     p_ = par(pp=2, global_batch_size=8, schedule="interleaved-1f1b", virtual_stages=2)
     bounds = [(0, 2), (2, 4), (4, 6), (6, 9)]
     pred = cost.predict(g, A100, p_, None, bounds)
-    assert pred.stages[0].chunks == [(0, 2), (4, 6)] and pred.stages[1].chunks == [(2, 4), (6, 9)]
-    t_max = max(st.time_s for st in pred.stages)
+    assert pred.ranks[0].chunks == [(0, 2), (4, 6)] and pred.ranks[1].chunks == [(2, 4), (6, 9)]
+    t_max = max(st.time_s for st in pred.ranks)
     assert pred.bubble_s == pytest.approx((2 - 1) / 2 * t_max)
     assert pred.step_time_s == pytest.approx((8 + 1 / 2) * t_max + pred.dp_comm_s + pred.optimizer_s)
     # Rank 1 holds the head and the embedding's tied weight is on rank 0: counted on both.
-    assert pred.stages[1].num_params >= g.layers["tok"].num_params
+    assert pred.ranks[1].num_params >= g.layers["tok"].num_params
 
 
 def test_predict_bad_bounds():

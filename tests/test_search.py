@@ -232,8 +232,8 @@ def test_chosen_plans_fit_and_predictions_are_reproducible(case_id):
     limit = cluster.memory_bytes - cluster.memory_reserve_bytes
     for c in _ranked(pruned):
         assert c.prediction.memory_per_gpu.total <= limit
-        assert all(s.memory.total <= limit for s in c.prediction.stages)
-        assert c.prediction.memory_per_gpu.total == max(s.memory.total for s in c.prediction.stages)
+        assert all(r.memory.total <= limit for r in c.prediction.ranks)
+        assert c.prediction.memory_per_gpu.total == max(r.memory.total for r in c.prediction.ranks)
         again = cost.predict(graph, cluster, c.parallel, c.tp, c.bounds)
         assert again.step_time_s == c.step_time_s
     if pruned.best is None:
@@ -281,7 +281,7 @@ def test_zero_memory_per_stage_equals_the_formulas(zero, tied_tiny):
     assert styles["blocks.3.attn.qkv"] == "colwise" and styles["blocks.3.mlp.fc2"] == "rowwise"  # pins apply to
     assert styles["lm_head"] == "colwise"                                                          # every block
     nd = par.dp
-    stages = best.prediction.stages
+    stages = best.prediction.ranks
     assert len(stages) == 2
     for stage in stages:
         units = [graph.units[i].fqn for lo, hi in stage.chunks for i in range(lo, hi)]

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from helpers import EXAMPLES, trace_file
+from helpers import BRANCHY, EXAMPLES, trace_file
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.ir import ACTIVATION_BYTES
@@ -233,36 +233,7 @@ def test_dump_dir_files(tmp_path, gpt):
 
 def test_untraceable_model_names_module_and_line(tmp_path):
     path = tmp_path / "branchy.py"
-    path.write_text(textwrap.dedent("""
-        import torch
-        from torch import nn
-
-        class Gate(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lin = nn.Linear(8, 8)
-
-            def forward(self, x):
-                y = self.lin(x)
-                if y.sum() > 0:
-                    return 2 * y
-                return y
-
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.emb = nn.Embedding(16, 8)
-                self.gate = Gate()
-
-            def forward(self, ids):
-                return self.gate(self.emb(ids))
-
-        def model():
-            return Net()
-
-        def example_inputs(batch_size):
-            return (torch.randint(0, 16, (batch_size, 4)),)
-    """))
+    path.write_text(textwrap.dedent(BRANCHY))
     with pytest.raises(PartcError) as info:
         trace_file(path)
     message = str(info.value)
