@@ -43,7 +43,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from partc.errors import PartcError
-from partc.plan import Plan, parallel_dict
+from partc.plan import Plan
 
 RUN_FILE = "partc-run.json"
 LOCK_FILE = "partc-run.lock"
@@ -267,7 +267,7 @@ def _tensor_text(t: list | None) -> str:
 
 
 def plan_fingerprint(plan: Plan) -> str:
-    choices = {"parallel": parallel_dict(plan.parallel), "tp": plan.tp, "stages": [s.modules for s in plan.stages]}
+    choices = {"parallel": plan.parallel.to_dict(), "tp": plan.tp, "stages": [s.modules for s in plan.stages]}
     return hashlib.sha256(json.dumps(choices, sort_keys=True).encode()).hexdigest()
 
 
