@@ -233,10 +233,11 @@ def load(path: str | Path, states: StateDicts) -> int:
     problem = next((p for p in problems if p), None)
     if problem:
         raise PartcError(problem)
+    metadata = files.read_metadata(path, manifest["files"][files.METADATA]["sha256"])
     model, optim = states.model(), states.optimizer()
     model_view, model_after = states.checkpoint_view(model, for_load=True)
     optim_view, optim_after = states.checkpoint_view(optim, for_load=True)
-    reader = files.SafeReader(path, manifest["files"][files.METADATA]["sha256"])
+    reader = files.SafeReader(path, metadata)
     dcp.load({"model": model_view, "optim": optim_view}, storage_reader=reader, planner=files.SafePlanner())
     for write_back in model_after + optim_after:
         write_back()

@@ -20,10 +20,12 @@ reads ``.old-step-K`` where a crash came between the renames: at every moment on
 
 Trust. DCP pickles its ``.metadata`` and the non-tensor values (the optimizer's hyperparameters), and unpickling
 can run code. partc's manifest (``partc.json``) lists every file of the step folder with its size and SHA-256;
-`verify` refuses a folder whose files do not match before anything in it is read, and the metadata is read by
-`SafeReader` (the SHA-256 again, then an unpickler that builds DCP's metadata classes and nothing else) and the
-values by `SafePlanner` (``torch.load(weights_only=True)``). So a checkpoint is data: one that is damaged, altered
-or crafted is refused with one line, and loading one never runs code from it.
+`verify` refuses a folder whose files do not match before anything in it is read. The metadata is read by
+`read_metadata` (the SHA-256 again, then an unpickler that builds DCP's metadata classes and nothing else) and
+handed to DCP (`SafeReader`); the values must load with ``torch.load(weights_only=True)`` (`SafePlanner`). The
+manifest sits beside the files, so it catches damage and tampering, not an attacker who rewrites it too; the
+restricted unpickling is what makes a crafted checkpoint harmless. So a checkpoint is data: one that is damaged,
+altered or crafted is refused with one line, and loading one never runs code from it.
 """
 
 from __future__ import annotations
@@ -183,27 +185,31 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of DCP's metadata")
 
 
-class SafeReader(FileSystemReader):
-    """DCP's file reader, but the metadata must have the manifest's SHA-256 and is unpickled by
-    `_MetadataUnpickler`. (No rank-local metadata: partc checkpoints have one ``.metadata``.)"""
+def read_metadata(folder: Path, sha256: str):
+    """DCP's metadata of a step folder: its bytes must have the manifest's SHA-256, and `_MetadataUnpickler`
+    builds it (DCP's metadata classes and nothing else)."""
+    path = folder / METADATA
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise PartcError(f"{path} does not match the checkpoint's manifest: altered, not loading it")
+    try:
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:
+        raise PartcError(f"{path} is not a checkpoint partc reads: {e}") from None
 
-    def __init__(self, path: Path, metadata_sha256: str):
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, given the metadata `read_metadata` read (DCP would unpickle the file itself)."""
+
+    def __init__(self, path: Path, metadata):
         super().__init__(str(path))
-        self.metadata_sha256 = metadata_sha256
+        self.metadata = metadata
 
     def read_metadata(self):
-        path = Path(self.path) / METADATA
-        data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != self.metadata_sha256:
-            raise PartcError(f"{path} does not match the checkpoint's manifest: altered, not loading it")
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        except Exception as e:
-            raise PartcError(f"{path} is not a checkpoint partc reads: {e}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        if getattr(self.metadata, "storage_meta", None) is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -309,11 +315,10 @@ _held_locks: dict[Path, int] = {}
 
 
 def claim(directory: str | Path, record: RunRecord, *, resume: bool) -> None:
-    """Rank 0: lock the directory for this process's lifetime (another run using it is refused), `check` it,
-    and record the run if the directory holds none yet."""
+    """Rank 0: `check` the directory (a refusal leaves it as it was), lock it for this process's lifetime
+    (another run using it is refused), check it again under the lock, and record the run if it holds none yet."""
     root = Path(directory)
-    if root.exists() and not root.is_dir():
-        raise PartcError(f"--checkpoint-dir {root} is a file, not a directory")
+    check(root, record, resume=resume)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
