@@ -81,10 +81,18 @@ def begin_step(root: str | Path, step: int) -> Path:
     """Rank 0: an empty ``DIR/.tmp-step-K`` to write into (a leftover of a crash is removed)."""
     root = Path(root)
     tmp = root / f".tmp-step-{step:08d}"
+    _check_replaceable(step_path(root, step))
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
+
+
+def _check_replaceable(path: Path) -> None:
+    """A ``step-K`` (or ``.old-step-K``) that is there must be a checkpoint partc wrote (a folder with its
+    manifest): anything else under that name is not partc's to replace."""
+    if path.exists() and not (path.is_dir() and (path / MANIFEST).is_file()):
+        raise PartcError(f"{path} exists and is not a partc checkpoint: not replacing it (move it away)")
 
 
 def commit_step(tmp: Path, step: int, manifest: dict) -> Path:
@@ -94,6 +102,8 @@ def commit_step(tmp: Path, step: int, manifest: dict) -> Path:
                                            sort_keys=True) + "\n")
     final = step_path(tmp.parent, step)
     old = tmp.parent / f".old-{final.name}"
+    _check_replaceable(final)
+    _check_replaceable(old)
     if final.exists():
         if old.exists():
             shutil.rmtree(old)  # a leftover of a crash after the last replacement: step-K is complete

@@ -62,17 +62,20 @@ def run(out_dir: str, extra: list[str], nproc_per_node: int | None = None) -> in
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from partc.runtime.supervise import LAUNCHER_ENV
+    from partc.runtime.supervise import LAUNCHER_ENV, summary_line
 
     argv = torchrun_args(out_dir, extra, nproc_per_node)
     world = int(argv[2])
     for name in _AGENT_LOGGERS:
         logger = logging.getLogger(name)
         logger.propagate = False
-        logger.addHandler(logging.NullHandler())
-    os.environ[LAUNCHER_ENV] = "1"
-    if world > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())
+    env = {LAUNCHER_ENV: "1"}
+    if world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default, without its banner
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the workers inherit this process's environment
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as e:
@@ -83,6 +86,15 @@ def run(out_dir: str, extra: list[str], nproc_per_node: int | None = None) -> in
     except SignalException as e:
         print(f"error: partc run got {e.sigval.name}: stopped all {world} ranks", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except Exception as e:  # the agent itself (rendezvous, ports)
+        print(f"error: torchrun failed: {summary_line(e)}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return 0
 
 

@@ -86,7 +86,7 @@ def die_with_parent() -> None:
             import ctypes
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # PR_SET_PDEATHSIG
-                if os.getppid() != parent:  # the parent died before prctl
+                if os.getppid() != parent or parent == 1:  # the parent died already (orphans go to init)
                     os.kill(os.getpid(), signal.SIGKILL)
                 return
         except (OSError, AttributeError):
@@ -133,7 +133,10 @@ class Heartbeat:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if world < 2 or not addr or not port:
             return None
-        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=60))
+        try:
+            store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=30))
+        except Exception:  # no store to join: run without a heartbeat (the collective timeout still holds)
+            return None
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         global _current
         _current = cls(dist.PrefixStore(f"partc/heartbeat/{attempt}/", store), rank=rank, world=world,

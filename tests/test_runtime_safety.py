@@ -238,6 +238,11 @@ def test_replacing_a_step_folder_leaves_no_gap(tmp_path, monkeypatch):
     checkpoint_dir.commit_step(write(3, "fourth"), 3, {})
     assert sorted(os.listdir(tmp_path)) == ["step-00000003"]
     assert (checkpoint_dir.latest(tmp_path) / ".metadata").read_text() == "fourth"
+    # a step-K that partc did not write is not replaced
+    (tmp_path / "step-00000004").write_text("mine")
+    with pytest.raises(PartcError, match=r"step-00000004 exists and is not a partc checkpoint: not replacing it"):
+        checkpoint_dir.begin_step(tmp_path, 4)
+    assert (tmp_path / "step-00000004").read_text() == "mine"
 
 
 # -- checkpoint files: verified before anything is unpickled (one process, one rank) ------------------------------
