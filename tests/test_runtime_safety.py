@@ -38,9 +38,9 @@ from partc.runtime import checkpoint_dir
 from partc.runtime.checkpoint_dir import RunRecord
 from partc.runtime.launch import failure_lines
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT = ROOT / "examples" / "gpt.py"
-RUN_TIMEOUT_S = 240
+from helpers import EXAMPLES, LAUNCH_TIMEOUT_S as RUN_TIMEOUT_S
+
+GPT = EXAMPLES / "gpt.py"
 
 
 def _compile(out: Path, *, pp: int, mb: int, gbs: int = 4, model: Path = GPT) -> Path:
