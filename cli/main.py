@@ -192,7 +192,9 @@ def print_summary(result, plan_path: Path) -> None:
 def run_cmd(out_dir, nproc_per_node, runtime_args):
     """Train OUT_DIR's program here: torchrun with the plan's world size.
 
-    RUNTIME_ARGS go to `python -m partc.runtime` (--steps, --lr, --optimizer, --checkpoint-dir, ...)."""
+    RUNTIME_ARGS go to `python -m partc.runtime` (--steps, --lr, --optimizer, --checkpoint-dir, --resume,
+    --collective-timeout, ...; see `python -m partc.runtime --help`); they are checked before any process starts.
+    SIGTERM or Ctrl-C stops every rank; a failure prints one line per failing rank."""
     from partc.runtime.launch import run
 
     sys.exit(run(out_dir, list(runtime_args), nproc_per_node))

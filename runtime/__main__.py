@@ -6,16 +6,24 @@
 
 Step k trains on ``torch.manual_seed(seed + k); example_inputs(G), example_targets(G)`` (see `partc.runtime.train`).
 Rank 0 prints loss, tokens/s and step time each step. ``--checkpoint-dir DIR --checkpoint-every K`` writes a
-sharded checkpoint every K steps and at the end; ``--resume`` continues from the newest one in DIR (written under
-any plan of the same model, any dp, tp and pp). ``--init-checkpoint`` and ``--save-full-state-dict`` take and
-give whole tensors under the model's own names: each rank reads its tensor-parallel shards out of the file, and
-the saved file has the shards gathered. Errors in the input print one line and exit with code 2.
+sharded checkpoint every K steps and at the end. DIR belongs to one run (`partc.runtime.checkpoint_dir`): it
+must be new or empty, and ``--resume`` continues the run recorded in it from its newest checkpoint (written under
+any plan of the same model, any dp, tp and pp), refusing a directory of another run. ``--init-checkpoint`` and
+``--save-full-state-dict`` take and give whole tensors under the model's own names: each rank reads its
+tensor-parallel shards out of the file, and the saved file has the shards gathered.
+
+Failures (`partc.runtime.supervise`). Errors in the input print one line and exit with code 2; a loss or gradient
+that is nan or inf stops the run before the step is applied (exit 2); any other exception prints its traceback and
+exits 1. Each failing rank leaves its line in torchrun's error file, which `partc run` prints. A collective that
+waits longer than ``--collective-timeout`` seconds, or a rank silent that long, stops the job and names the rank.
+A worker dies with its launcher (SIGKILL), and SIGINT ends it without a traceback.
 
 The process leaves through `exit_now` (``os._exit`` once the files are written and the process group is gone):
 gloo sometimes aborts a finished process during interpreter teardown, which torchrun would report as a failure.
 
-Fault injection (tests): ``PARTC_FAULT_EXIT=RANK:STEP`` makes global rank RANK exit with status 1 right after
-step STEP (0-based), as a crashed process would.
+Fault injection (tests), each ``RANK:STEP`` (global rank, 0-based step), right after the step: ``PARTC_FAULT_EXIT``
+exits with status 1 as a crashed process would, ``PARTC_FAULT_RAISE`` raises a RuntimeError, ``PARTC_FAULT_STOP``
+stops the process (SIGSTOP), as a hung one would be.
 """
 
 from __future__ import annotations
@@ -23,56 +31,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
 from partc.errors import PartcError
-from partc.runtime.parallelize import OPTIMIZERS
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """One line and exit code 2, like every partc error (argparse would print the usage too)."""
-        sys.stderr.write(f"error: {message} (see python -m partc.runtime --help)\n")
-        sys.exit(2)
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="python -m partc.runtime", description="Train a partc program under torchrun.")
-    p.add_argument("out_dir", help="output directory of `partc compile` (plan.json and program/)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps to run in total (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="data and initialization seed (default 0)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
-    p.add_argument("--init-checkpoint", default=None,
-                   help="initial weights: torch.save(model.state_dict()) or a safetensors file (whole tensors)")
-    p.add_argument("--log-jsonl", default=None, help="rank 0 appends {step, loss, tokens_per_s, step_time_s} lines")
-    p.add_argument("--save-full-state-dict", default=None,
-                   help="at the end, gather the model's state_dict() and torch.save it here (rank 0)")
-    p.add_argument("--checkpoint-dir", default=None, help="sharded checkpoints (torch.distributed.checkpoint)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    args = p.parse_args(argv)
-    if args.steps < 0 or args.checkpoint_every < 0:
-        p.error("--steps and --checkpoint-every must be >= 0")
-    if args.resume and not args.checkpoint_dir:
-        p.error("--resume needs --checkpoint-dir")
-    return args
+from partc.runtime import options, supervise
 
 
 def train(args: argparse.Namespace) -> None:
-    from partc.runtime import api, checkpoint
+    from partc.runtime import api, checkpoint_dir
+    from partc.runtime.train import NonFiniteError
 
     prog = api.load(args.out_dir, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
-                    weight_decay=args.weight_decay, init_checkpoint=args.init_checkpoint)
+                    weight_decay=args.weight_decay, init_checkpoint=args.init_checkpoint,
+                    collective_timeout_s=args.collective_timeout)
+    heartbeat = supervise.Heartbeat.start(args.collective_timeout)
     rank0 = dist.get_rank() == 0
     start = 0
+    if args.checkpoint_dir:
+        record = checkpoint_dir.RunRecord.of(prog.plan, seed=args.seed, optimizer=args.optimizer,
+                                             tensors=prog.model_tensors())
+        on_rank0(lambda: checkpoint_dir.claim(args.checkpoint_dir, record, resume=args.resume))
     if args.resume:
-        newest = checkpoint.latest(args.checkpoint_dir)
+        newest = checkpoint_dir.latest(args.checkpoint_dir)
         if newest is not None:
             start = prog.load(newest)
         if rank0:
@@ -82,38 +68,66 @@ def train(args: argparse.Namespace) -> None:
     tokens = par.global_batch_size * (prog.spec.seq_len or 1)
     unit = "tokens" if prog.spec.seq_len else "samples"
     log = open(args.log_jsonl, "a" if start else "w") if rank0 and args.log_jsonl else None
-    fault = _fault()
+    faults = {name: _fault(name) for name in ("EXIT", "RAISE", "STOP")}
     try:
         for k in range(start, args.steps):
+            if heartbeat:
+                heartbeat.step = k
             inputs, targets = prog.batch(k)
             t0 = time.perf_counter()
-            loss = prog.step(inputs, targets)
-            dt = time.perf_counter() - t0
-            if rank0:
-                print(f"step {k + 1}/{args.steps}  loss {loss:.6f}  {tokens / dt:,.0f} {unit}/s  "
-                      f"{dt * 1e3:.1f} ms", flush=True)
-                if log:
-                    log.write(json.dumps({"step": k, "loss": loss, f"{unit}_per_s": tokens / dt,
-                                          "step_time_s": dt}) + "\n")
-                    log.flush()
-            done = k + 1
-            if args.checkpoint_dir and (done == args.steps or
-                                        (args.checkpoint_every and done % args.checkpoint_every == 0)):
-                prog.save(args.checkpoint_dir, done)
-            if fault == (dist.get_rank(), k):
+            try:
+                loss = prog.step(inputs, targets)
+                dt = time.perf_counter() - t0
+                if rank0:
+                    print(f"step {k + 1}/{args.steps}  loss {loss:.6f}  {tokens / dt:,.0f} {unit}/s  "
+                          f"{dt * 1e3:.1f} ms", flush=True)
+                    if log:
+                        log.write(json.dumps({"step": k, "loss": loss, f"{unit}_per_s": tokens / dt,
+                                              "step_time_s": dt}, allow_nan=False) + "\n")
+                        log.flush()
+                done = k + 1
+                if args.checkpoint_dir and (done == args.steps or
+                                            (args.checkpoint_every and done % args.checkpoint_every == 0)):
+                    prog.save(args.checkpoint_dir, done)
+            except NonFiniteError as e:
+                raise PartcError(f"step {k + 1}: {e}; the run stops here, and no checkpoint holds nan or inf "
+                                 f"(a lower --lr than {args.lr:g} may help)") from None
+            me = (dist.get_rank(), k)
+            if faults["EXIT"] == me:
                 os._exit(1)
+            if faults["RAISE"] == me:
+                raise RuntimeError(f"injected fault (PARTC_FAULT_RAISE) after step {k + 1}")
+            if faults["STOP"] == me:
+                os.kill(os.getpid(), signal.SIGSTOP)
     finally:
         if log:
             log.close()
     if args.save_full_state_dict:
         sd = prog.full_state_dict()
         if rank0:
+            bad = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+            if bad:
+                raise PartcError(f"the trained model holds nan or inf ({bad[0]!r} and {len(bad) - 1} more): "
+                                 f"not writing --save-full-state-dict {args.save_full_state_dict}")
             torch.save(sd, args.save_full_state_dict)
             print(f"wrote {args.save_full_state_dict}", flush=True)
 
 
-def _fault() -> tuple[int, int] | None:
-    value = os.environ.get("PARTC_FAULT_EXIT")
+def on_rank0(fn) -> None:
+    """Run `fn` on rank 0 and raise its `PartcError` on every rank (one verdict, the same line everywhere)."""
+    verdict = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except PartcError as e:
+            verdict[0] = str(e)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise PartcError(verdict[0])
+
+
+def _fault(name: str) -> tuple[int, int] | None:
+    value = os.environ.get(f"PARTC_FAULT_{name}")
     if not value:
         return None
     rank, step = value.split(":")
@@ -121,16 +135,29 @@ def _fault() -> tuple[int, int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """Train; returns the exit code (0, 2 for a user error, 1 for any other). A failure is reported
+    (`supervise.report`) and leaves the process group as it is: the process is about to exit, and destroying a
+    group whose peers are gone can hang."""
     try:
+        args = options.parse(sys.argv[1:] if argv is None else argv)
+        options.check_paths(args)
         train(args)
     except PartcError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        supervise.report(str(e), kind="user")
         return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except Exception as e:
+        heartbeat = supervise.current_heartbeat()
+        stalled = heartbeat.stalled() if heartbeat else []
+        if stalled:  # the cause, not the collective that gave up waiting for it
+            supervise.report(f"{supervise.stall_message(stalled, heartbeat.timeout_s)}; rank {heartbeat.rank}: "
+                             f"{supervise.summary_line(e)}", kind="stall", stalled=[r for r, _, _ in stalled])
+            supervise.kill_siblings(stalled)
+        else:
+            traceback.print_exc()
+            supervise.report(supervise.summary_line(e), kind="internal")
+        return 1
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
@@ -145,9 +172,11 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
+    supervise.die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a worker quietly; `partc run` says what happened
     try:
         code = main()
-    except SystemExit as e:  # argparse errors and --help
+    except SystemExit as e:  # --help
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from partc.collectives import set_tp_group
 from partc.errors import PartcError
 from partc.model_file import ModelSpec, load_model_file
-from partc.runtime import checkpoint
+from partc.runtime import checkpoint, checkpoint_dir
 from partc.runtime.materialize import (build_model, canonical_names, init_weights, load_weights, materialize,
                                        open_checkpoint)
 from partc.runtime.mesh import World, init_world
@@ -92,17 +92,25 @@ class Program:
         elsewhere. Collective."""
         return checkpoint.full_state_dict(self.states, self._model_keys)
 
+    def model_tensors(self) -> list[list]:
+        """``[[canonical FQN, shape, dtype], ...]``: what a checkpoint holds of the model (its parameters and
+        persistent buffers, a tied weight once, whole shapes), in the model's order."""
+        canon = self.states.canon
+        return [[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in self._model_keys.items()
+                if canon.get(k, k) == k]
+
     def save(self, directory: str | Path, step: int = 0) -> Path:
         """A sharded checkpoint (model and optimizer) in ``DIR/step-K``. Collective."""
-        info = {"model": self.plan.model.get("name"), "parallel": self.plan.to_dict()["parallel"]}
+        info = {"model": self.plan.model.get("name"), "parallel": self.plan.to_dict()["parallel"],
+                "plan": checkpoint_dir.plan_fingerprint(self.plan)}
         return checkpoint.save(directory, step, self.states, info)
 
     def load(self, path: str | Path) -> int:
         """Load a checkpoint written under any plan of this model: ``DIR/step-K``, or DIR for its newest one.
         Returns its step. Collective."""
         path = Path(path)
-        if not (path / "partc.json").exists():
-            newest = checkpoint.latest(path)
+        if not (path / checkpoint_dir.MANIFEST).exists():
+            newest = checkpoint_dir.latest(path)
             if newest is None:
                 raise PartcError(f"no checkpoint in {path}")
             path = newest
@@ -110,14 +118,16 @@ class Program:
 
 
 def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: float = 3e-4,
-         weight_decay: float = 0.0, init_checkpoint: str | Path | None = None) -> Program:
-    """Set up this rank's part of the compiled program in `out_dir` (run under torchrun)."""
+         weight_decay: float = 0.0, init_checkpoint: str | Path | None = None,
+         collective_timeout_s: float = 600.0) -> Program:
+    """Set up this rank's part of the compiled program in `out_dir` (run under torchrun). A collective that
+    waits longer than `collective_timeout_s` fails (every process group of the mesh)."""
     files = read_program(out_dir)
     par = files.plan.parallel
     opt_config = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay)
 
     # 1. The mesh (pp, dp, tp); the stage files find the tp group through `collectives`.
-    world = init_world(par)
+    world = init_world(par, timeout_s=collective_timeout_s)
     set_tp_group(world.tp_group)
 
     # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes

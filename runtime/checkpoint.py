@@ -24,17 +24,17 @@ What DCP sees of a parameter (and of its optimizer states, which have its shape)
 So a checkpoint saved under tp=2 loads under tp=1 or tp=4 and the other way round, with any dp, pp and ZeRO stage.
 Checkpoints written before fused parameters were stored as pieces do not load (their shapes differ).
 
-Atomicity. All ranks write ``DIR/.tmp-step-K``; after DCP's final barrier rank 0 adds ``partc.json`` (the step
-and the plan) and renames the directory to ``DIR/step-K``. A crash mid-write leaves only a ``.tmp-`` directory,
-which `latest` ignores. (Across nodes DIR must be a shared file system.)
+Atomicity. All ranks write ``DIR/.tmp-step-K``; after DCP's final barrier the ranks hash its files (each a
+share), and rank 0 adds ``partc.json`` (the step, the plan, every file's size and SHA-256) and renames the
+directory to ``DIR/step-K``. A crash mid-write leaves only a ``.tmp-`` directory, which `latest` ignores. Before
+DCP reads a checkpoint every file is checked against ``partc.json`` (each rank a share) and nothing in it is
+unpickled but DCP's metadata classes and plain values (`partc.runtime.checkpoint_dir`). (Across nodes DIR must be
+a shared file system.)
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,9 +48,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from partc.errors import PartcError
+from partc.runtime import checkpoint_dir as files
 from partc.runtime.mesh import World
 from partc.runtime.parallelize import local_optimizer
 from partc.sharding import TPLayout
+from partc.runtime.train import NonFiniteError
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _PREFIXES = ("state.", "param_groups.")
@@ -180,52 +182,68 @@ def _write_dp_slice(dt: DTensor, whole: Tensor, world: World) -> None:
 
 
 def save(directory: str | Path, step: int, states: StateDicts, info: dict) -> Path:
-    """Write ``DIR/step-K`` (sharded, every rank its part); returns its path."""
-    root = Path(directory)
-    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
-    if dist.get_rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
-    model, _ = states.checkpoint_view(states.model(), for_load=False)
-    optim, _ = states.checkpoint_view(states.optimizer(), for_load=False)
+    """Write ``DIR/step-K`` (sharded, every rank its part; replacing an earlier ``step-K``); returns its path."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optim = states.model(), states.optimizer()
+    check_finite([*model.values(), *optim.values()], "the model or optimizer state", states.world.device)
+    box = [files.begin_step(directory, step) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    tmp: Path = box[0]
+    model, _ = states.checkpoint_view(model, for_load=False)
+    optim, _ = states.checkpoint_view(optim, for_load=False)
     dcp.save({"model": model, "optim": optim}, checkpoint_id=str(tmp))
     del model, optim
-    if dist.get_rank() == 0:
-        (tmp / "partc.json").write_text(json.dumps({"step": step, **info}, indent=2, sort_keys=True) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+    dist.barrier()
+    box = [files.list_files(tmp) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    mine = {name: files.hash_file(tmp / name) for name in box[0][rank::world]}
+    hashes: list | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, hashes, dst=0)
+    final = files.step_path(directory, step)
+    if rank == 0:
+        listed = {name: h for part in hashes for name, h in part.items()}
+        files.commit_step(tmp, step, {**info, "files": dict(sorted(listed.items()))})
     dist.barrier()
     return final
 
 
-def latest(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint in DIR (``step-K`` with ``partc.json``), or None."""
-    root = Path(directory)
-    if not root.is_dir():
-        return None
-    done = [p for p in root.glob("step-*") if (p / "partc.json").exists()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+def check_finite(values: list, what: str, device: torch.device) -> None:
+    """Raise `NonFiniteError` on every rank if a floating-point tensor of `values` on any rank holds nan or inf
+    (one all-reduce). A finite gradient times a large learning rate can overflow a weight or Adam's second
+    moment, so the step's own check (`partc.runtime.train`) is not enough before a save."""
+    tensors = [v.to_local() if isinstance(v, DTensor) else v for v in values if isinstance(v, Tensor)]
+    bad = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        if t.is_floating_point():
+            bad += ~torch.isfinite(t).all()
+    dist.all_reduce(bad)
+    if bad.item():
+        raise NonFiniteError(f"{what} holds nan or inf ({bad.item():.0f} tensors): not saving it")
 
 
 def load(path: str | Path, states: StateDicts) -> int:
-    """Load a checkpoint written under any plan of this model; returns its step."""
+    """Load a checkpoint written under any plan of this model, once its files match its manifest; returns its
+    step. Collective."""
     path = Path(path)
-    meta = path / "partc.json"
-    if not meta.exists():
-        raise PartcError(f"{path} is not a partc checkpoint (no partc.json)")
-    step = int(json.loads(meta.read_text())["step"])
+    manifest = files.read_manifest(path)
+    names = sorted(manifest["files"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems: list = [None] * world
+    dist.all_gather_object(problems, files.verify(path, manifest["files"], names[rank::world]))
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise PartcError(problem)
+    metadata = files.read_metadata(path, manifest["files"][files.METADATA]["sha256"])
     model, optim = states.model(), states.optimizer()
     model_view, model_after = states.checkpoint_view(model, for_load=True)
     optim_view, optim_after = states.checkpoint_view(optim, for_load=True)
-    dcp.load({"model": model_view, "optim": optim_view}, checkpoint_id=str(path))
+    reader = files.SafeReader(path, metadata)
+    dcp.load({"model": model_view, "optim": optim_view}, storage_reader=reader, planner=files.SafePlanner())
     for write_back in model_after + optim_after:
         write_back()
     states.load_model(model)
     states.load_optimizer(optim)
-    return step
+    return manifest["step"]
 
 
 def full_state_dict(states: StateDicts, model_keys: dict[str, Tensor]) -> dict[str, Tensor] | None:

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partc.errors import PartcError
 from partc.parallel import Parallel
+from partc.runtime._torch import set_pg_timeout
 
 
 def check_world_size(par: Parallel, world_size: int) -> None:
@@ -80,7 +81,8 @@ def pick_device() -> tuple[torch.device, str]:
 
 
 def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
-    """Join the torchrun process group (if not joined yet) and build the ``(pp, dp, tp)`` mesh."""
+    """Join the torchrun process group (if not joined yet) and build the ``(pp, dp, tp)`` mesh; a collective on
+    any of its groups that waits longer than `timeout_s` fails (``--collective-timeout``)."""
     if not dist.is_initialized() and "RANK" not in os.environ:
         raise PartcError("partc.runtime runs under torchrun: `partc run OUT` or "
                          "`torchrun --nproc-per-node N -m partc.runtime OUT`")
@@ -97,6 +99,8 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
     assert tuple(mesh.get_coordinate()) == tuple(coords.values()), (mesh.get_coordinate(), rank)
     pp_rank, dp_rank, tp_rank = coords["pp"], coords["dp"], coords["tp"]
     groups = {name: mesh.get_group(name) for name in degrees}
+    for group in groups.values():  # the mesh's groups get c10d's default timeout otherwise (30 min)
+        set_pg_timeout(timedelta(seconds=timeout_s), group)
     ranks = mesh.mesh[pp_rank].t().contiguous()  # [tp, dp] global ranks of this pipeline rank
     tp_dp = DeviceMesh.from_group([groups["tp"], groups["dp"]], device.type, ranks, mesh_dim_names=("tp", "dp"))
     return World(par=par, mesh=mesh, device=device, rank=rank, pp_rank=pp_rank, dp_rank=dp_rank,

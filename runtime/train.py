@@ -20,24 +20,36 @@ positions is).
 With tensor parallelism every tp rank of the last stage computes the same loss from the same (gathered)
 outputs and runs backward from it; the program's collectives give each rank the gradient of its shards.
 
+Non-finite numbers. Before the optimizer step every rank checks its gradients, and one all-reduce gives the
+global loss and the count of non-finite gradients: if either is not finite, `step` raises `NonFiniteError` on
+every rank with the weights untouched (a nan never reaches the weights, the optimizer state or a checkpoint).
+
 Targets go through the schedule as sample indices into this rank's slice (``arange(G/dp)``, split with the
 micro-batches); the loss looks the targets up, so targets may be any structure of tensors.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
 
+from partc.errors import PartcError
 from partc.model_file import ModelSpec
 from partc.runtime._torch import tree_map
 from partc.runtime.mesh import World
 from partc.runtime.program import ProgramFiles
 from partc.sharding import TPLayout
+
+
+class NonFiniteError(PartcError):
+    """The loss or a gradient is nan or infinite; the step was not applied."""
+
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -91,6 +103,7 @@ class PipelineRunner:
         par = program.plan.parallel
         self.world = world
         self.optimizers = optimizers
+        self.params = [p for m in modules for p in m.parameters()]
         self.grad_sync = grad_sync
         self.loss_fn = spec.loss_fn
         self.input_keys = program.input_keys
@@ -148,18 +161,29 @@ class PipelineRunner:
         else:
             self.schedule.step(target=index, losses=losses, return_outputs=False)
         self.grad_sync()
+        self._targets = None
+        loss, bad_grads = self._global_mean(losses)
+        if not math.isfinite(loss) or bad_grads:
+            what = f"the loss is {loss}" if not math.isfinite(loss) else \
+                f"{bad_grads:.0f} gradient tensors hold nan or inf (loss {loss:.6g})"
+            raise NonFiniteError(f"{what}: the step was not applied")
         for opt in self.optimizers:
             opt.step()
-        self._targets = None
-        return self._global_mean(losses)
+        return loss
 
-    def _global_mean(self, losses: list[Tensor]) -> float:
-        """Mean over micro-batches and DP ranks, on every rank: one all-reduce over the world, where only the
-        ranks of the last stage contribute (each tp rank holds the same loss)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.world.device)
+    def _global_mean(self, losses: list[Tensor]) -> tuple[float, float]:
+        """(the loss: mean over micro-batches and DP ranks; how many gradient tensors hold nan or inf), on every
+        rank: one all-reduce over the world, where only the ranks of the last stage contribute to the loss (each tp
+        rank holds the same loss)."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.world.device)
         if self.has_last:
             assert len(losses) == self.num_microbatches
             par = self.world.par
-            total += torch.stack([l.detach().double() for l in losses]).mean() / (par.dp * par.tp)
+            total[0] += torch.stack([l.detach().double() for l in losses]).mean() / (par.dp * par.tp)
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
+                 if p.grad is not None]
+        if grads:
+            total[1] += torch.stack([~torch.isfinite(g).all() for g in grads]).sum()
         dist.all_reduce(total)
-        return float(total)
+        loss, bad = total.tolist()
+        return loss, bad

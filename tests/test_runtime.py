@@ -24,7 +24,7 @@ from partc import collectives
 from partc.runtime.__main__ import main as runtime_main
 from partc.runtime.api import shared_holders, stage_tensor_names
 from partc.runtime.checkpoint import _canon_key
-from partc.runtime.launch import torchrun_command
+from partc.runtime.launch import torchrun_args
 from partc.runtime.materialize import (SeedPerTensor, build_initialized, build_model, canonical_names,
                                        init_weights, load_weights, materialize, parameters_on_meta)
 from partc.runtime.mesh import check_world_size
@@ -369,9 +369,8 @@ def test_runtime_needs_torchrun(gpt_pp2, monkeypatch, capsys):
 
 
 def test_partc_run(gpt_pp2):
-    cmd = torchrun_command(str(gpt_pp2), ["--steps", "3"])
-    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "-m", "partc.runtime", str(gpt_pp2), "--steps", "3"]
+    argv = torchrun_args(str(gpt_pp2), ["--steps", "3"])
+    assert argv == ["--standalone", "--nproc-per-node", "2", "-m", "partc.runtime", str(gpt_pp2), "--steps", "3"]
     res = CliRunner().invoke(cli, ["run", str(gpt_pp2), "--nproc-per-node", "3", "--steps", "1"])
     assert res.exit_code == 2
     assert res.output.strip().splitlines() == [

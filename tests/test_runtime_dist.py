@@ -133,7 +133,7 @@ def test_cli_kill_and_resume_under_another_plan(tmp_path):
               "--checkpoint-every", "2", "--log-jsonl", str(log), "--optimizer", "sgd", "--lr", "0.5"]
     crashed = torchrun(4, ["-m", "partc.runtime", str(a), *common], env={"PARTC_FAULT_EXIT": "1:2"}, check=False)
     assert crashed.returncode != 0
-    assert sorted(p.name for p in ck.iterdir()) == ["step-00000002"]
+    assert sorted(p.name for p in ck.iterdir()) == ["partc-run.json", "partc-run.lock", "step-00000002"]
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]
     assert all(x["tokens_per_s"] > 0 and x["step_time_s"] > 0 for x in lines)
@@ -146,7 +146,8 @@ def test_cli_kill_and_resume_under_another_plan(tmp_path):
     assert [x["step"] for x in lines] == [0, 1, 2, 2, 3, 4]
     assert_close_losses([x["loss"] for x in lines[:2] + lines[3:]], losses)
     assert_close_states(torch.load(full, weights_only=True), state)
-    assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004", "step-00000005"]
+    assert sorted(p.name for p in ck.iterdir()) == ["partc-run.json", "partc-run.lock", "step-00000002",
+                                                    "step-00000004", "step-00000005"]
 
 
 
