@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from partc.cluster import PRESETS
@@ -30,12 +31,17 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except PartcError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {one_line(str(e))}", err=True)
             sys.exit(2)
         except click.UsageError as e:
             command = e.ctx.command_path if e.ctx is not None else ctx.command_path
-            click.echo(f"error: {e.format_message()} (see '{command} --help')", err=True)
+            click.echo(f"error: {one_line(e.format_message())} (see '{command} --help')", err=True)
             sys.exit(2)
+
+
+def one_line(text: str) -> str:
+    """An error message as one line, whatever names from the user's files it quotes."""
+    return " ".join(text.splitlines())
 
 
 @click.group(cls=_Group)
@@ -127,8 +133,10 @@ def print_summary(result, plan_path: Path) -> None:
     plan = result.plan.to_dict()
     pred, par, model = plan["predicted"], plan["parallel"], plan["model"]
     console = Console(highlight=False, width=max(Console().width, 100))
-    console.print(f"[bold]{model['name']}[/]: {model['num_params'] / 1e9:.2f}B parameters, {model['num_units']} units; "
-                  f"{par['dp'] * par['tp'] * par['pp']} x {result.plan.cluster['gpu']}")
+    # Names from the model and the cluster file are text, never markup: each goes through `escape`.
+    console.print(f"[bold]{escape(model['name'])}[/]: {model['num_params'] / 1e9:.2f}B parameters, "
+                  f"{model['num_units']} units; {par['dp'] * par['tp'] * par['pp']} x "
+                  f"{escape(result.plan.cluster['gpu'])}")
     t = Table(title="Plan", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
@@ -158,7 +166,7 @@ def print_summary(result, plan_path: Path) -> None:
     for st in plan["stages"]:
         ranks.setdefault(st["rank"], []).extend(st["modules"])
     for rank in result.best.prediction.ranks:
-        s.add_row(str(rank.rank), compress_modules(ranks.get(rank.rank, [])), f"{rank.time_s * 1e3:.1f} ms",
+        s.add_row(str(rank.rank), escape(compress_modules(ranks.get(rank.rank, []))), f"{rank.time_s * 1e3:.1f} ms",
                   f"{rank.memory.total / GiB:.1f} GiB")
     console.print(s)
 
@@ -177,11 +185,12 @@ def print_summary(result, plan_path: Path) -> None:
         searched = f"; {result.search.considered} plans considered, {result.search.evaluated} evaluated in full"
     program = plan_path.parent / "program"
     files = f"{len(plan['stages'])} stage file" + ("s" if len(plan["stages"]) > 1 else "")
-    console.print(f"wrote {plan_path} and {program}/ ({files})  (trace "
+    console.print(f"wrote {escape(str(plan_path))} and {escape(str(program))}/ ({files})  (trace "
                   f"{timings['trace']:.1f}s, passes {timings['passes']:.1f}s, solve {timings['solve']:.1f}s, codegen "
                   f"{timings['codegen']:.1f}s{searched})")
-    console.print(f"run it: partc run {plan_path.parent} --steps N   (or torchrun --nproc-per-node "
-                  f"{par['dp'] * par['tp'] * par['pp']} -m partc.runtime {plan_path.parent} ...)")
+    out = escape(str(plan_path.parent))
+    console.print(f"run it: partc run {out} --steps N   (or torchrun --nproc-per-node "
+                  f"{par['dp'] * par['tp'] * par['pp']} -m partc.runtime {out} ...)")
 
 
 @main.command("run", context_settings={"ignore_unknown_options": True})

@@ -414,7 +414,7 @@ def write_program(program: GeneratedProgram, out_dir: str | Path) -> Path:
     final = out / "program"
     tmp = Path(tempfile.mkdtemp(prefix=".program.", dir=out))
     for name, text in program.files.items():
-        (tmp / name).write_text(text)
+        (tmp / name).write_text(text, encoding="utf-8")  # Python reads source as UTF-8
     if final.exists():
         old = Path(tempfile.mkdtemp(prefix=".program-old.", dir=out))
         os.rename(final, old / "program")
