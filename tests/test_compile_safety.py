@@ -1,0 +1,233 @@
+"""What `partc compile` guarantees (issue #11, compile items 1, 2, 7 and 8), tried as a user or an attacker would:
+the exit code, the one line on stderr, the files on disk before and after.
+
+- Names from the model (module, parameter and buffer names: an ``nn.ModuleDict`` key read from a config file may
+  hold anything but a dot; the model file's own name; its output class's keys) reach the generated program only as
+  Python literals or sanitized comments: compiling, importing and running the program runs no injected code.
+- ``-o DIR`` writes only into a new or empty directory or an earlier partc output, and never deletes or overwrites
+  what partc did not write.
+- Numbers are bounded and checked: GPU counts, batch sizes, plan and cluster fields.
+- A model file that exits, prints or has no parameters gets one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from helpers import EXAMPLES, LAUNCH_TIMEOUT_S
+from partc.cli.main import main as cli
+from partc.errors import PartcError
+from partc.model_file import load_model_file
+from partc.runtime.program import read_program
+
+GPT = str(EXAMPLES / "gpt.py")
+
+
+def partc(*args: str):
+    """`partc ARGS` in-process: (exit code, stdout, stderr)."""
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def one_error(args, pattern: str) -> str:
+    """`partc ARGS` must fail with exit code 2 and exactly one line ``error: ...`` matching `pattern`."""
+    code, out, err = partc(*args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in out + err and out == ""
+    assert re.search(pattern, lines[0]), lines[0]
+    return lines[0]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every entry under `root`: a file's SHA-256, or "dir"."""
+    return {p.relative_to(root).as_posix(): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Names reach the generated program as literals
+
+PAYLOAD = 'open("PWNED", "w")'
+"""What an injected name would run: it creates ./PWNED (no dots: a module name cannot hold one)."""
+
+HOSTILE = textwrap.dedent('''
+    from collections import OrderedDict
+
+    import torch
+    import torch.utils._pytree as pytree
+    from torch import nn
+
+    PAYLOAD = 'open("PWNED", "w")'
+    # nn.ModuleDict keys, as a config file might give them: anything but a dot.
+    KEYS = ["nl\\n" + PAYLOAD + "\\n#", "quote'] + " + PAYLOAD + " + p['", 'triple"""\\n' + PAYLOAD + '\\n"""',
+            "backslash\\\\", "hash#" + PAYLOAD, "cr\\r" + PAYLOAD, "ls\\u2028" + PAYLOAD, "[/]markup", "[bold]b"]
+    WEIGHT = "w\\n" + PAYLOAD + "\\n#"
+    SCALE = "s'\\"\\"\\"" + PAYLOAD
+
+
+    class Out(OrderedDict):
+        """A ModelOutput-like result: keys from data."""
+
+
+    pytree.register_pytree_node(Out, lambda o: (list(o.values()), list(o.keys())),
+                                lambda values, keys: Out(zip(keys, values)))
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_parameter(WEIGHT, nn.Parameter(torch.ones(8)))
+            self.register_buffer(SCALE, torch.full((8,), 0.5))
+
+        def reset_parameters(self):
+            nn.init.ones_(getattr(self, WEIGHT))
+
+        def forward(self, x):
+            return self.lin(x) * getattr(self, WEIGHT) + getattr(self, SCALE)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"embed": nn.Embedding(16, 8), **{k: Block() for k in KEYS},
+                                         "head": nn.Linear(8, 16)})
+
+        def forward(self, ids):
+            x = ids
+            for layer in self.layers.values():
+                x = layer(x)
+            return Out([("logits\\n" + PAYLOAD, x), ('quote"' + PAYLOAD, x.sum(-1))])
+
+
+    def model():
+        return Model()
+
+
+    def example_inputs(batch_size):
+        return (torch.randint(0, 16, (batch_size, 4)),)
+
+
+    def example_targets(batch_size):
+        return torch.randint(0, 16, (batch_size, 4))
+
+
+    def loss_fn(outputs, targets):
+        logits = outputs["logits\\n" + PAYLOAD]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+''')
+
+HOSTILE_FILE = 'model\n"""\n' + PAYLOAD + '\n"""#.py'
+"""A model file name that would end the stage files' docstring and run the payload."""
+
+
+def write_hostile(directory: Path, name: str = "hostile.py") -> Path:
+    path = directory / name
+    path.write_text(HOSTILE)
+    return path
+
+
+def compile_hostile(tmp_path: Path, name: str) -> Path:
+    """Compile the hostile model (two pipeline stages) through the CLI, in `tmp_path` as the working directory."""
+    path = write_hostile(tmp_path, name)
+    code, out, err = partc("compile", str(path), "--gpus", "2", "--pp", "2", "--dp", "1", "--tp", "1",
+                           "--micro-batch-size", "1", "--global-batch-size", "2", "-o", str(tmp_path / "out"))
+    assert code == 0, (out, err)
+    assert not (tmp_path / "PWNED").exists()
+    return tmp_path / "out"
+
+
+def check_program(out: Path, model_path: Path) -> None:
+    """Import the program as the runtime does, then run its stages one after another: the result is the model's."""
+    prog = read_program(out)  # imports every stage file
+    assert not (out.parent / "PWNED").exists()
+    spec = load_model_file(str(model_path))
+    assert not (out.parent / "PWNED").exists()
+    torch.manual_seed(0)
+    model = spec.build()
+    (ids,), _ = spec.inputs(1)
+    want = model(ids)
+    p = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    x = (ids,)
+    for stage in prog.stages:
+        x = stage.code.forward(p, *x, device=torch.device("cpu"))
+    got = prog.stages[-1].code.outputs(x)
+    assert type(got) is type(want) and list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key])
+    assert not (out.parent / "PWNED").exists()
+
+
+def test_hostile_names_are_literals_in_the_program(tmp_path, monkeypatch):
+    """ModuleDict keys, parameter and buffer names and output keys with newlines, quotes, triple quotes,
+    backslashes, ``#``, rich markup: the program runs no injected code and computes the model."""
+    monkeypatch.chdir(tmp_path)
+    out = compile_hostile(tmp_path, "hostile.py")
+    text = (out / "program" / "stage_1.py").read_text()
+    assert "PWNED" in text  # the names are there, as literals
+    plan = json.loads((out / "plan.json").read_text())
+    assert any("[/]markup" in m for s in plan["stages"] for m in s["modules"])
+    check_program(out, tmp_path / "hostile.py")
+
+
+def test_hostile_model_file_name(tmp_path, monkeypatch):
+    """A model file whose name holds a newline and ``\"\"\"`` (it would end the docstring of every stage file)."""
+    monkeypatch.chdir(tmp_path)
+    out = compile_hostile(tmp_path, HOSTILE_FILE)
+    first = (out / "program" / "stage_0.py").read_text().splitlines()[0]
+    assert first.startswith('"""partc program: stage 0 of 2') and 'model \\"\\"\\" open' in first
+    check_program(out, tmp_path / HOSTILE_FILE)
+
+
+@pytest.mark.slow
+def test_hostile_program_trains_under_partc_run(tmp_path):
+    """`partc run` (two gloo ranks) of the hostile model in the hostile file: it trains, and nothing injected
+    runs in either worker."""
+    out = compile_hostile(tmp_path, HOSTILE_FILE)
+    log = tmp_path / "log.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "partc.cli.main", "run", str(out), "--steps", "2", "--log-jsonl",
+                           str(log)], capture_output=True, text=True, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_output_class_not_importable_by_its_name_is_refused(tmp_path, monkeypatch):
+    """An output class whose name is not where it lives cannot be rebuilt by the program: one line, no output."""
+    monkeypatch.chdir(tmp_path)
+    path = write_hostile(tmp_path)
+    path.write_text(HOSTILE.replace("\npytree.", "\nOut.__name__ = Out.__qualname__ = 'Out\\n' + PAYLOAD\npytree."))
+    one_error(["compile", str(path), "--gpus", "1", "-o", str(tmp_path / "out")],
+              r"cannot rebuild the model's output type 'Out\\nopen")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "PWNED").exists()
+
+
+def test_runtime_takes_stage_files_only_from_program(tmp_path, monkeypatch):
+    """A manifest naming a stage file outside program/ (path traversal) is refused before anything is imported."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    assert partc("compile", GPT, "--gpus", "1", "-o", str(out))[0] == 0
+    (tmp_path / "evil.py").write_text(PAYLOAD + "\n")
+    manifest = json.loads((out / "program" / "manifest.json").read_text())
+    for bad in ("../../evil.py", str(tmp_path / "evil.py"), "stage_1.py"):
+        manifest["stages"][0]["file"] = bad
+        (out / "program" / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(PartcError, match=r"stage 0's file must be 'stage_0\.py'"):
+            read_program(out)
+    assert not (tmp_path / "PWNED").exists()
