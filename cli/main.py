@@ -87,12 +87,15 @@ def _pin_options(command):
 @_pin_options
 @click.option("--from-plan", "from_plan", type=str, default=None,
               help="Skip the search: validate and re-predict this plan.json (it replaces the pins).")
-@click.option("-o", "--out", "out_dir", default="partc_out", show_default=True, help="Output directory.")
+@click.option("-o", "--out", "out_dir", default="partc_out", show_default=True,
+              help="Output directory: new, empty, or an earlier output of partc compile (which it replaces).")
+@click.option("--force", is_flag=True,
+              help="Replace an earlier output even where its plan.json or program/ was changed since partc wrote it.")
 @click.option("--dump-dir", default=None, help="Also write graph.txt and costs.json here.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
               help="json: print the plan JSON to stdout instead of the summary.")
 def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_size, seq_len, from_plan, out_dir,
-                dump_dir, fmt, **pinned):
+                force, dump_dir, fmt, **pinned):
     """Plan MODEL_FILE for --gpus GPUs: write OUT/plan.json and print why."""
     from partc.compile import compile_model
 
@@ -101,7 +104,7 @@ def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_si
     pins = Pins(**pinned)
     result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
                            global_batch_size=global_batch_size, seq_len=seq_len, pins=pins, from_plan=from_plan,
-                           out_dir=out_dir, dump_dir=dump_dir)
+                           out_dir=out_dir, dump_dir=dump_dir, force=force)
     if fmt == "json":
         click.echo(result.plan.to_json(), nl=False)
         return

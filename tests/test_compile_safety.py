@@ -231,3 +231,121 @@ def test_runtime_takes_stage_files_only_from_program(tmp_path, monkeypatch):
         with pytest.raises(PartcError, match=r"stage 0's file must be 'stage_0\.py'"):
             read_program(out)
     assert not (tmp_path / "PWNED").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. -o DIR: only a new or empty directory, or partc's own earlier output
+
+TINY = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    def model():
+        return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+
+
+    def example_inputs(batch_size):
+        return (torch.randint(0, 16, (batch_size, 4)),)
+''')
+
+
+@pytest.fixture()
+def tiny(tmp_path) -> str:
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY)
+    return str(path)
+
+
+def compile_into(model: str, out: Path, *extra: str) -> tuple[int, str, str]:
+    return partc("compile", model, "--gpus", "1", "-o", str(out), *extra)
+
+
+def test_out_naming_a_file_is_refused(tmp_path, tiny):
+    (tmp_path / "file").write_text("mine\n")
+    before = snapshot(tmp_path)
+    one_error(["compile", tiny, "--gpus", "1", "-o", str(tmp_path / "file")], r"-o .*file is a file; pass a directory")
+    one_error(["compile", tiny, "--gpus", "1", "-o", str(tmp_path / "file" / "sub")],
+              r"-o .*file/sub: .*file is a file, not a directory")
+    assert snapshot(tmp_path) == before
+
+
+def test_out_of_someone_else_is_refused(tmp_path, tiny):
+    """A directory with files partc did not write (their own plan.json, a program/ folder) is never written."""
+    out = tmp_path / "out"
+    (out / "program").mkdir(parents=True)
+    (out / "plan.json").write_text('{"mine": true}\n')
+    (out / "program" / "notes.txt").write_text("my notes\n")
+    before = snapshot(out)
+    one_error(["compile", tiny, "--gpus", "1", "-o", str(out)], r"is not empty and is not an output of partc compile")
+    one_error(["compile", tiny, "--gpus", "1", "-o", str(out), "--force"], r"is not an output of partc compile")
+    assert snapshot(out) == before
+
+
+def test_earlier_output_is_replaced_and_nothing_else(tmp_path, tiny):
+    """An earlier output is replaced (plan.json, program/, the record); a file of the user's beside them stays."""
+    out = tmp_path / "out"
+    assert compile_into(tiny, out)[0] == 0
+    record = json.loads((out / "partc-output.json").read_text())
+    assert record["written_by"] == "partc compile"
+    assert set(record["files"]) == {"plan.json", "program/manifest.json", "program/stage_0.py"}
+    (out / "notes.txt").write_text("my notes\n")
+    read_program(out)  # importing the stage files may leave program/__pycache__: it is partc's, in effect
+    code, stdout, err = compile_into(tiny, out, "--global-batch-size", "2")
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "my notes\n"
+    assert json.loads((out / "plan.json").read_text())["parallel"]["global_batch_size"] == 2
+    assert sorted(p.name for p in (out / "program").iterdir()) == ["manifest.json", "stage_0.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "partc-output.json", "plan.json", "program"]
+
+
+def test_a_file_of_the_user_in_program_is_refused_even_with_force(tmp_path, tiny):
+    out = tmp_path / "out"
+    assert compile_into(tiny, out)[0] == 0
+    (out / "program" / "notes.txt").write_text("my notes\n")
+    before = snapshot(out)
+    for extra in ((), ("--force",)):
+        one_error(["compile", tiny, "--gpus", "1", "-o", str(out), *extra],
+                  r"program/notes\.txt was not written by partc, which would replace it: move it out")
+    assert snapshot(out) == before
+
+
+def test_a_plan_edited_by_hand_is_replaced_only_with_force_or_as_the_input(tmp_path, tiny):
+    out = tmp_path / "out"
+    assert compile_into(tiny, out)[0] == 0
+    plan = json.loads((out / "plan.json").read_text())
+    plan["parallel"].update(global_batch_size=2, micro_batch_size=1, num_microbatches=2)
+    (out / "plan.json").write_text(json.dumps(plan))
+    before = snapshot(out)
+    one_error(["compile", tiny, "--gpus", "1", "-o", str(out)],
+              r"plan\.json was changed since partc wrote it; pass --force to replace it")
+    assert snapshot(out) == before
+    # The edited plan as --from-plan: it comes back with its choices, predicted again.
+    code, _, err = compile_into(tiny, out, "--from-plan", str(out / "plan.json"))
+    assert code == 0, err
+    assert json.loads((out / "plan.json").read_text())["parallel"]["global_batch_size"] == 2
+    # Edited again, then replaced with --force.
+    (out / "plan.json").write_text(json.dumps(plan) + " ")
+    code, _, err = compile_into(tiny, out, "--force")
+    assert code == 0, err
+    assert json.loads((out / "plan.json").read_text())["parallel"]["global_batch_size"] != 2
+
+
+def test_a_crash_while_writing_leaves_an_output_partc_can_replace(tmp_path, tiny, monkeypatch):
+    """A crash between plan.json and program/ leaves files the record knows: the next compile replaces them."""
+    from partc import output
+    from partc.compile import compile_model
+
+    out = tmp_path / "out"
+    compile_model(tiny, gpus=1, out_dir=out)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(output, "_write_program", crash)
+    with pytest.raises(KeyboardInterrupt):
+        compile_model(tiny, gpus=1, global_batch_size=2, out_dir=out)
+    monkeypatch.undo()
+    assert json.loads((out / "plan.json").read_text())["parallel"]["global_batch_size"] == 2  # new plan, old program
+    code, _, err = compile_into(tiny, out)
+    assert code == 0, err
