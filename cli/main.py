@@ -18,7 +18,7 @@ from rich.table import Table
 
 from partc.cluster import PRESETS
 from partc.errors import PartcError
-from partc.parallel import PINNABLE, Parallel, Pins
+from partc.parallel import PINNABLE, Parallel, Pins, check_gpus
 
 GiB = 1024**3
 
@@ -99,8 +99,7 @@ def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_si
     """Plan MODEL_FILE for --gpus GPUs: write OUT/plan.json and print why."""
     from partc.compile import compile_model
 
-    if gpus < 1:
-        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
+    check_gpus(gpus)
     pins = Pins(**pinned)
     result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
                            global_batch_size=global_batch_size, seq_len=seq_len, pins=pins, from_plan=from_plan,

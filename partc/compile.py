@@ -18,7 +18,7 @@ import torch
 from partc.cluster import Cluster, load_cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.parallel import Pins
+from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
 from partc.plan import Plan, Stage, read_plan
 from partc.passes import cost
 from partc.model_file import ModelSpec, build_on_meta, load_model_file
@@ -60,15 +60,15 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     """Plan the model of the file at `path`; with `out_dir`, write the plan and the program there (`partc.output`:
     `force` replaces an earlier output whose files were changed since partc wrote them)."""
     t0 = time.perf_counter()
-    if gpus < 1:
-        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
+    check_gpus(gpus)
     clus = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     if gpus_per_node is not None:
-        if gpus_per_node < 1:
-            raise PartcError(f"--gpus-per-node must be a positive integer, got {gpus_per_node}")
+        if not 1 <= gpus_per_node <= MAX_GPUS:
+            raise PartcError(f"--gpus-per-node must be between 1 and {MAX_GPUS:,}, got {gpus_per_node:,}")
         clus = Cluster.from_dict({**clus.to_dict(), "gpus_per_node": gpus_per_node})
-    if global_batch_size is not None and global_batch_size < 1:
-        raise PartcError(f"--global-batch-size must be a positive integer, got {global_batch_size}")
+    if global_batch_size is not None and not 1 <= global_batch_size <= MAX_BATCH:
+        raise PartcError(f"--global-batch-size must be between 1 and {MAX_BATCH:,} samples, "
+                         f"got {global_batch_size:,}")
     plan_in = read_plan(from_plan) if from_plan else None
     if out_dir is not None:
         output.check(out_dir, force=force, keep=from_plan)  # before the work, and again before writing

@@ -349,3 +349,97 @@ def test_a_crash_while_writing_leaves_an_output_partc_can_replace(tmp_path, tiny
     assert json.loads((out / "plan.json").read_text())["parallel"]["global_batch_size"] == 2  # new plan, old program
     code, _, err = compile_into(tiny, out)
     assert code == 0, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. Numbers: bounded, finite, in range
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--gpus", str(10**9)], r"--gpus 1,000,000,000 is more than partc plans for \(1,048,576"),
+    (["--gpus", str(10**30)], r"--gpus 1,000,000,000,000,000,000,000,000,000,000 is more than partc plans for"),
+    (["--gpus", "8", "--global-batch-size", str(10**30)], r"--global-batch-size must be between 1 and 16,777,216"),
+])
+def test_absurd_counts_are_refused_at_once(tmp_path, args, pattern):
+    """A real process with a deadline: these used to list divisors for minutes."""
+    proc = subprocess.run([sys.executable, "-m", "partc.cli.main", "compile", GPT, *args, "-o", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and re.search(pattern, lines[0]), proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_divisors_take_square_root_time():
+    from partc.passes.search import divisors
+
+    for n in range(1, 2000):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert divisors(2**24) == [2**k for k in range(25)]
+    assert divisors(2**31 - 1) == [1, 2**31 - 1]  # a prime: 2.1e9 steps to list every candidate, 46,341 here
+
+
+@pytest.mark.parametrize("pin, pattern", [
+    (["--dp", str(10**30)], r"pins\.dp must be <= 1,048,576"),
+    (["--micro-batch-size", str(2**30)], r"pins\.micro_batch_size must be <= 16,777,216"),
+    (["--gpus-per-node", str(10**12)], r"--gpus-per-node must be between 1 and 1,048,576"),
+])
+def test_absurd_pins_are_refused(tmp_path, pin, pattern):
+    one_error(["compile", GPT, "--gpus", "8", *pin, "-o", str(tmp_path / "o")], pattern)
+
+
+@pytest.mark.parametrize("field, value, pattern", [
+    ("peak_flops", "0", r"peak_flops must be a finite number >= 1e\+12"),
+    ("peak_flops", "-1", r"peak_flops must be a finite number >= 1e\+12"),
+    ("peak_flops", "NaN", r"peak_flops must be .*got nan"),
+    ("peak_flops", "Infinity", r"peak_flops must be .*got inf"),
+    ("peak_flops", "312", r"1 TFLOP/s: it is in FLOP/s\), got 312"),  # TFLOP/s for FLOP/s
+    ("memory_bytes", "1" + "0" * 400, r"memory_bytes must be a finite number"),
+    ("inter_node_bandwidth", "25", r"inter_node_bandwidth must be .*bytes/s"),
+    ("intra_node_latency", "1e300", r"intra_node_latency must be a number from 0 to 1"),
+    ("gemm_efficiency", "0", r"gemm_efficiency must be a number from 0.01 to 1"),
+    ("dp_overlap", "5", r"dp_overlap must be a number from 0 to 1"),  # made the step time negative
+    ("gpus_per_node", "0", r"gpus_per_node must be an integer from 1"),
+    ("num_sms", "1.5", r"num_sms must be an integer from 1"),
+    ("memory_reserve_bytes", "-1", r"memory_reserve_bytes must be a finite number >= 0"),
+])
+def test_cluster_file_numbers(tmp_path, field, value, pattern):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(f'{{"{field}": {value}}}')
+    one_error(["compile", GPT, "--gpus", "16", "--dp", "2", "--cluster", str(cluster), "-o", str(tmp_path / "o")],
+              pattern)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def gpt_plan(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("plan") / "out"
+    assert partc("compile", GPT, "--gpus", "2", "--pp", "2", "-o", str(out))[0] == 0
+    return json.loads((out / "plan.json").read_text())
+
+
+@pytest.mark.parametrize("field, value, pattern", [
+    ("global_batch_size", str(10**30), r"global_batch_size must be <= 16,777,216"),  # OOM-killed rank 0
+    ("micro_batch_size", "NaN", r"NaN is not a JSON number"),
+    ("dp", "Infinity", r"Infinity is not a JSON number"),
+    ("dp", "0", r"parallel\.dp must be >= 1"),
+    ("tp", "-2", r"parallel\.tp must be >= 1"),
+    ("pp", "1.5", r"parallel\.pp must be an integer"),
+    ("virtual_stages", str(10**20), r"virtual_stages must be <= 1,048,576"),
+])
+def test_plan_numbers(tmp_path, gpt_plan, field, value, pattern):
+    """--from-plan and `partc run` read plan.json alike: every number in range, strict JSON."""
+    text = json.dumps({**gpt_plan, "parallel": {**gpt_plan["parallel"], field: "@"}}).replace('"@"', value)
+    (tmp_path / "plan.json").write_text(text)
+    one_error(["compile", GPT, "--gpus", "2", "--from-plan", str(tmp_path / "plan.json"), "-o", str(tmp_path / "o")],
+              pattern)
+    one_error(["run", str(tmp_path), "--steps", "1"], pattern)
+
+
+def test_written_plans_are_strict_json(tmp_path, gpt_plan):
+    """The plan file and --format json parse as strict JSON (no NaN or Infinity), with a positive step time."""
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the plan"))
+
+    code, stdout, _ = partc("compile", GPT, "--gpus", "2", "--pp", "2", "-o", str(tmp_path / "o"), "--format", "json")
+    assert code == 0
+    for plan in (strict(stdout), strict((tmp_path / "o" / "plan.json").read_text()), gpt_plan):
+        assert 0 < plan["predicted"]["step_time_s"] < 1e6
