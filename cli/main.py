@@ -7,6 +7,7 @@ Every user error prints one line (``error: ...``) and exits with code 2, without
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -101,9 +102,15 @@ def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_si
 
     check_gpus(gpus)
     pins = Pins(**pinned)
-    result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
-                           global_batch_size=global_batch_size, seq_len=seq_len, pins=pins, from_plan=from_plan,
-                           out_dir=out_dir, dump_dir=dump_dir, force=force)
+    # The model's code runs inside (import, model(), example_inputs, its forward while traced): what it prints goes
+    # to stderr, so stdout holds partc's output alone (--format json: the plan, nothing else).
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
+                                   global_batch_size=global_batch_size, seq_len=seq_len, pins=pins,
+                                   from_plan=from_plan, out_dir=out_dir, dump_dir=dump_dir, force=force)
+    except SystemExit as e:  # the model's forward called sys.exit() while traced
+        raise PartcError(f"the model's code called sys.exit({e.code!r}) during partc compile") from None
     if fmt == "json":
         click.echo(result.plan.to_json(), nl=False)
         return

@@ -85,6 +85,9 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     # 2. Trace (torch.export on meta) and build the layer graph.
     traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=path)
     graph = traced.graph
+    if not graph.units:
+        raise PartcError(f"{path}: {entry}() returned a model without parameters ({type(model).__name__}); partc "
+                         f"plans the training of a model with parameters")
     t_trace = time.perf_counter()
 
     # 3. Search, or re-predict a plan read from disk.

@@ -443,3 +443,86 @@ def test_written_plans_are_strict_json(tmp_path, gpt_plan):
     assert code == 0
     for plan in (strict(stdout), strict((tmp_path / "o" / "plan.json").read_text()), gpt_plan):
         assert 0 < plan["predicted"]["step_time_s"] < 1e6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. The model file's exits, prints and emptiness: one line, exit code 2 (or, for prints, output left intact)
+
+TWO_LINEARS = textwrap.dedent('''
+    import sys
+
+    import torch
+    from torch import nn
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            {forward}
+            return self.b(self.a(x))
+
+
+    def model():
+        {model}
+        return Model()
+
+
+    def example_inputs(batch_size):
+        {inputs}
+        return (torch.randn(batch_size, 4),)
+
+
+    def example_targets(batch_size):
+        return torch.randn(batch_size, 4)
+
+
+    def loss_fn(outputs, targets):
+        return ((outputs - targets) ** 2).mean()
+''')
+
+
+def two_linears(tmp_path: Path, *, top: str = "", forward: str = "pass", model: str = "pass",
+                inputs: str = "pass") -> str:
+    path = tmp_path / "m.py"
+    path.write_text(TWO_LINEARS.format(forward=forward, model=model, inputs=inputs) + top)
+    return str(path)
+
+
+@pytest.mark.parametrize("where, pattern", [
+    ("top", r"m\.py:\d+: the model file called sys\.exit\(0\) while partc imported it"),
+    ("model", r"m\.py:\d+: model\(\) raised SystemExit: 0"),
+    ("inputs", r"m\.py:\d+: example_inputs\(1\) raised SystemExit: 0"),
+    ("forward", r"the model's code called sys\.exit\(0\) during partc compile"),
+])
+def test_model_file_calling_sys_exit(tmp_path, monkeypatch, where, pattern):
+    """sys.exit(0) in the file used to end `partc compile` with exit code 0, no plan and no word."""
+    monkeypatch.chdir(tmp_path)
+    path = two_linears(tmp_path, **{where: "\nsys.exit(0)\n" if where == "top" else "sys.exit(0)"})
+    one_error(["compile", path, "--gpus", "1", "-o", str(tmp_path / "out")], pattern)
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_prints_do_not_corrupt_json(tmp_path):
+    """Whatever the model prints (at import, in model(), example_inputs, its forward) goes to stderr."""
+    path = two_linears(tmp_path, top="\nprint('imported')\n", forward="print('forward')", model="print('model')",
+                       inputs="print('inputs')")
+    code, stdout, stderr = partc("compile", path, "--gpus", "1", "-o", str(tmp_path / "out"), "--format", "json")
+    assert code == 0, stderr
+    assert json.loads(stdout) == json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert {"imported", "model", "inputs", "forward"} <= set(stderr.split())
+
+
+def test_model_without_parameters(tmp_path, monkeypatch):
+    """It used to get 'no parallel configuration ... matches the pins', with no pins given."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "m.py"
+    path.write_text(TWO_LINEARS.format(forward="pass", model="pass", inputs="pass").replace(
+        "self.a = nn.Linear(4, 4)\n        self.b = nn.Linear(4, 4)", "self.a = self.b = nn.ReLU()"))
+    for gpus in ("1", "2"):
+        one_error(["compile", str(path), "--gpus", gpus, "-o", str(tmp_path / "out")],
+                  r"m\.py: model\(\) returned a model without parameters \(Model\); partc plans the training of a "
+                  r"model with parameters")
