@@ -113,7 +113,7 @@ class Cluster:
 _COUNTS = {"gpus_per_node": MAX_GPUS, "num_sms": 2**20}
 """Integer fields: 1 .. this."""
 _FLOORS = {
-    "memory_bytes": (2**30, "1 GiB: it is in bytes"),
+    "memory_bytes": (2**20, "1 MiB: it is in bytes"),
     "peak_flops": (1e12, "1 TFLOP/s: it is in FLOP/s"),
     "memory_bandwidth": (1e10, "10 GB/s: it is in bytes/s"),
     "intra_node_bandwidth": (1e9, "1 GB/s: it is in bytes/s"),

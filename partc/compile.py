@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from partc import output
 from partc.cluster import Cluster, load_cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
@@ -22,7 +23,6 @@ from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
 from partc.plan import Plan, Stage, read_plan
 from partc.passes import cost
 from partc.model_file import ModelSpec, build_on_meta, load_model_file
-from partc import output
 from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
