@@ -151,16 +151,18 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     grad_sync = GradSync(stages, world, zero=par.zero, holders=holders, canon=canon)
     runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes)
     return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
-                   runner=runner, canon=canon, layout=layout, seed=seed)
+                   runner=runner, canon=canon, layout=layout, seed=seed, init=init)
 
 
 def stage_tensor_names(stage: StageFile, model: nn.Module) -> list[str]:
-    """FQNs of the parameters and buffers a stage holds: its units' and those its code reads."""
+    """FQNs of the parameters and buffers a stage holds: its units' and those its code reads (the root unit ""
+    of a model of bare parameters holds all of them)."""
     names = list(stage.parameters) + list(stage.buffers)
     for unit in stage.modules:
         mod = model.get_submodule(unit)
-        names += [f"{unit}.{n}" for n, _ in mod.named_parameters(remove_duplicate=False)]
-        names += [f"{unit}.{n}" for n, _ in mod.named_buffers(remove_duplicate=False)]
+        prefix = f"{unit}." if unit else ""
+        names += [prefix + n for n, _ in mod.named_parameters(remove_duplicate=False)]
+        names += [prefix + n for n, _ in mod.named_buffers(remove_duplicate=False)]
     return list(dict.fromkeys(names))
 
 
