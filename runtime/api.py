@@ -11,9 +11,9 @@
     sd = prog.full_state_dict()             # rank 0: the model's own state_dict(); None elsewhere
 
 `load` does, in order: read the program, join the mesh (and give the stage files its tp group), build the model
-with parameters on meta, allocate and initialize this rank's stages only (with tensor parallelism, this tp rank's
-shard of each split parameter), wrap each stage file as a module, apply ZeRO, build the optimizers and the
-pipeline schedule.
+on meta (recording how its construction sets each tensor: `partc.deferred_init`), allocate and initialize this
+rank's stages only (with tensor parallelism, this tp rank's shard of each split parameter), wrap each stage file
+as a module, apply ZeRO, build the optimizers and the pipeline schedule.
 
 Tensor parallelism is in the stage files: they hold local shards and call `partc.collectives`. Everything
 here that meets a whole tensor (a state dict you pass or get back, a checkpoint) converts between whole tensors
@@ -29,11 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from partc.collectives import set_tp_group
+from partc.deferred_init import InitRecord
 from partc.errors import PartcError
 from partc.model_file import ModelSpec, load_model_file
 from partc.runtime import checkpoint
-from partc.runtime.materialize import (build_model, canonical_names, init_weights, load_weights, materialize,
-                                       open_checkpoint)
+from partc.runtime.materialize import (build_model, canonical_names, check_initializable, init_weights,
+                                       load_weights, materialize, open_checkpoint)
 from partc.runtime.mesh import World, init_world
 from partc.runtime.parallelize import GradSync, OptimizerConfig, build_optimizers, parallelize
 from partc.runtime.program import ProgramFiles, StageFile, read_program
@@ -47,7 +48,7 @@ class Program:
 
     def __init__(self, *, files: ProgramFiles, spec: ModelSpec, world: World, model: nn.Module,
                  stages: list[StageModule], optimizers: list[torch.optim.Optimizer], runner: PipelineRunner,
-                 canon: dict[str, str], layout: TPLayout, seed: int):
+                 canon: dict[str, str], layout: TPLayout, seed: int, init: InitRecord):
         self.files = files
         self.plan = files.plan
         self.spec = spec
@@ -61,6 +62,7 @@ class Program:
         """Which parameters the program splits over tp, and how (`partc.sharding`)."""
         self.states = checkpoint.StateDicts(stages, optimizers, canon, layout, world)
         self._model_keys = model.state_dict(keep_vars=True)
+        self._init = init
 
     # -- training ----------------------------------------------------------------------------------------------
 
@@ -90,7 +92,13 @@ class Program:
     def full_state_dict(self) -> dict[str, Tensor] | None:
         """The model's ``state_dict()`` (same keys and shapes: tensor-parallel shards gathered) on rank 0, None
         elsewhere. Collective."""
-        return checkpoint.full_state_dict(self.states, self._model_keys)
+        return checkpoint.full_state_dict(self.states, self._model_keys, self._initial)
+
+    def _initial(self, names: list[str]) -> dict[str, Tensor]:
+        """The values the model's construction gives the named tensors, on the CPU."""
+        out: dict[str, Tensor] = {}
+        self._init.replay(names, "cpu", self.seed, lambda name, value: out.__setitem__(name, value.clone()))
+        return out
 
     def save(self, directory: str | Path, step: int = 0) -> Path:
         """A sharded checkpoint (model and optimizer) in ``DIR/step-K``. Collective."""
@@ -123,7 +131,7 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes
     #    (the stage files chained on meta, on this rank's shard shapes).
     spec = _load_spec(files)
-    model = build_model(spec)
+    model, init = build_model(spec)
     canon = canonical_names(model, files.tied)
     layout = TPLayout.from_manifest(files.tp, world.tp_rank, canon)
     shapes = stage_shapes(files, model, spec, layout)
@@ -135,10 +143,12 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     if init_checkpoint is not None:
         buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
         aliases = aliases_of(canon)
-        load_weights(tensors, aliases, open_checkpoint(init_checkpoint), where=str(init_checkpoint),
-                     buffers=buffers, layout=layout)
+        unset = load_weights(tensors, aliases, open_checkpoint(init_checkpoint), where=str(init_checkpoint),
+                             buffers=buffers, layout=layout)
+        init_weights(init, {n: tensors[n] for n in unset}, seed, layout)
     else:
-        init_weights(model, tensors, seed, layout)
+        check_initializable(init, tensors)
+        init_weights(init, tensors, seed, layout)
 
     # 4. One module per stage file; copies of a shared weight in two local stages become separate tensors.
     stages = [StageModule(st, model, canon, world.device) for st in local]

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from partc._torch import tree_map
 from partc.model_file import ModelSpec
-from partc.runtime._torch import tree_map
 from partc.runtime.mesh import World
 from partc.runtime.program import ProgramFiles
 from partc.sharding import TPLayout
