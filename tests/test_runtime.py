@@ -404,3 +404,95 @@ def test_api_in_one_process(tmp_path):
             prog.step((torch.zeros(2, 64, dtype=torch.long),), torch.zeros(2, 64, dtype=torch.long))
     finally:
         dist.destroy_process_group()
+
+
+# -- parameters on the model's root --------------------------------------------------------------------------------
+
+PLAIN = Path(__file__).resolve().parent / "plain_init.py"
+BARE = '''import torch
+from torch import nn
+
+
+class Bare(nn.Module):
+    """Bare parameters: the root is the only unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 16) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(16, 4) * 0.3)
+        self.register_buffer("shift", torch.full((4,), 0.5))
+
+    def forward(self, x):
+        return torch.relu(x @ self.w1) @ self.w2 + self.shift
+
+
+def model():
+    return Bare()
+
+
+def example_inputs(b):
+    return (torch.randn(b, 8),)
+
+
+def example_targets(b):
+    return torch.randint(0, 4, (b,))
+'''
+
+
+def test_root_parameters_go_with_the_stages_that_read_them(tmp_path):
+    """tok (embedding and output projection), pos, scale and gate live on the root: no unit "", no leading dot,
+    each stage holds the root tensors its code reads, under their own names; tok is shared by both stages."""
+    pins = Pins(tp=1, pp=2, dp=1, zero=0, micro_batch_size=1, schedule="1f1b", recompute="none")
+    compile_model(str(PLAIN), gpus=2, pins=pins, global_batch_size=4, out_dir=tmp_path / "out")
+    prog = read_program(tmp_path / "out")
+    assert [st.modules for st in prog.stages] == [["blocks.0"], ["blocks.1", "norm"]]
+    assert {"tok", "pos"} <= set(prog.stages[0].parameters) and "scale" not in prog.stages[0].parameters
+    assert {"tok", "scale", "gate"} <= set(prog.stages[1].parameters) and prog.stages[1].buffers == ["temperature"]
+    spec = load_model_file(str(PLAIN))
+    whole = build_initialized(spec, seed=0).state_dict()
+    m, init = build_model(spec)
+    canon = canonical_names(m)
+    assert shared_holders(prog, m, canon)["tok"] == [0, 1]
+    for st in prog.stages:
+        names = stage_tensor_names(st, m)
+        assert not [n for n in names if n.startswith(".")]
+        init_weights(init, materialize(m, names, CPU), seed=0)
+        mod = StageModule(st, m, canon, CPU)
+        assert set(mod.state_dict()) == set(names)
+        for k, v in mod.state_dict().items():
+            assert torch.equal(v, whole[k]), k
+
+
+def test_api_in_one_process_with_root_parameters(tmp_path):
+    """partc.runtime.load without --init-checkpoint: the plain model starts from its own init (as one process
+    builds it), trains like one process; a checkpoint and the full state dict hold the root's tensors; a model of
+    bare parameters (the root its only unit) runs too."""
+    import torch.distributed as dist
+
+    import partc.runtime
+    from partc.runtime.testing import reference_run
+
+    (tmp_path / "bare.py").write_text(BARE)
+    pins = Pins(tp=1, pp=1, dp=1, zero=0, micro_batch_size=2, schedule="1f1b", recompute="none")
+    for name, path in (("plain", PLAIN), ("bare", tmp_path / "bare.py")):
+        compile_model(str(path), gpus=1, pins=pins, global_batch_size=4, out_dir=tmp_path / name)
+    assert json.loads((tmp_path / "bare" / "plan.json").read_text())["stages"][0]["modules"] == [""]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        for name, path in (("plain", PLAIN), ("bare", tmp_path / "bare.py")):
+            init = build_initialized(load_model_file(str(path)), seed=4).state_dict()
+            losses, want = reference_run(str(path), init, steps=2, seed=4, global_batch_size=4, optimizer="sgd",
+                                         lr=0.5)
+            prog = partc.runtime.load(tmp_path / name, seed=4, optimizer="sgd", lr=0.5)
+            start = prog.full_state_dict()
+            assert list(start) == list(init) and all(torch.equal(start[k], init[k]) for k in init), name
+            got = [prog.step(*prog.batch(k)) for k in range(2)]
+            assert got == pytest.approx(losses, rel=1e-6) and all(math.isfinite(x) for x in got)
+            sd = prog.full_state_dict()
+            assert all(torch.allclose(sd[k], want[k], rtol=1e-5, atol=1e-7) for k in want), name
+            prog.save(tmp_path / f"ck_{name}", step=2)
+            prog.load_state_dict(init)
+            assert prog.load(tmp_path / f"ck_{name}") == 2
+            assert all(torch.equal(v, sd[k]) for k, v in prog.full_state_dict().items()), name
+    finally:
+        dist.destroy_process_group()
