@@ -5,6 +5,8 @@
 - `tree_map`, `tree_flatten`: arguments and results of any structure (tensor, tuple, dict): recorded ops, targets
   sliced per DP rank and per micro-batch.
 - `storage_key`: which storage a tensor views (meta tensors have storages but no data pointer).
+- ``torch.nn.init._no_grad_trunc_normal_``: replaced while `partc.deferred_init` records a build (it does nothing
+  on meta).
 
 FSDP2, the pipelining schedules, ZeroRedundancyOptimizer and torch.distributed.checkpoint are used through
 their public APIs only.

@@ -10,7 +10,8 @@ storage (a "step" holds tensors as `_Ref`: a storage id and a view of it):
 - every ATen op (a `TorchDispatchMode`): its arguments, and the storages it creates, reads and writes;
 - ``torch.nn.init``'s ``trunc_normal_``, ``orthogonal_``, ``sparse_`` and ``dirac_``, which return early on meta
   (rejection sampling and a QR decomposition read values): one step each, run whole on replay (also when called
-  through Hugging Face's ``transformers.initialization``);
+  through Hugging Face's ``transformers.initialization``; a reference to one of the last three bound before the
+  build is not seen, and the tensor keeps its earlier value);
 - data that no op makes: ``torch.tensor`` / ``as_tensor`` / ``asarray`` / ``Tensor.new_tensor`` of Python or
   NumPy data (a `TorchFunctionMode` makes the values on the CPU and moves them to meta by a recorded op), and real
   tensors the build uses (``torch.from_numpy``, ``torch.load``): kept by reference, copied before a recorded op
@@ -19,7 +20,8 @@ storage (a "step" holds tensors as `_Ref`: a storage id and a view of it):
 Then the model's own initializers run on the meta model, recorded too, as partc ran them before it recorded
 anything (so the bundled examples and Hugging Face models keep their initialization): a Hugging Face
 ``PreTrainedModel``'s ``_init_weights(module)`` over all modules, children first (Hugging Face skips it on meta);
-otherwise a model-wide ``init_weights()`` (torchtitan's convention: the trainer calls it after building on meta).
+otherwise a model-wide ``init_weights()`` (torchtitan's convention: the trainer calls it after building on meta;
+a model whose ``__init__`` calls it already, as partc's examples do, gets the same values again).
 Last, a tensor that still has no reproducible value gets its module's ``reset_parameters()``, if it has one.
 
 Replay (`InitRecord.replay`) walks the record backwards from the wanted tensors' storages to the steps their final
@@ -63,8 +65,10 @@ _EMPTY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_stride
 _METADATA = {"set_", "resize_", "resize_as_", "as_strided_"}
 """In-place ops that change which storage (or how much of it) a tensor views, not the values in it: not steps.
 (A tensor's value is its storage's, looked up at the end.)"""
-_INIT_FUNCTIONS = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
-"""``torch.nn.init`` functions that do nothing on meta: recorded as one step each."""
+_INIT_FUNCTIONS = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+"""``torch.nn.init`` functions that do nothing on meta: recorded as one step each. ``trunc_normal_`` is recorded
+through the helper it looks up when called, so that a reference bound before the build (``from torch.nn.init
+import trunc_normal_``) is seen too."""
 _DATA_FUNCTIONS = (torch.tensor, torch.as_tensor, torch.asarray, Tensor.new_tensor)
 """Factories whose values come from Python data, not from an op."""
 
@@ -251,7 +255,9 @@ def _init_functions_recorded(rec: _Recorder) -> Iterator[None]:
         tables.append(hf.TORCH_INIT_FUNCTIONS)
     saved = []
     for name in _INIT_FUNCTIONS:
-        original = getattr(torch.nn.init, name)
+        original = getattr(torch.nn.init, name, None)
+        if original is None:  # not in this PyTorch
+            continue
 
         def wrapper(tensor, *args, _fn=original, **kwargs):
             if rec.quiet:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
+from torch.nn.init import trunc_normal_ as bound_trunc_normal_
 
 from partc._torch import TorchDispatchMode
 from partc.cli.main import main as cli
@@ -26,6 +27,7 @@ from helpers import EXAMPLES, model_file
 
 PLAIN = Path(__file__).resolve().parent / "plain_init.py"
 CPU = torch.device("cpu")
+INIT_FUNCTIONS = (nn.init._no_grad_trunc_normal_, nn.init.orthogonal_)
 
 
 def _replay(init, names, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -129,15 +131,18 @@ def test_init_functions_that_skip_meta_are_recorded():
             nn.init.orthogonal_(self.o)
             self.conv = nn.Conv1d(3, 3, 3)
             nn.init.dirac_(self.conv.weight)
+            self.bound = nn.Parameter(torch.zeros(4, 4))
+            bound_trunc_normal_(self.bound, std=0.02)  # imported before the build
 
     _, init = record(M)
-    got = _replay(init, ["t", "o", "conv.weight"], seed=2)
+    got = _replay(init, ["t", "o", "conv.weight", "bound"], seed=2)
+    assert got["bound"].std().item() == pytest.approx(0.02, rel=0.5)
     assert got["t"].abs().max() <= 0.5 and got["t"].std() > 0.2
     gen = torch.Generator().manual_seed(seed_of(2, "t"))
     assert torch.equal(got["t"], nn.init.trunc_normal_(torch.empty(64, 8), std=1.0, a=-0.5, b=0.5, generator=gen))
     assert torch.allclose(got["o"] @ got["o"].T, torch.eye(4), atol=1e-5)
     assert torch.equal(got["conv.weight"], nn.init.dirac_(torch.empty(3, 3, 3)))
-    assert nn.init.trunc_normal_.__module__ == "torch.nn.init" and nn.init.trunc_normal_.__name__ == "trunc_normal_"
+    assert (nn.init._no_grad_trunc_normal_, nn.init.orthogonal_) == INIT_FUNCTIONS  # restored after the build
 
 
 # -- what cannot be reproduced -------------------------------------------------------------------------------------
