@@ -78,15 +78,18 @@ def seed_of(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class _Ref:
     """A tensor of the record: a view of one storage."""
 
     key: int
     """The storage (`storage_key`)."""
     dtype: torch.dtype
+    """The view's element type (the storage has none)."""
     size: tuple[int, ...]
+    """The view's shape."""
     stride: tuple[int, ...]
+    """The view's strides, in elements."""
     offset: int
     """Storage offset, in elements of `dtype`."""
 
@@ -103,12 +106,15 @@ class _Step:
     fn: Callable | None
     """What to call (its generator variant for a random step); None for `value`."""
     args: tuple = ()
+    """Positional arguments, tensors as `_Ref`; devices are replaced by the replay's."""
     kwargs: dict | None = None
-    """Tensors as `_Ref`; devices are replaced by the replay's."""
+    """Keyword arguments, likewise."""
     out: Any = None
     """The result's structure, tensors as `_Ref` (to find the storages the step creates)."""
     creates: frozenset[int] = frozenset()
+    """Storages the step allocates (its results', or `value`'s)."""
     reads: frozenset[int] = frozenset()
+    """Storages whose values the step reads."""
     writes: frozenset[int] = frozenset()
     """Storages written in place (not created)."""
     kills: frozenset[int] = frozenset()
@@ -116,6 +122,7 @@ class _Step:
     random: bool = False
     """Replayed with a generator seeded by the name of `seed_ref`'s storage."""
     seed_ref: _Ref | None = None
+    """The tensor a random step fills (written in place, or its result)."""
     empty: bool = False
     """Creates its storages uninitialized (``torch.empty``)."""
     value: Tensor | None = None

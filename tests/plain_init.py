@@ -9,6 +9,7 @@
 - ``pos``: a sinusoid table computed with ``arange``, ``exp``, ``sin`` and ``cos``;
 - ``scale``: derived from ``tok`` (each row's norm over the mean norm); ``gate``: zeros; ``temperature``: a buffer
   from ``torch.tensor(2.0)``. All on the root: the logits are ``(x @ tok.T) * scale / temperature + gate``.
+- ``version``: a buffer on the root that ``forward`` does not read.
 """
 
 import math
@@ -63,6 +64,7 @@ class Plain(nn.Module):
         self.scale = nn.Parameter(norms / norms.mean())
         self.gate = nn.Parameter(torch.zeros(V))
         self.register_buffer("temperature", torch.tensor(2.0))
+        self.register_buffer("version", torch.tensor([1.0, 0.0]))  # read by no stage: the state dict still has it
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self.tok) + self.pos[: ids.shape[1]]
