@@ -118,8 +118,9 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
 
 
 def init_warnings(init: InitRecord) -> list[str]:
-    """A line for the parameters and one for the buffers whose initial values partc cannot reproduce."""
-    lines = []
+    """Notes on the record (an initializer that failed on meta), then a line for the parameters and one for the
+    buffers whose initial values partc cannot reproduce."""
+    lines = list(init.notes)
     for kind, then in (("parameter", "a run without --init-checkpoint FILE stops"),
                        ("buffer", "without --init-checkpoint FILE they start uninitialized")):
         names = [n for n in init.problems if (n in init.parameters) == (kind == "parameter")]

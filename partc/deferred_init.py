@@ -22,7 +22,9 @@ anything (so the bundled examples and Hugging Face models keep their initializat
 ``PreTrainedModel``'s ``_init_weights(module)`` over all modules, children first (Hugging Face skips it on meta);
 otherwise a model-wide ``init_weights()`` (torchtitan's convention: the trainer calls it after building on meta;
 a model whose ``__init__`` calls it already, as partc's examples do, gets the same values again).
-Last, a tensor that still has no reproducible value gets its module's ``reset_parameters()``, if it has one.
+Last, a tensor that still has no reproducible value gets its module's ``reset_parameters()``, if it has one. An
+initializer that fails on meta (it reads a value, or wants arguments) is noted (`InitRecord.notes`, a compile
+warning): what it did not set keeps the value ``__init__`` gives it.
 
 Replay (`InitRecord.replay`) walks the record backwards from the wanted tensors' storages to the steps their final
 values depend on (a step that overwrites a whole storage without reading it, as ``normal_`` or ``copy_`` do, ends
@@ -47,6 +49,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +58,7 @@ from torch.overrides import TorchFunctionMode
 
 from partc._torch import TorchDispatchMode, storage_key
 from partc.errors import PartcError
+from partc.frames import exception_frames, innermost
 from partc.model_file import is_hf
 
 _FILLS = {"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "bernoulli_", "exponential_", "cauchy_",
@@ -292,17 +296,18 @@ def _recording(rec: _Recorder) -> Iterator[None]:
 def record(build: Callable[[], nn.Module]) -> tuple[nn.Module, InitRecord]:
     """Build the model on meta with `build` and run its initializers, recording both (see the module doc)."""
     rec = _Recorder()
+    notes: list[str] = []
     with _recording(rec):
         model = build()
-        _run_initializers(model)
-    init = InitRecord(rec, model)
+        _call(lambda: _run_initializers(model), notes)
+    init = InitRecord(rec, model, notes)
     holders = [m for name, m in model.named_modules() if callable(getattr(m, "reset_parameters", None))
                and any(n.rpartition(".")[0] == name for n in init.problems)]
     if holders:
         with _recording(rec):
             for m in holders:
-                _call(m.reset_parameters, f"{type(m).__name__}.reset_parameters()")
-        init = InitRecord(rec, model)
+                _call(m.reset_parameters, notes)
+        init = InitRecord(rec, model, notes)
     return model, init
 
 
@@ -312,29 +317,37 @@ def _run_initializers(model: nn.Module) -> None:
         def visit(module: nn.Module, init: Callable[[nn.Module], None]) -> None:
             for child in module.children():
                 visit(child, child._init_weights if is_hf(child) else init)
-            _call(lambda: init(module), f"{type(model).__name__}._init_weights({type(module).__name__})")
+            init(module)
         visit(model, model._init_weights)
     elif callable(getattr(model, "init_weights", None)):
-        _call(model.init_weights, f"{type(model).__name__}.init_weights()")
+        model.init_weights()
 
 
-def _call(fn: Callable[[], Any], what: str) -> None:
+def _call(fn: Callable[[], Any], notes: list[str]) -> None:
+    """Run an initializer of the model on meta; if it fails there, note why (the steps it took stay recorded:
+    every rank records the same)."""
     try:
         with torch.no_grad():
             fn()
-    except PartcError:
-        raise
     except Exception as e:
-        text = " ".join(str(e).split())[:300]
-        raise PartcError(f"the model's {what} raised {type(e).__name__}: {text} (partc runs it on the meta "
-                         f"device after building the model)") from None
+        text = " ".join(str(e).split())[:200]
+        notes.append(f"the model's initializer failed on the meta device ({_user_line(e)}{type(e).__name__}: "
+                     f"{text}); what it did not set keeps the value __init__ gives it")
+
+
+def _user_line(e: BaseException) -> str:
+    """'file:line: ' of the innermost frame of `e` in the user's own files; or ''."""
+    frame = innermost(exception_frames(e), installed_packages=False)
+    return f"{Path(frame.filename).name}:{frame.lineno}: " if frame is not None else ""
 
 
 class InitRecord:
     """How a model's construction and initializers set each of its parameters and buffers (see the module doc)."""
 
-    def __init__(self, rec: _Recorder, model: nn.Module):
+    def __init__(self, rec: _Recorder, model: nn.Module, notes: list[str]):
         self._rec = rec
+        self.notes = list(notes)
+        """What to tell the user about the record, one line each (an initializer that failed on meta)."""
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         for _, t in named:
             rec.see(t)  # a real tensor no step made (``torch.load`` into a parameter): its values

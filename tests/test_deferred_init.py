@@ -192,6 +192,25 @@ def test_reset_parameters_sets_what_nothing_else_does():
     assert torch.equal(got["norm.weight"], torch.ones(3)) and torch.equal(got["lin.weight"], torch.zeros(3, 3))
 
 
+def test_an_initializer_that_fails_on_meta_is_noted():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+            self.v = nn.Parameter(torch.ones(3))
+
+        def init_weights(self):
+            nn.init.zeros_(self.w)
+            if self.v.sum() > 0:  # reads a value: impossible on meta
+                nn.init.zeros_(self.v)
+
+    _, init = record(M)
+    assert len(init.notes) == 1 and "failed on the meta device (test_deferred_init.py:" in init.notes[0]
+    assert "keeps the value __init__ gives it" in init.notes[0]
+    got = _replay(init, ["w", "v"])
+    assert torch.equal(got["w"], torch.zeros(3)) and torch.equal(got["v"], torch.ones(3))
+
+
 def test_compile_warns_by_name(tmp_path):
     path = tmp_path / "unset.py"
     path.write_text(textwrap.dedent("""
