@@ -48,7 +48,7 @@ class Program:
 
     def __init__(self, *, files: ProgramFiles, spec: ModelSpec, world: World, model: nn.Module,
                  stages: list[StageModule], optimizers: list[torch.optim.Optimizer], runner: PipelineRunner,
-                 canon: dict[str, str], layout: TPLayout, seed: int, init: InitRecord):
+                 canon: dict[str, str], layout: TPLayout, seed: int, unheld: dict[str, Tensor]):
         self.files = files
         self.plan = files.plan
         self.spec = spec
@@ -62,7 +62,8 @@ class Program:
         """Which parameters the program splits over tp, and how (`partc.sharding`)."""
         self.states = checkpoint.StateDicts(stages, optimizers, canon, layout, world)
         self._model_keys = model.state_dict(keep_vars=True)
-        self._init = init
+        self._unheld = unheld
+        """Buffers of the state dict no stage holds (forward does not read them): their initial values (CPU)."""
 
     # -- training ----------------------------------------------------------------------------------------------
 
@@ -92,13 +93,7 @@ class Program:
     def full_state_dict(self) -> dict[str, Tensor] | None:
         """The model's ``state_dict()`` (same keys and shapes: tensor-parallel shards gathered) on rank 0, None
         elsewhere. Collective."""
-        return checkpoint.full_state_dict(self.states, self._model_keys, self._initial)
-
-    def _initial(self, names: list[str]) -> dict[str, Tensor]:
-        """The values the model's construction gives the named tensors, on the CPU."""
-        out: dict[str, Tensor] = {}
-        self._init.replay(names, "cpu", self.seed, lambda name, value: out.__setitem__(name, value.clone()))
-        return out
+        return checkpoint.full_state_dict(self.states, self._model_keys, self._unheld)
 
     def save(self, directory: str | Path, step: int = 0) -> Path:
         """A sharded checkpoint (model and optimizer) in ``DIR/step-K``. Collective."""
@@ -150,6 +145,13 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
         check_initializable(init, tensors)
         init_weights(init, tensors, seed, layout)
 
+    # The state dict's buffers that no stage reads keep their initial values, for full_state_dict.
+    held = {n for st in files.stages for n in stage_tensor_names(st, model)}
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    unheld: dict[str, Tensor] = {}
+    init.replay([n for n in model.state_dict() if n in buffers and n not in held], "cpu", seed,
+                lambda name, value: unheld.__setitem__(name, value.clone()))
+
     # 4. One module per stage file; copies of a shared weight in two local stages become separate tensors.
     stages = [StageModule(st, model, canon, world.device) for st in local]
     untie_across_stages(stages)
@@ -161,7 +163,7 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     grad_sync = GradSync(stages, world, zero=par.zero, holders=holders, canon=canon)
     runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes)
     return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
-                   runner=runner, canon=canon, layout=layout, seed=seed, init=init)
+                   runner=runner, canon=canon, layout=layout, seed=seed, unheld=unheld)
 
 
 def stage_tensor_names(stage: StageFile, model: nn.Module) -> list[str]:

@@ -229,12 +229,12 @@ def load(path: str | Path, states: StateDicts) -> int:
 
 
 def full_state_dict(states: StateDicts, model_keys: dict[str, Tensor],
-                    initial: Callable[[list[str]], dict[str, Tensor]]) -> dict[str, Tensor] | None:
+                    unheld: dict[str, Tensor]) -> dict[str, Tensor] | None:
     """The model's own ``state_dict()`` (same keys, order and shapes), gathered on rank 0 (None elsewhere):
     FSDP's shards over dp, then tensor-parallel shards over tp (`TPLayout.gather`), then the stages.
 
-    `model_keys`: the meta-built model's ``state_dict(keep_vars=True)`` (the key order); `initial(names)`: the
-    values the model's construction gives buffers no stage holds. Collective: every rank must call it.
+    `model_keys`: the meta-built model's ``state_dict(keep_vars=True)`` (the key order); `unheld`: the values of
+    buffers no stage holds (the ones the model's construction gives them). Collective: every rank must call it.
     """
     world, layout = states.world, states.layout
     local: dict[str, Tensor] = {}
@@ -251,9 +251,8 @@ def full_state_dict(states: StateDicts, model_keys: dict[str, Tensor],
     merged: dict[str, Tensor] = {}
     for part in gathered:
         merged.update(part or {})
-    unread = [k for k in model_keys if states.canon.get(k, k) not in merged]
-    params = [k for k in unread if isinstance(model_keys[k], nn.Parameter)]
-    if params:
-        raise PartcError(f"no stage holds {params[0]}; the program does not use this parameter")
-    merged.update(initial(unread) if unread else {})  # buffers no stage reads: the values __init__ computes
+    merged.update({k: v for k, v in unheld.items() if k not in merged})
+    missing = [k for k in model_keys if states.canon.get(k, k) not in merged]
+    if missing:
+        raise PartcError(f"no stage holds {missing[0]}; the program does not use this parameter")
     return {key: merged[states.canon.get(key, key)] for key in model_keys}
