@@ -97,7 +97,7 @@ def test_random_fills_are_seeded_by_the_name_of_the_tensor_they_fill():
 
 def test_values_from_data_and_outside_tensors():
     """torch.tensor / as_tensor / new_tensor of Python or NumPy data, from_numpy and legacy constructors keep
-    their values; a real tensor the build changes later is copied first."""
+    their values, also copied into a parameter; a real tensor the build changes later is copied first."""
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -112,6 +112,8 @@ def test_values_from_data_and_outside_tensors():
             self.register_buffer("ids", torch.tensor([3, 1, 2]))
             self.g = nn.Parameter(torch.zeros(3, 2))
             self.g.data[self.ids - 1, 0] = torch.tensor([1.0, 2.0, 3.0])
+            self.h = nn.Parameter(torch.empty(2))
+            self.h.data.copy_(torch.from_numpy(np.array([4.0, 5.0], dtype=np.float32)))
 
     got = build_initialized(_plain_spec(M), seed=0).state_dict()
     want = M().state_dict()
