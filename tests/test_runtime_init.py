@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import assert_close_losses, assert_close_states, run_jobs
 from partc.compile import compile_model
-from partc.passes.load import load_model_file
-from partc.passes.search import Pins
+from partc.model_file import load_model_file
+from partc.parallel import Pins
 from partc.runtime.materialize import build_initialized
 from partc.runtime.testing import reference_run
-from test_runtime_dist import assert_close_losses, assert_close_states, run_jobs
+
+pytestmark = pytest.mark.slow  # one torchrun launch of 2 gloo ranks
 
 PLAIN = Path(__file__).resolve().parent / "plain_init.py"
 SEED = 3
@@ -61,7 +63,6 @@ def runs(tmp_path_factory):
     return tmp
 
 
-@pytest.mark.slow
 def test_every_plan_starts_from_what_one_process_gives_and_trains_like_it(runs):
     init = build_initialized(load_model_file(str(PLAIN)), seed=SEED).state_dict()
     assert torch.equal(init["blocks.0.norm.weight"], torch.ones(32)) and init["blocks.1.alpha"].eq(0.1).all()
@@ -76,7 +77,6 @@ def test_every_plan_starts_from_what_one_process_gives_and_trains_like_it(runs):
         assert got["replica_diff"] == 0.0
 
 
-@pytest.mark.slow
 def test_root_tensors_checkpoint_under_one_plan_and_resume_under_another(runs):
     init = build_initialized(load_model_file(str(PLAIN)), seed=SEED).state_dict()
     losses, final = reference_run(str(PLAIN), init, steps=4, seed=SEED, global_batch_size=GBS, **ADAMW)
