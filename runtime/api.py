@@ -29,7 +29,6 @@ import torch
 from torch import Tensor, nn
 
 from partc.collectives import set_tp_group
-from partc.deferred_init import InitRecord
 from partc.errors import PartcError
 from partc.model_file import ModelSpec, load_model_file
 from partc.runtime import checkpoint
