@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.fx._pytree as fx_pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from partc._torch import TorchDispatchMode
 from partc.errors import PartcError
 from partc.frames import innermost, stack_trace_frames
 from partc.ir import ACTIVATION_BYTES, Gemm
