@@ -113,8 +113,10 @@ def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_si
         raise PartcError(f"the model's code called sys.exit({e.code!r}) during partc compile") from None
     if fmt == "json":
         click.echo(result.plan.to_json(), nl=False)
-        return
-    print_summary(result, Path(out_dir) / "plan.json")
+    else:
+        print_summary(result, Path(out_dir) / "plan.json")
+    for line in result.warnings:
+        click.echo(f"warning: {one_line(line)}", err=True)
 
 
 def compress_modules(modules: list[str]) -> str:

@@ -17,12 +17,13 @@ import torch
 
 from partc import output
 from partc.cluster import Cluster, load_cluster
+from partc.deferred_init import InitRecord, record
 from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
 from partc.plan import Plan, Stage, read_plan
 from partc.passes import cost
-from partc.model_file import ModelSpec, build_on_meta, load_model_file
+from partc.model_file import ModelSpec, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
@@ -45,6 +46,8 @@ class CompileResult:
     """None with `--from-plan`."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds: trace (export + measure on meta), passes (graph build), solve (search), total."""
+    warnings: list[str] = field(default_factory=list)
+    """What a run of the program needs to know, one line each (the CLI prints ``warning: LINE``)."""
 
 
 def default_global_batch(gpus: int, seq_len: int | None) -> int:
@@ -76,9 +79,10 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
         raise PartcError(f"--from-plan takes the place of the pins (--{', --'.join(pins.pinned()).replace('_', '-')}); "
                          f"edit the plan instead")
 
-    # 1. Load the model file and build the model on the meta device.
+    # 1. Load the model file and build the model on the meta device, recording how it sets each tensor (to name
+    #    those `partc run` cannot initialize).
     spec = load_model_file(path, entry=entry, seq_len=seq_len)
-    model = build_on_meta(spec)
+    model, init = record(spec.build)
     with torch.device("meta"):
         args, kwargs = spec.inputs(1)
 
@@ -120,7 +124,21 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     timings = {"trace": traced.trace_s, "passes": traced.measure_s, "solve": t_solve - t_trace,
                "codegen": t_end - t_codegen, "total": t_end - t0}
     return CompileResult(plan=plan, best=best, graph=graph, spec=spec, traced=traced, search=result,
-                         timings=timings)
+                         timings=timings, warnings=init_warnings(init))
+
+
+def init_warnings(init: InitRecord) -> list[str]:
+    """Notes on the record (an initializer that failed on meta), then a line for the parameters and one for the
+    buffers whose initial values partc cannot reproduce."""
+    lines = list(init.notes)
+    for kind, then in (("parameter", "a run without --init-checkpoint FILE stops"),
+                       ("buffer", "without --init-checkpoint FILE they start uninitialized")):
+        names = [n for n in init.problems if (n in init.parameters) == (kind == "parameter")]
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            lines.append(f"partc cannot reproduce the initial value of {kind} {', '.join(names[:3])}{more} "
+                         f"({init.problems[names[0]]}); {then}")
+    return lines
 
 
 def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,

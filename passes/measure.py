@@ -14,9 +14,9 @@ import torch
 import torch.fx
 import torch.fx._pytree as fx_pytree
 from torch.export.graph_signature import InputKind
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from partc._torch import TorchDispatchMode
 from partc.errors import PartcError
 from partc.frames import innermost, stack_trace_frames
 from partc.ir import ACTIVATION_BYTES, Gemm

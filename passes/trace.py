@@ -88,13 +88,16 @@ def _units_of(model: nn.Module) -> list[tuple[str, str]]:
         if not units:
             units = [(fqn, "module")]
             break
-    if any(True for _ in model.parameters(recurse=False)):
-        units.insert(0, ("", "module"))
+    # The root's own parameters are read by the root's forward wherever it uses them (an embedding table at the
+    # start, a scale at the end): that code is glue, run by the stage that needs it. The root is a unit only when
+    # nothing else is (a model of bare parameters).
+    if not units and any(True for _ in model.parameters(recurse=False)):
+        units = [("", "module")]
     return units
 
 
 def _owner(fqn: str, names: list[str]) -> str | None:
-    """The longest name in `names` that is `fqn` or a prefix module of it."""
+    """The longest name in `names` that is `fqn` or a prefix module of it (the root unit "" holds everything)."""
     best = None
     for n in names:
         if n == "" or fqn == n or fqn.startswith(n + "."):

@@ -11,9 +11,9 @@
     sd = prog.full_state_dict()             # rank 0: the model's own state_dict(); None elsewhere
 
 `load` does, in order: read the program, join the mesh (and give the stage files its tp group), build the model
-with parameters on meta, allocate and initialize this rank's stages only (with tensor parallelism, this tp rank's
-shard of each split parameter), wrap each stage file as a module, apply ZeRO, build the optimizers and the
-pipeline schedule.
+on meta (recording how its construction sets each tensor: `partc.deferred_init`), allocate and initialize this
+rank's stages only (with tensor parallelism, this tp rank's shard of each split parameter), wrap each stage file
+as a module, apply ZeRO, build the optimizers and the pipeline schedule.
 
 Tensor parallelism is in the stage files: they hold local shards and call `partc.collectives`. Everything
 here that meets a whole tensor (a state dict you pass or get back, a checkpoint) converts between whole tensors
@@ -32,8 +32,8 @@ from partc.collectives import set_tp_group
 from partc.errors import PartcError
 from partc.model_file import ModelSpec, load_model_file
 from partc.runtime import checkpoint, checkpoint_dir
-from partc.runtime.materialize import (build_model, canonical_names, init_weights, load_weights, materialize,
-                                       open_checkpoint)
+from partc.runtime.materialize import (build_model, canonical_names, check_initializable, init_weights,
+                                       load_weights, materialize, open_checkpoint)
 from partc.runtime.mesh import World, init_world
 from partc.runtime.parallelize import GradSync, OptimizerConfig, build_optimizers, parallelize
 from partc.runtime.program import ProgramFiles, StageFile, read_program
@@ -47,7 +47,7 @@ class Program:
 
     def __init__(self, *, files: ProgramFiles, spec: ModelSpec, world: World, model: nn.Module,
                  stages: list[StageModule], optimizers: list[torch.optim.Optimizer], runner: PipelineRunner,
-                 canon: dict[str, str], layout: TPLayout, seed: int):
+                 canon: dict[str, str], layout: TPLayout, seed: int, unheld: dict[str, Tensor]):
         self.files = files
         self.plan = files.plan
         self.spec = spec
@@ -61,6 +61,8 @@ class Program:
         """Which parameters the program splits over tp, and how (`partc.sharding`)."""
         self.states = checkpoint.StateDicts(stages, optimizers, canon, layout, world)
         self._model_keys = model.state_dict(keep_vars=True)
+        self._unheld = unheld
+        """Buffers of the state dict no stage holds (forward does not read them): their initial values (CPU)."""
 
     # -- training ----------------------------------------------------------------------------------------------
 
@@ -90,7 +92,7 @@ class Program:
     def full_state_dict(self) -> dict[str, Tensor] | None:
         """The model's ``state_dict()`` (same keys and shapes: tensor-parallel shards gathered) on rank 0, None
         elsewhere. Collective."""
-        return checkpoint.full_state_dict(self.states, self._model_keys)
+        return checkpoint.full_state_dict(self.states, self._model_keys, self._unheld)
 
     def model_tensors(self) -> list[list]:
         """``[[canonical FQN, shape, dtype], ...]``: what a checkpoint holds of the model (its parameters and
@@ -133,7 +135,7 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes
     #    (the stage files chained on meta, on this rank's shard shapes).
     spec = _load_spec(files)
-    model = build_model(spec)
+    model, init = build_model(spec)
     canon = canonical_names(model, files.tied)
     layout = TPLayout.from_manifest(files.tp, world.tp_rank, canon)
     shapes = stage_shapes(files, model, spec, layout)
@@ -145,10 +147,19 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     if init_checkpoint is not None:
         buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
         aliases = aliases_of(canon)
-        load_weights(tensors, aliases, open_checkpoint(init_checkpoint), where=str(init_checkpoint),
-                     buffers=buffers, layout=layout)
+        unset = load_weights(tensors, aliases, open_checkpoint(init_checkpoint), where=str(init_checkpoint),
+                             buffers=buffers, layout=layout)
+        init_weights(init, {n: tensors[n] for n in unset}, seed, layout)
     else:
-        init_weights(model, tensors, seed, layout)
+        check_initializable(init, tensors)
+        init_weights(init, tensors, seed, layout)
+
+    # The state dict's buffers that no stage reads keep their initial values, for full_state_dict.
+    held = {n for st in files.stages for n in stage_tensor_names(st, model)}
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    unheld: dict[str, Tensor] = {}
+    init.replay([n for n in model.state_dict() if n in buffers and n not in held], "cpu", seed,
+                lambda name, value: unheld.__setitem__(name, value.clone()))
 
     # 4. One module per stage file; copies of a shared weight in two local stages become separate tensors.
     stages = [StageModule(st, model, canon, world.device) for st in local]
@@ -161,16 +172,18 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     grad_sync = GradSync(stages, world, zero=par.zero, holders=holders, canon=canon)
     runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes)
     return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
-                   runner=runner, canon=canon, layout=layout, seed=seed)
+                   runner=runner, canon=canon, layout=layout, seed=seed, unheld=unheld)
 
 
 def stage_tensor_names(stage: StageFile, model: nn.Module) -> list[str]:
-    """FQNs of the parameters and buffers a stage holds: its units' and those its code reads."""
+    """FQNs of the parameters and buffers a stage holds: its units' and those its code reads (the root unit ""
+    of a model of bare parameters holds all of them)."""
     names = list(stage.parameters) + list(stage.buffers)
     for unit in stage.modules:
         mod = model.get_submodule(unit)
-        names += [f"{unit}.{n}" for n, _ in mod.named_parameters(remove_duplicate=False)]
-        names += [f"{unit}.{n}" for n, _ in mod.named_buffers(remove_duplicate=False)]
+        prefix = f"{unit}." if unit else ""
+        names += [prefix + n for n, _ in mod.named_parameters(remove_duplicate=False)]
+        names += [prefix + n for n, _ in mod.named_buffers(remove_duplicate=False)]
     return list(dict.fromkeys(names))
 
 

@@ -246,12 +246,13 @@ def load(path: str | Path, states: StateDicts) -> int:
     return manifest["step"]
 
 
-def full_state_dict(states: StateDicts, model_keys: dict[str, Tensor]) -> dict[str, Tensor] | None:
+def full_state_dict(states: StateDicts, model_keys: dict[str, Tensor],
+                    unheld: dict[str, Tensor]) -> dict[str, Tensor] | None:
     """The model's own ``state_dict()`` (same keys, order and shapes), gathered on rank 0 (None elsewhere):
     FSDP's shards over dp, then tensor-parallel shards over tp (`TPLayout.gather`), then the stages.
 
-    `model_keys`: the meta-built model's ``state_dict(keep_vars=True)``: the key order, and the values of
-    buffers no stage holds. Collective: every rank must call it.
+    `model_keys`: the meta-built model's ``state_dict(keep_vars=True)`` (the key order); `unheld`: the values of
+    buffers no stage holds (the ones the model's construction gives them). Collective: every rank must call it.
     """
     world, layout = states.world, states.layout
     local: dict[str, Tensor] = {}
@@ -268,13 +269,8 @@ def full_state_dict(states: StateDicts, model_keys: dict[str, Tensor]) -> dict[s
     merged: dict[str, Tensor] = {}
     for part in gathered:
         merged.update(part or {})
-    out = {}
-    for key, ref in model_keys.items():
-        c = states.canon.get(key, key)
-        if c in merged:
-            out[key] = merged[c]
-        elif not ref.is_meta:
-            out[key] = ref.detach().cpu()  # a buffer no stage reads: the value __init__ computed
-        else:
-            raise PartcError(f"no stage holds {key}; the program does not use this parameter")
-    return out
+    merged.update({k: v for k, v in unheld.items() if k not in merged})
+    missing = [k for k in model_keys if states.canon.get(k, k) not in merged]
+    if missing:
+        raise PartcError(f"no stage holds {missing[0]}; the program does not use this parameter")
+    return {key: merged[states.canon.get(key, key)] for key in model_keys}

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from partc._torch import set_pg_timeout
 from partc.errors import PartcError
 from partc.parallel import Parallel
-from partc.runtime._torch import set_pg_timeout
 
 
 def check_world_size(par: Parallel, world_size: int) -> None:

@@ -4,7 +4,8 @@ The stage's units (``blocks.3``, ``lm_head``) are attached under their FQNs in a
 so ``state_dict()`` keys are the model's (``blocks.3.attn.qkv.weight``), and everything keyed by FQN (FSDP, the
 optimizer, ``torch.distributed.checkpoint``, ``--save-full-state-dict``) works unchanged. A tensor the code reads
 outside those units (a parameter on the model's root, or an alias of a tied weight the stage's modules do not
-hold) is attached at its own FQN.
+hold) is attached at its own FQN; so is every tensor of the root unit "" (a model of bare parameters, whose root
+is its only unit).
 
 ``forward(*inputs)`` looks the tensors up again on every call (FSDP swaps sharded and unsharded parameters in
 the modules) and calls ``stage.forward(p, *inputs, **self.call_kwargs)``; ``call_kwargs`` is ``{"device": ...}``.
@@ -34,7 +35,11 @@ class StageModule(nn.Module):
         self.recompute = False
         """Recompute the forward in backward (activation checkpointing of the whole stage)."""
         for unit in stage.modules:
-            _attach_module(self, unit, model.get_submodule(unit))
+            if unit:
+                _attach_module(self, unit, model.get_submodule(unit))
+            else:  # the root unit (a model of bare parameters): every tensor at its own FQN
+                for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                    _attach_tensor(self, name, t, model)
         own_params = {n: canon[n] for n, _ in self.named_parameters(remove_duplicate=False)}
         local_by_canon = {c: n for n, c in own_params.items()}
         own_buffers = {n for n, _ in self.named_buffers(remove_duplicate=False)}

@@ -6,10 +6,11 @@
 JOBS.json is a list of jobs: ``{"out": OUT, "steps": N, "seed": S, "optimizer": "sgd", "lr": 0.1,
 "weight_decay": 0.0, "init": FILE (a full state dict, loaded with Program.load_state_dict), "init_checkpoint":
 FILE (the same, passed to load() as --init-checkpoint is), "result": FILE, "save": DIR (optional: a checkpoint
-after the run), "load": DIR (optional: resume from it first)}``. Rank 0 writes ``{"losses": [...], "state": full
-state dict, "start": step resumed from, "replica_diff": the largest difference between tp ranks' copies of a
-parameter the program does not split (0.0: they stay identical)}`` to ``result``. A job ``{"check":
-"collectives", "result": FILE}`` runs `check_collectives` over all ranks instead.
+after the run), "load": DIR (optional: resume from it first), "initial": true (optional: also the full state dict
+before the first step)}``. Rank 0 writes ``{"losses": [...], "state": full state dict, "start": step resumed from,
+"replica_diff": the largest difference between tp ranks' copies of a parameter the program does not split (0.0:
+they stay identical), "initial": the full state dict before the first step, if asked}`` to ``result``. A job
+``{"check": "collectives", "result": FILE}`` runs `check_collectives` over all ranks instead.
 
 The workers leave with ``os._exit`` after destroying the process group (see `partc.runtime.__main__`).
 """
@@ -69,6 +70,7 @@ def run_job(job: dict[str, Any]) -> None:
     if job.get("init"):
         prog.load_state_dict(torch.load(job["init"], weights_only=True))
     start = prog.load(job["load"]) if job.get("load") else 0
+    initial = prog.full_state_dict() if job.get("initial") else None
     losses = []
     for k in range(start, job["steps"]):
         inputs, targets = prog.batch(k)
@@ -78,7 +80,8 @@ def run_job(job: dict[str, Any]) -> None:
     state = prog.full_state_dict()
     diff = replica_diff(prog)
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "state": state, "start": start, "replica_diff": diff}, job["result"])
+        torch.save({"losses": losses, "state": state, "start": start, "replica_diff": diff, "initial": initial},
+                   job["result"])
 
 
 def replica_diff(prog) -> float:

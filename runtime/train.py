@@ -39,9 +39,9 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
+from partc._torch import tree_map
 from partc.errors import PartcError
 from partc.model_file import ModelSpec
-from partc.runtime._torch import tree_map
 from partc.runtime.mesh import World
 from partc.runtime.program import ProgramFiles
 from partc.sharding import TPLayout

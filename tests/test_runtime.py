@@ -24,8 +24,8 @@ from partc.runtime.__main__ import main as runtime_main
 from partc.runtime.api import shared_holders, stage_tensor_names
 from partc.runtime.checkpoint import _canon_key
 from partc.runtime.launch import torchrun_args
-from partc.runtime.materialize import (SeedPerTensor, build_initialized, build_model, canonical_names,
-                                       init_weights, load_weights, materialize, parameters_on_meta)
+from partc.runtime.materialize import (build_initialized, build_model, canonical_names, init_weights, load_weights,
+                                       materialize)
 from partc.runtime.mesh import check_world_size
 from partc.runtime.program import read_program
 from partc.sharding import TPLayout
@@ -62,24 +62,21 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
 
 
-def test_parameters_on_meta_keeps_buffers():
-    with parameters_on_meta():
-        m = Rotary()
-    assert m.proj.weight.is_meta and m.proj.bias.is_meta and isinstance(m.proj.weight, nn.Parameter)
-    assert not m.inv_freq.is_meta
-    assert torch.equal(m.inv_freq, Rotary().inv_freq)
-    assert nn.Module.register_parameter.__name__ == "register_parameter"  # restored
+def test_build_model_is_on_meta_and_keeps_buffers():
+    spec = SimpleNamespace(build=Rotary)
+    m, init = build_model(spec)
+    assert all(t.is_meta for t in [*m.parameters(), *m.buffers()]) and not init.problems
+    whole = build_initialized(spec, seed=0)
+    assert torch.equal(whole.inv_freq, Rotary().inv_freq)  # computed in __init__: replayed exactly
 
 
-def test_hf_llama_rotary_buffer_survives():
+def test_hf_llama_rotary_buffer_survives(tmp_path):
     import transformers as tf
     config = tf.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=64, vocab_size=64)
-    with parameters_on_meta():
-        m = tf.LlamaForCausalLM(config)
+    whole = build_initialized(SimpleNamespace(build=lambda: tf.LlamaForCausalLM(config)), seed=0)
     ref = tf.LlamaForCausalLM(config)
-    assert all(p.is_meta for p in m.parameters())
-    assert torch.equal(m.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+    assert torch.equal(whole.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
 
 
 @pytest.mark.parametrize("model,part", [("gpt", ("blocks.1.", "lm_head.")),
@@ -87,10 +84,10 @@ def test_hf_llama_rotary_buffer_survives():
 def test_part_initializes_like_the_whole_model(model, part):
     spec = load_model_file(str(EXAMPLES / f"{model}.py"))
     whole = build_initialized(spec, seed=3).state_dict()
-    m = build_model(spec)
+    m, init = build_model(spec)
     names = [n for n, _ in m.named_parameters(remove_duplicate=False) if n.startswith(part)]
     tensors = materialize(m, names, CPU)
-    init_weights(m, tensors, seed=3)
+    init_weights(init, tensors, seed=3)
     assert tensors
     for name, t in tensors.items():
         assert torch.equal(t, whole[name]), name
@@ -107,22 +104,9 @@ def test_gpt_init_is_the_models_own():
     assert torch.equal(whole.blocks[0].ln_1.weight, torch.ones(64))
 
 
-def test_seed_per_tensor():
-    t = torch.empty(4, 3)
-    with SeedPerTensor({"w": t}, seed=0):
-        nn.init.normal_(t[:2])
-        nn.init.normal_(t[2:])
-    assert not torch.equal(t[:2], t[2:])  # views are seeded by their offset too
-    first = t.clone()
-    with SeedPerTensor({"w": t}, seed=0):
-        nn.init.normal_(t[:2])
-        nn.init.normal_(t[2:])
-    assert torch.equal(t, first)
-
-
 def test_materialize_keeps_ties_and_canonical_names():
     spec = load_model_file(str(EXAMPLES / "hf_gpt2.py"))
-    m = build_model(spec)
+    m, _ = build_model(spec)
     canon = canonical_names(m, [["lm_head.weight", "transformer.wte.weight"]])
     assert canon["lm_head.weight"] == "transformer.wte.weight"
     tensors = materialize(m, ["lm_head.weight"], CPU)
@@ -135,11 +119,11 @@ def test_materialize_keeps_ties_and_canonical_names():
 def test_load_weights_by_alias_and_errors():
     spec = load_model_file(str(EXAMPLES / "hf_gpt2.py"))
     ref = spec.build().state_dict()
-    m = build_model(spec)
+    m, _ = build_model(spec)
     tensors = materialize(m, ["lm_head.weight", "transformer.ln_f.weight"], CPU)
     only_head = {"lm_head.weight": ref["lm_head.weight"], "transformer.ln_f.weight": ref["transformer.ln_f.weight"]}
     aliases = {"transformer.wte.weight": ["transformer.wte.weight", "lm_head.weight"]}
-    load_weights(tensors, aliases, only_head, where="x.pt", buffers=set())
+    assert load_weights(tensors, aliases, only_head, where="x.pt", buffers=set()) == []
     assert torch.equal(m.transformer.wte.weight, ref["transformer.wte.weight"])
     with pytest.raises(PartcError, match="x.pt has no transformer.ln_f.weight"):
         load_weights(tensors, aliases, {"lm_head.weight": ref["lm_head.weight"]}, where="x.pt", buffers=set())
@@ -160,7 +144,7 @@ def _gpt_layout(rank: int, canon: dict[str, str]) -> TPLayout:
 
 
 def test_tp_layout_shapes_and_parts():
-    m = build_model(load_model_file(str(EXAMPLES / "gpt.py")))
+    m, _ = build_model(load_model_file(str(EXAMPLES / "gpt.py")))
     layout = _gpt_layout(1, canonical_names(m))
     assert layout.local_shape("blocks.0.attn.qkv.weight", (192, 64)) == (96, 64)
     assert layout.full_shape("blocks.0.attn.proj.weight", (64, 32)) == (64, 64)
@@ -185,7 +169,7 @@ def test_shards_initialize_like_the_whole_model(model, monkeypatch):
     spec = load_model_file(str(EXAMPLES / f"{model}.py"))
     whole = build_initialized(spec, seed=3).state_dict()
     for rank in range(2):
-        m = build_model(spec)
+        m, init = build_model(spec)
         canon = canonical_names(m, [["lm_head.weight", "transformer.wte.weight"]] if model == "hf_gpt2" else [])
         if model == "gpt":
             layout = _gpt_layout(rank, canon)
@@ -198,7 +182,7 @@ def test_shards_initialize_like_the_whole_model(model, monkeypatch):
             layout = TPLayout.from_manifest({"degree": 2, "shards": shards}, rank, canon)
             names = [n for n in canon if n.startswith(("transformer.h.0.", "lm_head."))]
         tensors = materialize(m, names, CPU, layout)
-        init_weights(m, tensors, seed=3, layout=layout)
+        init_weights(init, tensors, seed=3, layout=layout)
         assert tensors["blocks.0.attn.qkv.weight" if model == "gpt" else "transformer.h.0.attn.c_attn.weight"] \
             .shape[0 if model == "gpt" else 1] == 96
         for name, t in tensors.items():
@@ -211,7 +195,7 @@ def test_shards_initialize_like_the_whole_model(model, monkeypatch):
 def test_load_weights_takes_this_ranks_shard():
     spec = load_model_file(str(EXAMPLES / "gpt.py"))
     ref = spec.build().state_dict()
-    m = build_model(spec)
+    m, _ = build_model(spec)
     layout = _gpt_layout(1, canonical_names(m))
     tensors = materialize(m, ["blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight"], CPU, layout)
     load_weights(tensors, {}, ref, where="x.pt", buffers=set(), layout=layout)
@@ -237,7 +221,7 @@ def test_stage_shapes_on_shards(tmp_path):
     compile_model(str(EXAMPLES / "gpt.py"), gpus=2, from_plan=str(tmp_path / "edited.json"), out_dir=out)
     prog = read_program(out)
     spec = load_model_file(prog.model_path)
-    m = build_model(spec)
+    m, _ = build_model(spec)
     collectives.set_tp_group(None)
     with pytest.raises(RuntimeError):  # whole weights do not fit the program's local shapes
         stage_shapes(prog, m, spec)
@@ -254,11 +238,11 @@ def test_stage_module_runs_the_stage_file_under_the_models_names(gpt_pp2):
     prog = read_program(gpt_pp2)
     spec = load_model_file(prog.model_path)
     whole = build_initialized(spec, seed=0)
-    m = build_model(spec)
+    m, init = build_model(spec)
     canon = canonical_names(m)
     st = prog.stages[1]
     tensors = materialize(m, stage_tensor_names(st, m), CPU)
-    init_weights(m, tensors, seed=0)
+    init_weights(init, tensors, seed=0)
     mod = StageModule(st, m, canon, CPU)
     keys = list(mod.state_dict())
     assert keys and all(any(k.startswith(u + ".") for u in st.modules) for k in keys)
@@ -274,7 +258,7 @@ def test_stage_module_runs_the_stage_file_under_the_models_names(gpt_pp2):
 
 def test_stage_module_resolves_aliases_and_outside_tensors(hf_pp2):
     prog = read_program(hf_pp2)
-    m = build_model(load_model_file(prog.model_path))
+    m, _ = build_model(load_model_file(prog.model_path))
     canon = canonical_names(m, prog.tied)
     last = prog.stages[-1]
     fake = SimpleNamespace(index=9, code=last.code, modules=["lm_head"],
@@ -289,7 +273,7 @@ def test_stage_module_resolves_aliases_and_outside_tensors(hf_pp2):
 
 def test_shared_holders_span_stages(hf_pp2):
     prog = read_program(hf_pp2)
-    m = build_model(load_model_file(prog.model_path))
+    m, _ = build_model(load_model_file(prog.model_path))
     holders = shared_holders(prog, m, canonical_names(m, prog.tied))
     assert holders["transformer.wte.weight"] == [0, 1]
     assert all(len(v) == 1 for k, v in holders.items() if k != "transformer.wte.weight")
@@ -298,7 +282,7 @@ def test_shared_holders_span_stages(hf_pp2):
 def test_stage_shapes_chain_on_meta(gpt_pp2):
     prog = read_program(gpt_pp2)
     spec = load_model_file(prog.model_path)
-    (in0, out0), (in1, out1) = stage_shapes(prog, build_model(spec), spec)
+    (in0, out0), (in1, out1) = stage_shapes(prog, build_model(spec)[0], spec)
     assert in0[0].dtype == torch.long and not in0[0].requires_grad
     assert out0[0].shape == (1, 64, 64) and out0[0].requires_grad and out0[0].is_meta
     assert in1[0].shape == out0[0].shape and out1[0].shape == (1, 64, 512)
@@ -416,5 +400,97 @@ def test_api_in_one_process(tmp_path):
         assert all(torch.equal(v, sd[k]) for k, v in prog.full_state_dict().items())
         with pytest.raises(ValueError, match="global batch is 4 samples, got 2"):
             prog.step((torch.zeros(2, 64, dtype=torch.long),), torch.zeros(2, 64, dtype=torch.long))
+    finally:
+        dist.destroy_process_group()
+
+
+# -- parameters on the model's root --------------------------------------------------------------------------------
+
+PLAIN = Path(__file__).resolve().parent / "plain_init.py"
+BARE = '''import torch
+from torch import nn
+
+
+class Bare(nn.Module):
+    """Bare parameters: the root is the only unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 16) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(16, 4) * 0.3)
+        self.register_buffer("shift", torch.full((4,), 0.5))
+
+    def forward(self, x):
+        return torch.relu(x @ self.w1) @ self.w2 + self.shift
+
+
+def model():
+    return Bare()
+
+
+def example_inputs(b):
+    return (torch.randn(b, 8),)
+
+
+def example_targets(b):
+    return torch.randint(0, 4, (b,))
+'''
+
+
+def test_root_parameters_go_with_the_stages_that_read_them(tmp_path):
+    """tok (embedding and output projection), pos, scale and gate live on the root: no unit "", no leading dot,
+    each stage holds the root tensors its code reads, under their own names; tok is shared by both stages."""
+    pins = Pins(tp=1, pp=2, dp=1, zero=0, micro_batch_size=1, schedule="1f1b", recompute="none")
+    compile_model(str(PLAIN), gpus=2, pins=pins, global_batch_size=4, out_dir=tmp_path / "out")
+    prog = read_program(tmp_path / "out")
+    assert [st.modules for st in prog.stages] == [["blocks.0"], ["blocks.1", "norm"]]
+    assert {"tok", "pos"} <= set(prog.stages[0].parameters) and "scale" not in prog.stages[0].parameters
+    assert {"tok", "scale", "gate"} <= set(prog.stages[1].parameters) and prog.stages[1].buffers == ["temperature"]
+    spec = load_model_file(str(PLAIN))
+    whole = build_initialized(spec, seed=0).state_dict()
+    m, init = build_model(spec)
+    canon = canonical_names(m)
+    assert shared_holders(prog, m, canon)["tok"] == [0, 1]
+    for st in prog.stages:
+        names = stage_tensor_names(st, m)
+        assert not [n for n in names if n.startswith(".")]
+        init_weights(init, materialize(m, names, CPU), seed=0)
+        mod = StageModule(st, m, canon, CPU)
+        assert set(mod.state_dict()) == set(names)
+        for k, v in mod.state_dict().items():
+            assert torch.equal(v, whole[k]), k
+
+
+def test_api_in_one_process_with_root_parameters(tmp_path):
+    """partc.runtime.load without --init-checkpoint: the plain model starts from its own init (as one process
+    builds it), trains like one process; a checkpoint and the full state dict hold the root's tensors; a model of
+    bare parameters (the root its only unit) runs too."""
+    import torch.distributed as dist
+
+    import partc.runtime
+    from partc.runtime.testing import reference_run
+
+    (tmp_path / "bare.py").write_text(BARE)
+    pins = Pins(tp=1, pp=1, dp=1, zero=0, micro_batch_size=2, schedule="1f1b", recompute="none")
+    for name, path in (("plain", PLAIN), ("bare", tmp_path / "bare.py")):
+        compile_model(str(path), gpus=1, pins=pins, global_batch_size=4, out_dir=tmp_path / name)
+    assert json.loads((tmp_path / "bare" / "plan.json").read_text())["stages"][0]["modules"] == [""]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        for name, path in (("plain", PLAIN), ("bare", tmp_path / "bare.py")):
+            init = build_initialized(load_model_file(str(path)), seed=4).state_dict()
+            losses, want = reference_run(str(path), init, steps=2, seed=4, global_batch_size=4, optimizer="sgd",
+                                         lr=0.5)
+            prog = partc.runtime.load(tmp_path / name, seed=4, optimizer="sgd", lr=0.5)
+            start = prog.full_state_dict()
+            assert list(start) == list(init) and all(torch.equal(start[k], init[k]) for k in init), name
+            got = [prog.step(*prog.batch(k)) for k in range(2)]
+            assert got == pytest.approx(losses, rel=1e-6) and all(math.isfinite(x) for x in got)
+            sd = prog.full_state_dict()
+            assert all(torch.allclose(sd[k], want[k], rtol=1e-5, atol=1e-7) for k in want), name
+            prog.save(tmp_path / f"ck_{name}", step=2)
+            prog.load_state_dict(init)
+            assert prog.load(tmp_path / f"ck_{name}") == 2
+            assert all(torch.equal(v, sd[k]) for k, v in prog.full_state_dict().items()), name
     finally:
         dist.destroy_process_group()
