@@ -68,7 +68,9 @@ class StageModule(nn.Module):
         return self._run(*inputs)
 
     def _run(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        return tuple(self.code.forward(self.tensors(), *inputs, **self.call_kwargs))
+        # Contiguous: a stage may hand over a view (BERT's and OPT's attention mask, expanded from a row), and the
+        # pipeline sends and receives dense buffers (`train.stage_shapes` gives them the same contiguous layout).
+        return tuple(t.contiguous() for t in self.code.forward(self.tensors(), *inputs, **self.call_kwargs))
 
 
 def _container(root: nn.Module, path: list[str]) -> nn.Module:

@@ -72,7 +72,9 @@ def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
                  layout: TPLayout | None = None) -> list[tuple[tuple[Tensor, ...], ...]]:
     """(inputs, outputs) of every stage for one micro-batch, as meta tensors: the stage files run in a chain on
     the meta device (no memory, no compute). `PipelineStage` takes them as static shapes, so no stage runs a
-    warm-up forward on made-up activations (made-up token ids would index out of range). With tensor
+    warm-up forward on made-up activations (made-up token ids would index out of range). The outputs are
+    contiguous, as `StageModule` returns them: torch sizes receive buffers with the strides given here, and a view
+    (an attention mask expanded from a row, strides 0) cannot be received into. With tensor
     parallelism the parameters are this rank's shards (`layout`) and the collectives only compute shapes."""
     b = program.micro_batch_size
     with torch.device("meta"):
@@ -83,7 +85,7 @@ def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
     meta = torch.device("meta")
     shapes = []
     for st in program.stages:
-        out = tuple(st.code.forward(p, *x, device=meta))
+        out = tuple(t.contiguous() for t in st.code.forward(p, *x, device=meta))  # as `StageModule` sends them
         shapes.append((x, out))
         x = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
     return shapes

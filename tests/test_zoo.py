@@ -1,0 +1,54 @@
+"""Model families a user brings (issue #14), single process: what each fix changes, checked without torchrun.
+The multi-process runs against one process are in test_zoo_dist.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partc.compile import compile_model
+from partc.model_file import load_model_file
+from partc.parallel import Pins
+from partc.runtime.api import stage_tensor_names
+from partc.runtime.materialize import build_model, canonical_names, init_weights, materialize
+from partc.runtime.program import read_program
+from partc.runtime.stage import StageModule
+from partc.runtime.train import flatten_inputs, global_batch, stage_shapes
+from zoo_models import write_zoo_model
+
+CPU = torch.device("cpu")
+
+
+def _compile(tmp_path, path, *, pp=1, dp=1, zero=0, gbs=4, seq_len=None, name="out", **kw):
+    pins = Pins(tp=1, pp=pp, dp=dp, zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none")
+    return compile_model(path, gpus=pp * dp, pins=pins, global_batch_size=gbs, seq_len=seq_len,
+                         out_dir=tmp_path / name, **kw)
+
+
+# -- 1. pipeline sends of non-contiguous tensors -----------------------------------------------------------------
+
+
+def test_stage_outputs_are_contiguous_as_sent(tmp_path):
+    """RoBERTa's stage 0 hands stage 1 the attention mask expanded from a row (strides 0): the stage module
+    returns it dense, and the shapes the receive buffers are made from have dense strides."""
+    path = write_zoo_model(tmp_path, "roberta")
+    _compile(tmp_path, path, pp=2, seq_len=16)
+    prog = read_program(tmp_path / "out")
+    spec = load_model_file(prog.model_path, seq_len=16)
+    m, init = build_model(spec)
+    (_, sent), (received, _) = stage_shapes(prog, m, spec)
+    assert len(sent) >= 2, "stage 0 sends the mask and the hidden states"
+    for t in (*sent, *received):
+        assert t.is_contiguous(), (t.shape, t.stride())
+
+    st = prog.stages[0]
+    tensors = materialize(m, stage_tensor_names(st, m), CPU)
+    init_weights(init, tensors, seed=0)
+    args, kwargs, _ = global_batch(spec, 0, 0, 1)
+    raw = st.code.forward(StageModule(st, m, canonical_names(m), CPU).tensors(),
+                          *flatten_inputs(args, kwargs, prog.input_keys), device=CPU)
+    assert not all(t.is_contiguous() for t in raw), "the case this test is about: a view among the outputs"
+    out = StageModule(st, m, canonical_names(m), CPU)(*flatten_inputs(args, kwargs, prog.input_keys))
+    assert all(t.is_contiguous() for t in out)
+    assert all(torch.equal(a, b) for a, b in zip(out, raw))
+    assert [t.shape for t in out] == [t.shape for t in sent]

@@ -1,0 +1,36 @@
+"""Tiny model files of the families issue #14 found failing, built from their config classes (no downloads):
+two layers (or stages), hidden size 32-64, dropout off, so a program can be compared with one process exactly.
+`write_zoo_model(dir, name)` writes ZOO[name] as DIR/zoo_NAME.py and returns its path."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+ZOO = {
+    "roberta": """
+        from transformers import RobertaConfig, RobertaForMaskedLM
+
+        def model():
+            return RobertaForMaskedLM(RobertaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                                    num_attention_heads=4, intermediate_size=128,
+                                                    max_position_embeddings=130, hidden_dropout_prob=0.0,
+                                                    attention_probs_dropout_prob=0.0))
+    """,
+    "opt": """
+        from transformers import OPTConfig, OPTForCausalLM
+
+        def model():
+            return OPTForCausalLM(OPTConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                                            num_attention_heads=4, max_position_embeddings=128,
+                                            word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
+                                            layerdrop=0.0))
+    """,
+}
+"""Model files that define only ``model()``: partc synthesizes the inputs."""
+
+
+def write_zoo_model(directory: Path, name: str) -> str:
+    path = Path(directory) / f"zoo_{name}.py"
+    path.write_text(textwrap.dedent(ZOO[name]))
+    return str(path)
