@@ -215,9 +215,13 @@ def untie_across_stages(stages: list[StageModule]) -> None:
 
 
 def _load_spec(files: ProgramFiles) -> ModelSpec:
+    """The model file as compiled: token inputs partc synthesizes get the plan's length again. An image model
+    (its spec has no length) keeps its own inputs: the plan's ``seq_len`` is then the patch count the trace saw,
+    not something ``--seq-len`` set."""
     seq_len = files.plan.model.get("seq_len")
     spec = load_model_file(files.model_path, entry=files.entry)
-    if seq_len and spec.seq_len != seq_len and not hasattr(spec.module, "example_inputs"):
+    if seq_len and spec.seq_len is not None and spec.seq_len != seq_len \
+            and not hasattr(spec.module, "example_inputs"):
         spec = load_model_file(files.model_path, entry=files.entry, seq_len=seq_len)  # synthesized HF inputs
     return spec
 

@@ -52,3 +52,23 @@ def test_stage_outputs_are_contiguous_as_sent(tmp_path):
     assert all(t.is_contiguous() for t in out)
     assert all(torch.equal(a, b) for a, b in zip(out, raw))
     assert [t.shape for t in out] == [t.shape for t in sent]
+
+
+# -- 2. Hugging Face image models in partc run -------------------------------------------------------------------
+
+
+def test_runtime_keeps_an_image_models_own_inputs(tmp_path):
+    """The plan's seq_len of Swin is the tokens per sample the trace saw (a window's patches); the runtime does not pass it back as --seq-len
+    (which an image model refuses), while a token model's synthesized length is the plan's."""
+    from partc.runtime.api import _load_spec
+
+    _compile(tmp_path, write_zoo_model(tmp_path, "swin"), name="swin")
+    files = read_program(tmp_path / "swin")
+    assert files.plan.model["seq_len"]
+    spec = _load_spec(files)
+    assert spec.seq_len is None
+    with torch.device("meta"):
+        assert spec.inputs(2)[1]["pixel_values"].shape == (2, 3, 32, 32)
+
+    _compile(tmp_path, write_zoo_model(tmp_path, "opt"), seq_len=16, name="opt")
+    assert _load_spec(read_program(tmp_path / "opt")).seq_len == 16

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow  # one torchrun launch of 2 gloo ranks
 CONFIGS = {
     "roberta_pp2": ("roberta", 2, 1, 0, 4, 16),  # stage 0 sends an expanded attention mask
     "opt_pp2": ("opt", 2, 1, 0, 4, 16),
+    "swin_pp2": ("swin", 2, 1, 0, 4, None),  # an image model: the runtime keeps its own inputs
 }
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}

@@ -26,6 +26,15 @@ ZOO = {
                                             word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
                                             layerdrop=0.0))
     """,
+    "swin": """
+        from transformers import SwinConfig, SwinForImageClassification
+
+        def model():
+            return SwinForImageClassification(SwinConfig(image_size=32, patch_size=4, num_channels=3, embed_dim=16,
+                                                         depths=[1, 1], num_heads=[2, 4], window_size=4,
+                                                         num_labels=10, hidden_dropout_prob=0.0,
+                                                         attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+    """,
 }
 """Model files that define only ``model()``: partc synthesizes the inputs."""
 
