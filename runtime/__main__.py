@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             supervise.report(f"{supervise.stall_message(stalled, heartbeat.timeout_s)}; rank {heartbeat.rank}: "
                              f"{supervise.summary_line(e)}", kind="stall", stalled=[r for r, _, _ in stalled])
             supervise.kill_siblings(stalled)
+        elif (peer := supervise.peer_failure()) is not None:  # the echo of another rank's failure
+            supervise.report(f"after rank {peer[0]} failed: {supervise.summary_line(e)}", kind="internal")
         else:
             traceback.print_exc()
             supervise.report(supervise.summary_line(e), kind="internal")

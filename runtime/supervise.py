@@ -8,8 +8,11 @@ elsewhere a thread that watches the parent pid). So no worker trains on, or writ
 Error reports. `report`: a rank that fails writes one line to torchrun's per-rank error file
 (``TORCHELASTIC_ERROR_FILE``, which torchrun's agent reads into its failure summary) with partc's ``kind``:
 ``user`` (a `PartcError`; the worker exits 2), ``internal`` (any other exception; exit 1, after the traceback)
-or ``stall``. `partc run` prints these lines (`partc.runtime.launch`); under torchrun itself rank 0 also prints
-its line, and every other rank its line if it is not a user error (user errors are the same on every rank).
+or ``stall``. `partc run` prints these lines (`partc.runtime.launch`). Under torchrun itself every rank prints
+its own line, once per distinct message (a user error is mostly the same on every rank, but one only the last
+stage sees, in the loss, is not): the ranks claim each message in torchrun's store, ``partc/errors/``, where each
+also leaves its line. A rank whose collective fails after another rank has reported (its peer is gone) names
+that rank and prints no traceback (`peer_failure`): the first failure is the cause, the rest its echo.
 
 Heartbeat. `Heartbeat`: every rank sets ``partc/heartbeat/<rank>`` in torchrun's store (time, step, pid) every
 ``--collective-timeout / 10`` seconds (0.5 to 10 s) from a thread, which runs while the main thread waits in a
@@ -21,6 +24,7 @@ the ranks that are silent for three intervals (`Heartbeat.stalled`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -37,6 +41,8 @@ WATCHERS = 2
 """Ranks 0 .. WATCHERS - 1 watch the others' heartbeats."""
 
 _current: Heartbeat | None = None
+_errors: list = []
+"""[the store of error lines (torchrun's, under ``partc/errors/``) or None], once looked up."""
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -63,10 +69,59 @@ def report(message: str, *, kind: str, stalled: list[int] | None = None) -> bool
                 json.dump(data, f)
         except OSError:
             pass
-    if not os.environ.get(LAUNCHER_ENV) and (rank == 0 or kind != "user"):
+    store = error_store()
+    first = rank == 0 or kind != "user"  # without a store: user errors are mostly the same on every rank
+    if store is not None:
+        try:
+            store.set(f"rank/{rank}", json.dumps({"message": message, "time": time.time()}))
+            first = store.add(f"line/{hashlib.sha256(message.encode()).hexdigest()}", 1) == 1
+        except Exception:  # the store is gone: the job is ending
+            pass
+    if not os.environ.get(LAUNCHER_ENV) and first:
         prefix = f"rank {rank}: " if world > 1 and kind == "internal" else ""
         print(f"error: {prefix}{message}", file=sys.stderr, flush=True)
     return True
+
+
+def error_store():
+    """torchrun's store under ``partc/errors/<restart>/`` (see the module docstring); None in one process or when
+    it cannot be joined."""
+    if not _errors:
+        _errors.append(None)
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if rank_and_world()[1] > 1 and addr and port:
+            try:
+                import torch.distributed as dist
+
+                store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=5))
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                _errors[0] = dist.PrefixStore(f"partc/errors/{attempt}/", store)
+            except Exception:
+                pass
+    return _errors[0]
+
+
+def peer_failure(wait_s: float = 2.0) -> tuple[int, str] | None:
+    """(rank, its line) of the first other rank that reported a failure, waiting up to `wait_s` for one (a peer
+    that failed may still be writing its report when this rank's collective notices it is gone); None if none
+    did or there is no store."""
+    store = error_store()
+    if store is None:
+        return None
+    rank, world = rank_and_world()
+    keys = [f"rank/{r}" for r in range(world) if r != rank]
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            found = [(json.loads(store.get(k)), int(k.split("/")[1])) for k in keys if store.check([k])]
+        except Exception:
+            return None
+        if found:
+            info, r = min(found, key=lambda x: x[0]["time"])
+            return r, info["message"]
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)
 
 
 def summary_line(e: BaseException) -> str:

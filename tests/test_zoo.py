@@ -72,3 +72,41 @@ def test_runtime_keeps_an_image_models_own_inputs(tmp_path):
 
     _compile(tmp_path, write_zoo_model(tmp_path, "opt"), seq_len=16, name="opt")
     assert _load_spec(read_program(tmp_path / "opt")).seq_len == 16
+
+
+# -- 10. an error on a rank other than 0 reaches the user --------------------------------------------------------
+
+
+@pytest.fixture
+def error_store(monkeypatch):
+    """torchrun's store, as the ranks of a 2-rank job find it (a fresh one, served by this process)."""
+    import torch.distributed as dist
+    from partc.runtime import supervise
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master.port), "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.delenv(supervise.LAUNCHER_ENV, raising=False)
+
+    def as_rank(rank: int):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setattr(supervise, "_errors", [])  # each rank is its own process, with its own connection
+
+    yield as_rank
+    monkeypatch.setattr(supervise, "_errors", [])
+
+
+def test_every_ranks_error_line_is_printed_once(error_store, capsys):
+    from partc.runtime import supervise
+
+    error_store(1)  # a user error only the last stage sees: printed, though rank 1 is not rank 0
+    assert supervise.peer_failure(wait_s=0.0) is None
+    supervise.report("cannot find logits in the model's outputs (dict)", kind="user")
+    error_store(0)  # rank 0's collective fails because rank 1 left: it names rank 1
+    assert supervise.peer_failure(wait_s=0.0) == (1, "cannot find logits in the model's outputs (dict)")
+    supervise.report("cannot find logits in the model's outputs (dict)", kind="user")  # the same line: once
+    supervise.report("after rank 1 failed: RuntimeError: Connection closed by peer", kind="internal")
+    assert capsys.readouterr().err.splitlines() == [
+        "error: cannot find logits in the model's outputs (dict)",
+        "error: rank 0: after rank 1 failed: RuntimeError: Connection closed by peer"]

@@ -57,3 +57,47 @@ def test_matches_one_process(runs, name):
     # Attention's key bias has a zero gradient (softmax ignores a shift): there both sides hold rounding noise.
     assert_close_states(got["state"], state, atol=1e-9)
     assert any(not torch.equal(state[k], init[k]) for k in state), "training must change the weights"
+
+
+NO_LOGITS = """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return {"hidden": self.b(torch.relu(self.a(x)))}
+
+    def model():
+        return Net()
+
+    def example_inputs(batch_size):
+        return (torch.randn(batch_size, 8),)
+
+    def example_targets(batch_size):
+        return torch.randint(0, 8, (batch_size,))
+"""
+
+
+def test_error_of_the_last_stage_reaches_the_user_under_torchrun(tmp_path):
+    """The default loss finds no logits: a user error on rank 1 (the last stage) only. Under plain torchrun its line
+    is printed, and rank 0, whose send fails because rank 1 left, names rank 1 without a traceback."""
+    import textwrap
+
+    from helpers import torchrun
+
+    path = tmp_path / "no_logits.py"
+    path.write_text(textwrap.dedent(NO_LOGITS))
+    pins = Pins(tp=1, pp=2, dp=1, zero=0, micro_batch_size=1, schedule="1f1b", recompute="none")
+    compile_model(str(path), gpus=2, pins=pins, global_batch_size=4, out_dir=tmp_path / "out")
+    res = torchrun(2, ["-m", "partc.runtime", str(tmp_path / "out"), "--steps", "2"], check=False)
+    assert res.returncode != 0
+    errors = [line for line in res.stdout.splitlines() if line.startswith("error:")]
+    assert errors[0] == "error: cannot find logits in the model's outputs (dict); define loss_fn(outputs, " \
+                        "targets) in the model file", res.stdout
+    assert len(errors) == 2 and errors[1].startswith("error: rank 0: after rank 1 failed: "), res.stdout
+    assert "pipelining/schedules.py" not in res.stdout, "no worker traceback"
