@@ -433,6 +433,8 @@ def _hf_inputs(model: nn.Module, shown: str, seq_len: int | None
     if main == "pixel_values":
         if seq_len is not None:
             raise PartcError(f"--seq-len does not apply to {cls} in {shown}, an image model")
+        vision = getattr(config, "vision_config", None)  # CLIP and other two-tower models keep it there
+        config = config if getattr(config, "image_size", None) is not None or vision is None else vision
         size = getattr(config, "image_size", None)
         size = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, (list, tuple)) else None
         if size is None or len(size) != 2:

@@ -70,6 +70,10 @@ def test_runtime_keeps_an_image_models_own_inputs(tmp_path):
     with torch.device("meta"):
         assert spec.inputs(2)[1]["pixel_values"].shape == (2, 3, 32, 32)
 
+    clip = load_model_file(write_zoo_model(tmp_path, "clip"))  # the vision tower's config holds image_size
+    with torch.device("meta"):
+        assert clip.inputs(2)[1]["pixel_values"].shape == (2, 3, 32, 32)
+
     _compile(tmp_path, write_zoo_model(tmp_path, "opt"), seq_len=16, name="opt")
     assert _load_spec(read_program(tmp_path / "opt")).seq_len == 16
 

@@ -35,6 +35,14 @@ ZOO = {
                                                          num_labels=10, hidden_dropout_prob=0.0,
                                                          attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
     """,
+    "clip": """
+        from transformers import CLIPConfig, CLIPForImageClassification, CLIPVisionConfig
+
+        def model():
+            vision = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, attention_dropout=0.0)
+            return CLIPForImageClassification(CLIPConfig(vision_config=vision.to_dict(), num_labels=10))
+    """,
 }
 """Model files that define only ``model()``: partc synthesizes the inputs."""
 
