@@ -157,7 +157,8 @@ def print_summary(result, plan_path: Path) -> None:
     sched = par["schedule"] + (f" (v={par['virtual_stages']})" if par["virtual_stages"] > 1 else "")
     t.add_row("schedule", f"{sched}, recompute {par['recompute']}")
     t.add_row("step time", f"{pred['step_time_s']:.3f} s")
-    t.add_row("throughput", f"{pred['tokens_per_s']:,.0f} tokens/s")
+    unit = model.get("throughput_unit", "tokens")
+    t.add_row("throughput", f"{pred[f'{unit}_per_s']:,.0f} {unit}/s")
     t.add_row("model TFLOP/s per GPU", f"{pred['model_tflops_per_gpu']:.1f}  (MFU {pred['mfu'] * 100:.1f}%)")
     t.add_row("pipeline bubble", f"{pred['bubble_fraction'] * 100:.1f}%")
     b = pred["breakdown_s"]

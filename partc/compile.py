@@ -31,8 +31,11 @@ from partc.passes.export import export_on_meta
 from partc.passes.trace import Traced, trace
 
 DEFAULT_BATCH_TOKENS = 2 * 1024 * 1024
-"""Default global batch: the smallest multiple of the GPU count holding at least this many tokens (about 2M,
-the scale GPT-3 and Megatron-LM trained at), or of samples when the model has no sequence."""
+"""Default global batch of a model with token inputs: the smallest multiple of the GPU count holding at least
+this many tokens (about 2M, the scale GPT-3 and Megatron-LM trained at)."""
+DEFAULT_BATCH_SAMPLES = 1024
+"""Default global batch of a model without token inputs (images, features): the smallest multiple of the GPU
+count of at least this many samples (ResNet-50 and ViT train on ImageNet with 256 to 4096)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,7 +54,8 @@ class CompileResult:
 
 
 def default_global_batch(gpus: int, seq_len: int | None) -> int:
-    samples = -(-DEFAULT_BATCH_TOKENS // seq_len) if seq_len else 1
+    """Samples of the default global batch; `seq_len` None for a model without token inputs."""
+    samples = -(-DEFAULT_BATCH_TOKENS // seq_len) if seq_len else DEFAULT_BATCH_SAMPLES
     return max(gpus, -(-samples // gpus) * gpus)
 
 
@@ -107,7 +111,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     t_solve = time.perf_counter()
 
     # 4. The plan.
-    plan = make_plan(graph, clus, best, result, path=path, entry=entry)
+    plan = make_plan(graph, clus, best, result, path=path, entry=entry, tokens=spec.seq_len is not None)
     if plan_in is not None:
         plan.alternatives = []
 
@@ -212,9 +216,10 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
     return Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
 
 
-def _predicted(pred: cost.Prediction) -> dict:
+def _predicted(pred: cost.Prediction, global_batch_size: int) -> dict:
     return {
         "step_time_s": pred.step_time_s, "tokens_per_s": pred.tokens_per_s,
+        "samples_per_s": global_batch_size / pred.step_time_s,
         "model_tflops_per_gpu": pred.model_tflops_per_gpu, "mfu": pred.mfu,
         "bubble_fraction": pred.bubble_fraction, "memory_per_gpu": pred.memory_per_gpu.to_dict(),
         "breakdown_s": {"compute": pred.compute_s, "tp_comm": pred.tp_comm_s, "pp_comm": pred.pp_comm_s,
@@ -223,7 +228,8 @@ def _predicted(pred: cost.Prediction) -> dict:
 
 
 def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchResult | None, *, path: str,
-              entry: str) -> Plan:
+              entry: str, tokens: bool = True) -> Plan:
+    """`tokens`: the model takes token inputs (its throughput is in tokens/s; else in samples/s)."""
     par, pred = best.parallel, best.prediction
     stages = []
     for k, (lo, hi) in enumerate(best.bounds):
@@ -231,14 +237,15 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
         stages.append(Stage(index=k, rank=k % par.pp, modules=[u.fqn for u in graph.units[lo:hi]],
                             predicted={"time_s": rank.time_s, "memory_bytes": int(round(rank.memory.total))}))
     model = {"name": graph.name, "path": path, "entry": entry, "num_params": graph.num_params,
-             "num_units": len(graph.units), **{k: v for k, v in graph.info.items() if v is not None}}
+             "num_units": len(graph.units), **{k: v for k, v in graph.info.items() if v is not None},
+             "throughput_unit": "tokens" if tokens else "samples"}
     alternatives = []
     for c in (result.alternatives[:5] if result else []):
         alternatives.append({"parallel": c.parallel.to_dict(), "step_time_s": c.step_time_s,
                              "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
                              "mfu": c.prediction.mfu})
     return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
-                predicted=_predicted(pred), alternatives=alternatives)
+                predicted=_predicted(pred, par.global_batch_size), alternatives=alternatives)
 
 
 def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path) -> None:

@@ -3,6 +3,8 @@ The multi-process runs against one process are in test_zoo_dist.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from partc.runtime.materialize import build_model, canonical_names, init_weights
 from partc.runtime.program import read_program
 from partc.runtime.stage import StageModule
 from partc.runtime.train import flatten_inputs, global_batch, stage_shapes
+from helpers import EXAMPLES
 from zoo_models import write_zoo_model
 
 CPU = torch.device("cpu")
@@ -114,3 +117,48 @@ def test_every_ranks_error_line_is_printed_once(error_store, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "error: cannot find logits in the model's outputs (dict)",
         "error: rank 0: after rank 1 failed: RuntimeError: Connection closed by peer"]
+
+
+# -- 7. the default global batch of a model without tokens -------------------------------------------------------
+
+MLP = """
+    import torch
+    from torch import nn
+
+    def model():
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def example_inputs(batch_size):
+        return (torch.randn(batch_size, 64),)
+
+    def example_targets(batch_size):
+        return torch.randint(0, 10, (batch_size,))
+"""
+
+
+def test_default_global_batch():
+    from partc.compile import default_global_batch
+
+    assert default_global_batch(8, None) == 1024 and default_global_batch(24, None) == 1032
+    assert default_global_batch(4096, None) == 4096  # one sample a GPU at least
+    assert default_global_batch(8, 2048) == 1024  # 2M tokens
+
+
+def test_model_without_tokens_plans_a_realistic_batch_in_samples(tmp_path):
+    import textwrap
+
+    from click.testing import CliRunner
+    from partc.cli.main import main as cli
+
+    path = tmp_path / "mlp.py"
+    path.write_text(textwrap.dedent(MLP))
+    res = CliRunner().invoke(cli, ["compile", str(path), "--gpus", "8", "-o", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["parallel"]["global_batch_size"] == 1024 and plan["model"]["throughput_unit"] == "samples"
+    pred = plan["predicted"]
+    assert pred["samples_per_s"] == pytest.approx(1024 / pred["step_time_s"])
+    assert f"{pred['samples_per_s']:,.0f} samples/s" in res.output and "tokens/s" not in res.output
+
+    gpt = compile_model(str(EXAMPLES / "gpt.py"), gpus=2)
+    assert gpt.plan.model["throughput_unit"] == "tokens"
