@@ -73,13 +73,17 @@ def report(message: str, *, kind: str, stalled: list[int] | None = None) -> bool
     first = rank == 0 or kind != "user"  # without a store: user errors are mostly the same on every rank
     if store is not None:
         try:
-            store.set(f"rank/{rank}", json.dumps({"message": message, "time": time.time()}))
             first = store.add(f"line/{hashlib.sha256(message.encode()).hexdigest()}", 1) == 1
         except Exception:  # the store is gone: the job is ending
             pass
     if not os.environ.get(LAUNCHER_ENV) and first:
         prefix = f"rank {rank}: " if world > 1 and kind == "internal" else ""
         print(f"error: {prefix}{message}", file=sys.stderr, flush=True)
+    if store is not None:  # after the line: a rank that then fails because this one left prints after it
+        try:
+            store.set(f"rank/{rank}", json.dumps({"message": message, "time": time.time()}))
+        except Exception:
+            pass
     return True
 
 

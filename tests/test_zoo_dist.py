@@ -24,6 +24,8 @@ CONFIGS = {
     "opt_pp2": ("opt", 2, 1, 0, 4, 16),
     "swin_pp2": ("swin", 2, 1, 0, 4, None),  # an image model: the runtime keeps its own inputs
     "clip_pp2": ("clip", 2, 1, 0, 4, None),  # image_size in config.vision_config
+    "falcon_pp2": ("falcon", 2, 1, 0, 4, 16),  # tensor constants created in forward
+    "deberta_dp2_z3": ("deberta", 1, 2, 3, 4, 16),
 }
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
@@ -98,7 +100,8 @@ def test_error_of_the_last_stage_reaches_the_user_under_torchrun(tmp_path):
     res = torchrun(2, ["-m", "partc.runtime", str(tmp_path / "out"), "--steps", "2"], check=False)
     assert res.returncode != 0
     errors = [line for line in res.stdout.splitlines() if line.startswith("error:")]
-    assert errors[0] == "error: cannot find logits in the model's outputs (dict); define loss_fn(outputs, " \
-                        "targets) in the model file", res.stdout
-    assert len(errors) == 2 and errors[1].startswith("error: rank 0: after rank 1 failed: "), res.stdout
+    line = "error: cannot find logits in the model's outputs (dict); define loss_fn(outputs, targets) in the model file"
+    assert errors.count(line) == 1, res.stdout
+    # rank 0 may be stopped by torchrun before its send fails; if it says something, it names rank 1
+    assert all(e.startswith("error: rank 0: after rank 1 failed: ") for e in errors if e != line), res.stdout
     assert "pipelining/schedules.py" not in res.stdout, "no worker traceback"
