@@ -39,6 +39,7 @@ from partc.frames import innermost, stack_trace_frames
 from partc.ir import Layer
 from partc.plan import Plan
 from partc.passes import tp_rewrite
+from partc.passes.constants import constant_values, literal
 from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
 from partc.passes.measure import CORE_OPS, stack_fqns
 from partc.passes.trace import Assignment, assign
@@ -92,6 +93,8 @@ class _GraphIO:
     params: dict[torch.fx.Node, str]
     """Placeholder -> parameter FQN (the exported name)."""
     buffers: dict[torch.fx.Node, str]
+    constants: dict[torch.fx.Node, str]
+    """Placeholder -> tensor constant the model creates in forward (the exported name; `partc.passes.constants`)."""
     user_inputs: list[torch.fx.Node]
     """Tensor inputs of the model, in the graph's order."""
     outputs: list[torch.fx.Node]
@@ -113,6 +116,9 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     nodes = [n for n in a.nodes if n.target not in SKIPPED]
     node_stage = _place(nodes, a, plan)
     names = _names(ep)
+    if io.constants:  # each use creates the constant again, a literal on the stage's device
+        values = constant_values(ep, model)
+        names.update({ph: literal(values[target]) for ph, target in io.constants.items()})
     receives, sends = _boundaries(nodes, node_stage, io, len(plan.stages))
     stages = []
     for st in plan.stages:
@@ -133,7 +139,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
 
 def _graph_io(ep: torch.export.ExportedProgram) -> _GraphIO:
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    io = _GraphIO(params={}, buffers={}, user_inputs=[], outputs=list(ep.graph.output_node().args[0]))
+    io = _GraphIO(params={}, buffers={}, constants={}, user_inputs=[], outputs=list(ep.graph.output_node().args[0]))
     for spec in ep.graph_signature.input_specs:
         node = placeholders.get(getattr(spec.arg, "name", None))
         if spec.kind == InputKind.PARAMETER:
@@ -141,8 +147,7 @@ def _graph_io(ep: torch.export.ExportedProgram) -> _GraphIO:
         elif spec.kind == InputKind.BUFFER:
             io.buffers[node] = spec.target
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            raise PartcError(f"the model creates a tensor constant ({spec.target}) inside forward; partc cannot "
-                             f"carry its value from the meta device: register it as a buffer in __init__")
+            io.constants[node] = spec.target
         elif spec.kind == InputKind.USER_INPUT and node is not None and isinstance(node.meta.get("val"), torch.Tensor):
             io.user_inputs.append(node)
     if not all(isinstance(o, torch.fx.Node) for o in io.outputs):

@@ -4,11 +4,13 @@ The multi-process runs against one process are in test_zoo_dist.py."""
 from __future__ import annotations
 
 import json
+import textwrap
 
 import pytest
 import torch
 
 from partc.compile import compile_model
+from partc.errors import PartcError
 from partc.model_file import load_model_file
 from partc.parallel import Pins
 from partc.runtime.api import stage_tensor_names
@@ -61,8 +63,9 @@ def test_stage_outputs_are_contiguous_as_sent(tmp_path):
 
 
 def test_runtime_keeps_an_image_models_own_inputs(tmp_path):
-    """The plan's seq_len of Swin is the tokens per sample the trace saw (a window's patches); the runtime does not pass it back as --seq-len
-    (which an image model refuses), while a token model's synthesized length is the plan's."""
+    """The plan's seq_len of Swin is the tokens per sample the trace saw (a window's patches); the runtime does not
+    pass it back as --seq-len (which an image model refuses), while a token model's synthesized length is the
+    plan's."""
     from partc.runtime.api import _load_spec
 
     _compile(tmp_path, write_zoo_model(tmp_path, "swin"), name="swin")
@@ -145,8 +148,6 @@ def test_default_global_batch():
 
 
 def test_model_without_tokens_plans_a_realistic_batch_in_samples(tmp_path):
-    import textwrap
-
     from click.testing import CliRunner
     from partc.cli.main import main as cli
 
@@ -162,3 +163,54 @@ def test_model_without_tokens_plans_a_realistic_batch_in_samples(tmp_path):
 
     gpt = compile_model(str(EXAMPLES / "gpt.py"), gpus=2)
     assert gpt.plan.model["throughput_unit"] == "tokens"
+
+
+# -- 3. tensor constants created in forward ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,literal", [
+    ("falcon", "torch.tensor([-2], dtype=torch.int64, device=device)"),  # made on meta: recomputed on the CPU
+    ("deberta", "torch.tensor(16.0, dtype=torch.float32, device=device)"),  # sqrt of the head size, traced
+])
+def test_tensor_constants_are_carried_as_literals(tmp_path, family, literal):
+    """The stage file creates the constant again, and computes what the model computes."""
+    from helpers import load_stage
+
+    path = write_zoo_model(tmp_path, family)
+    _compile(tmp_path, path, gbs=2, seq_len=16)
+    stage = tmp_path / "out" / "program" / "stage_0.py"
+    assert literal in stage.read_text()
+    spec = load_model_file(path, seq_len=16)
+    torch.manual_seed(0)
+    model = spec.build().eval()
+    args, kwargs, _ = global_batch(spec, 0, 0, 1)
+    prog = read_program(tmp_path / "out")
+    p = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    with torch.no_grad():
+        (got,) = load_stage(stage).forward(p, *flatten_inputs(args, kwargs, prog.input_keys), device=CPU)
+        want = model(*args, **kwargs).logits
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_large_constant_is_refused(tmp_path):
+    path = tmp_path / "big_constant.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+
+            def forward(self, x):
+                return self.lin(x) + torch.tensor([0.5] * 5000).sum()
+
+        def model():
+            return Net()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 8),)
+    """))
+    with pytest.raises(PartcError, match=r"creates a tensor constant of 5,000 elements .* register it as a buffer"):
+        _compile(tmp_path, str(path), gbs=2)

@@ -43,6 +43,27 @@ ZOO = {
                                       num_hidden_layers=2, num_attention_heads=4, attention_dropout=0.0)
             return CLIPForImageClassification(CLIPConfig(vision_config=vision.to_dict(), num_labels=10))
     """,
+    "falcon": """
+        from transformers import FalconConfig, FalconForCausalLM
+
+        def model():  # indexes the fused qkv with a list: a tensor constant made on the meta device
+            return FalconForCausalLM(FalconConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_kv_heads=1, multi_query=True,
+                                                  new_decoder_architecture=False, parallel_attn=True, bias=False,
+                                                  alibi=False, max_position_embeddings=128, hidden_dropout=0.0,
+                                                  attention_dropout=0.0))
+    """,
+    "deberta": """
+        from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+        def model():  # torch.tensor(...) of sizes and scales in forward: constants with values
+            return DebertaV2ForMaskedLM(DebertaV2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=4, intermediate_size=128,
+                                                        max_position_embeddings=128, relative_attention=True,
+                                                        position_buckets=32, max_relative_positions=64,
+                                                        pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.0,
+                                                        attention_probs_dropout_prob=0.0))
+    """,
 }
 """Model files that define only ``model()``: partc synthesizes the inputs."""
 
