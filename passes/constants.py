@@ -7,7 +7,7 @@ create it again: ``torch.tensor([-2], dtype=torch.int64, device=device)``.
 
 A constant created from Python numbers has its value in the trace already (a CPU tensor). One made on the device
 of a meta tensor (the list index) has none: its module (``transformer.h.0.self_attention``) is built once more
-on the CPU with placeholder weights and exported alone, on placeholder inputs of the shapes it gets in the
+on the CPU (uninitialized) and exported alone, on placeholder inputs of the shapes it gets in the
 model's trace; its constants, in order, are the ones the whole model's trace lifted under that module.
 """
 
@@ -42,8 +42,12 @@ def constant_values(ep: torch.export.ExportedProgram, model: nn.Module) -> dict[
             values[t] = c.detach().cpu().clone()
     if owners:
         calls = _module_calls(model, list(owners), *ep.example_inputs)
+        done: dict[str, list[Tensor]] = {}  # modules alike (every block's attention) are exported once
         for owner, names in owners.items():
-            got = _exported_constants(model, owner, calls.get(owner))
+            key = _signature(model.get_submodule(owner), calls.get(owner))
+            if key not in done:
+                done[key] = _exported_constants(model, owner, calls.get(owner))
+            got = done[key]
             want = [ep.constants[t] for t in names]
             if len(got) != len(want) or any(g.shape != w.shape or g.dtype != w.dtype for g, w in zip(got, want)):
                 raise PartcError(f"the model creates a tensor constant ({names[0]}) inside forward whose value "
@@ -89,9 +93,18 @@ def _module_calls(model: nn.Module, owners: list[str], args: tuple, kwargs: dict
     return calls
 
 
+def _signature(module: nn.Module, call: tuple | None) -> str:
+    """Equal for modules of one class, with equal tensors, called alike."""
+    tensors = [(n, tuple(t.shape), t.dtype) for n, t in [*module.named_parameters(), *module.named_buffers()]]
+    return repr((type(module).__module__, type(module).__qualname__, tensors, call))
+
+
 class _TensorSpec:
     def __init__(self, t: Tensor):
         self.shape, self.dtype = tuple(int(d) for d in t.shape), t.dtype
+
+    def __repr__(self) -> str:
+        return f"T({self.shape}, {self.dtype})"
 
     def cpu(self) -> Tensor:
         """Random floats, zeros otherwise."""
@@ -104,13 +117,8 @@ def _exported_constants(model: nn.Module, owner: str, call: tuple | None) -> lis
     """The tensor constants the module `owner` lifts itself when exported on the CPU with placeholder values."""
     if call is None:
         return []
+    # Uninitialized weights: export runs on fake tensors and reads no value, only the constants it lifts are real.
     module = copy.deepcopy(model.get_submodule(owner)).to_empty(device="cpu")
-    with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            if t.is_floating_point():
-                t.normal_()
-            else:
-                t.zero_()
     args, kwargs = _on_cpu(call)
     try:
         ep = torch.export.export(module, args, kwargs, strict=False)
