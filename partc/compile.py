@@ -201,6 +201,10 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
     if pos != len(graph.units):
         raise PartcError(f"the stages cover {pos} of the model's {len(graph.units)} units; missing "
                          f"{graph.units[pos].fqn} and after")
+    for k, (_, end) in enumerate(bounds[:-1]):
+        if graph.cut_ok and not graph.cut_ok[end - 1]:
+            raise PartcError(f"stage {k} cannot end at {graph.units[end - 1].fqn}: an op before that boundary "
+                             f"reads one after it; move the boundary")
     unknown = sorted(set(plan.tp) - set(graph.layers))
     if unknown:
         raise PartcError(f"the plan's tp map names {unknown[0]!r}, which is not a layer of the model")

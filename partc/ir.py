@@ -134,6 +134,9 @@ class ModelGraph:
     edges: list[Edge]
     cut_bytes: list[int]
     """cut_bytes[i]: bytes per sample that cross a pipeline boundary placed after units[i] (len(units) - 1)."""
+    cut_ok: list[bool] = field(default_factory=list)
+    """cut_ok[i]: a pipeline boundary after units[i] can be realized, no op before it reads one after it (units
+    whose ops read each other both ways stay in one stage); empty: every boundary can."""
     tied: dict[str, str] = field(default_factory=dict)
     """Parameter FQN -> the FQN of the parameter it shares storage with (first in execution order)."""
     first_unit_required: list[str] = field(default_factory=list)

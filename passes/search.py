@@ -180,8 +180,9 @@ class _Costs:
 
     def cut_time(self, par: Parallel) -> list[float]:
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
-        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, c, spans)
-                                              for c in self.graph.cut_bytes], par.pp > 1, spans)
+        ok = self.graph.cut_ok or [True] * len(self.graph.cut_bytes)  # a cut the program cannot make costs inf
+        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, c, spans) if fine else math.inf
+                                              for c, fine in zip(self.graph.cut_bytes, ok)], par.pp > 1, spans)
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at

@@ -154,25 +154,28 @@ def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
             if unit is not None:
                 break
         node_unit[n] = unit
-    # Glue (ops outside every unit: position ids, masks) goes with the first unit that uses it.
-    for n in reversed(nodes):
-        if node_unit[n] is None:
-            users = [node_unit.get(u) for u in n.users if node_unit.get(u) is not None]
-            order = {u: i for i, u in enumerate(unit_names)}
-            node_unit[n] = min(users, key=lambda u: order[u]) if users else None
-
-    # Execution order of units and layers.
+    # Execution order of units: by each unit's first op of its own (glue does not count: Whisper's encoder
+    # permutes the conv output before it adds embed_positions, and that glue goes with layers.0, which still runs
+    # after embed_positions).
     first_seen: dict[str, int] = {}
     for i, n in enumerate(nodes):
         u = node_unit[n]
         if u is not None:
             first_seen.setdefault(u, i)
+    big = len(nodes) + 1
+    unit_names = sorted(unit_names, key=lambda u: (first_seen.get(u, big), unit_names.index(u)))
+
+    # Glue (ops outside every unit: position ids, masks) goes with the first unit that uses it.
+    order = {u: i for i, u in enumerate(unit_names)}
+    for n in reversed(nodes):
+        if node_unit[n] is None:
+            users = [node_unit.get(u) for u in n.users if node_unit.get(u) is not None]
+            node_unit[n] = min(users, key=lambda u: order[u]) if users else None
+
     layer_first: dict[str, int] = {}
     for i, n in enumerate(nodes):
         if n in node_layer:
             layer_first.setdefault(node_layer[n], i)
-    big = len(nodes) + 1
-    unit_names = sorted(unit_names, key=lambda u: (first_seen.get(u, big), unit_names.index(u)))
     ordered_layers = sorted(layer_names, key=lambda m: (layer_first.get(m, big), layer_names.index(m)))
 
     return Assignment(nodes=nodes, layer_mods=layer_mods, node_layer=node_layer, node_unit=node_unit,
@@ -194,13 +197,14 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
     cut_bytes = _cuts(ep, a, units)                        # 8. bytes across each pipeline cut; unit inputs
+    cut_ok = _realizable_cuts(a)                           #    and which cuts the program can make
     for u in units.values():
         u.signature = _signature(u, layers)                # 9. identical blocks share TP decisions
     ordered = [units[u] for u in a.unit_names]
     first_req, last_req = _required_ends(ordered)          # 10. embeddings first, head last
     return ModelGraph(name=name, num_params=sum(_numel(tuple(p.shape)) for p in _unique_params(model)),
                       seq_len=seq_len or 1, units=ordered, layers={m: layers[m] for m in a.ordered_layers},
-                      edges=edges, cut_bytes=cut_bytes, tied=tied, first_unit_required=first_req,
+                      edges=edges, cut_bytes=cut_bytes, cut_ok=cut_ok, tied=tied, first_unit_required=first_req,
                       last_unit_required=last_req, info=_model_info(layers, ordered, seq_len))
 
 
@@ -344,6 +348,21 @@ def _cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[str, Unit
     for u, b in input_bytes.items():
         units[u].input_bytes = b
     return cut_bytes
+
+
+def _realizable_cuts(a: Assignment) -> list[bool]:
+    """For each boundary after a unit (all but the last): whether no op of a unit before it reads an op of a unit
+    after it (codegen's stages follow data flow)."""
+    pos = {u: i for i, u in enumerate(a.unit_names)}
+    ok = [True] * max(len(a.unit_names) - 1, 0)
+    for n in a.nodes:
+        if a.node_unit.get(n) is None:
+            continue
+        for x in n.all_input_nodes:
+            if a.node_unit.get(x) is not None and pos[a.node_unit[x]] > pos[a.node_unit[n]]:
+                for i in range(pos[a.node_unit[n]], pos[a.node_unit[x]]):
+                    ok[i] = False
+    return ok
 
 
 def _required_ends(units: list[Unit]) -> tuple[list[str], list[str]]:

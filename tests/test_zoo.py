@@ -214,3 +214,64 @@ def test_a_large_constant_is_refused(tmp_path):
     """))
     with pytest.raises(PartcError, match=r"creates a tensor constant of 5,000 elements .* register it as a buffer"):
         _compile(tmp_path, str(path), gbs=2)
+
+
+# -- 6. unit order follows data flow; the search offers only cuts codegen can make -------------------------------
+
+SHARED = """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):  # b runs twice, the second time on c's output: no stage boundary between b and c
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 256)
+            self.b = nn.Linear(256, 256)
+            self.c = nn.Linear(256, 256)
+            self.d = nn.Linear(256, 8)
+
+        def forward(self, x):
+            return self.d(self.b(self.c(self.b(self.a(x)))))
+
+    def model():
+        return Net()
+
+    def example_inputs(batch_size):
+        return (torch.randn(batch_size, 8),)
+
+    def example_targets(batch_size):
+        return torch.randint(0, 8, (batch_size,))
+"""
+
+
+def test_units_follow_data_flow(tmp_path):
+    """Whisper's encoder permutes the conv output (glue, which goes with layers.0) before it adds
+    embed_positions: embed_positions still comes first, and every pipeline split compiles."""
+    from helpers import trace_file
+
+    path = write_zoo_model(tmp_path, "whisper")
+    _, traced = trace_file(path)
+    units = [u.fqn for u in traced.graph.units]
+    assert units.index("model.encoder.embed_positions") < units.index("model.encoder.layers.0")
+    assert all(traced.graph.cut_ok)
+    for pp in (2, 4):
+        _compile(tmp_path, path, pp=pp, name=f"pp{pp}")
+
+
+def test_search_offers_only_cuts_the_program_can_make(tmp_path):
+    from helpers import trace_file
+
+    path = tmp_path / "shared.py"
+    path.write_text(textwrap.dedent(SHARED))
+    _, traced = trace_file(path)
+    assert [u.fqn for u in traced.graph.units] == ["a", "b", "c", "d"]
+    assert traced.graph.cut_ok == [True, False, True]
+    for pp in (2, 3):  # the balanced split of pp 2 would cut between b and c
+        result = _compile(tmp_path, str(path), pp=pp, name=f"pp{pp}")
+        assert all(traced.graph.cut_ok[hi - 1] for _, hi in result.best.bounds[:-1])
+    plan = json.loads((tmp_path / "pp2" / "plan.json").read_text())
+    plan["stages"][0]["modules"], plan["stages"][1]["modules"] = ["a", "b"], ["c", "d"]
+    (tmp_path / "edited.json").write_text(json.dumps(plan))
+    with pytest.raises(PartcError, match=r"^stage 0 cannot end at b: an op before that boundary reads one after "
+                                         r"it; move the boundary$"):
+        compile_model(str(path), gpus=2, from_plan=str(tmp_path / "edited.json"))

@@ -26,6 +26,7 @@ CONFIGS = {
     "clip_pp2": ("clip", 2, 1, 0, 4, None),  # image_size in config.vision_config
     "falcon_pp2": ("falcon", 2, 1, 0, 4, 16),  # tensor constants created in forward
     "deberta_dp2_z3": ("deberta", 1, 2, 3, 4, 16),
+    "whisper_pp2": ("whisper", 2, 1, 0, 4, None),  # units in data-flow order (encoder.embed_positions)
 }
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}

@@ -64,8 +64,26 @@ ZOO = {
                                                         pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.0,
                                                         attention_probs_dropout_prob=0.0))
     """,
+    "whisper": """
+        import torch
+        from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+        def model():
+            return WhisperForConditionalGeneration(WhisperConfig(
+                vocab_size=512, num_mel_bins=16, encoder_layers=2, decoder_layers=2, d_model=64,
+                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                max_source_positions=16, max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+                activation_dropout=0.0, pad_token_id=0, decoder_start_token_id=1, eos_token_id=2, bos_token_id=1))
+
+        def example_inputs(batch_size):  # 32 mel frames (16 positions after the stride-2 conv), 8 tokens
+            return {"input_features": torch.randn(batch_size, 16, 32),
+                    "decoder_input_ids": torch.randint(0, 512, (batch_size, 8)), "use_cache": False}
+
+        def example_targets(batch_size):
+            return torch.randint(0, 512, (batch_size, 8))
+    """,
 }
-"""Model files that define only ``model()``: partc synthesizes the inputs."""
+"""Model files; those that define only ``model()`` get inputs partc synthesizes."""
 
 
 def write_zoo_model(directory: Path, name: str) -> str:
