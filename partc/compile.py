@@ -8,6 +8,7 @@ Each step is a function over typed data; `--dump-dir` writes the intermediate re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -98,22 +99,37 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                          f"plans the training of a model with parameters")
     t_trace = time.perf_counter()
 
-    # 3. Search, or re-predict a plan read from disk.
+    # 3. Search, or re-predict a plan read from disk. A BatchNorm that sees one value per channel in a sample
+    #    needs micro-batches of two samples or more (its statistics of one value are undefined).
+    norms = batch_norms(model, traced)
     if plan_in is None:
         gbs = global_batch_size or default_global_batch(gpus, spec.seq_len)
         result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
+        if result.best is not None and result.best.parallel.micro_batch_size == 1 and norms.single:
+            if pins is not None and pins.micro_batch_size == 1:
+                _refuse_single_value_norms(norms)
+            result = search(graph, clus, gpus, global_batch_size=gbs,
+                            pins=dataclasses.replace(pins or Pins(), micro_batch_size=2))
         if result.best is None:
             raise PartcError(_no_fit_message(clus, result))
         best = result.best
     else:
         result = None
         best = _replan(graph, clus, gpus, plan_in, global_batch_size)
+        if best.parallel.micro_batch_size == 1 and norms.single:
+            _refuse_single_value_norms(norms)
     t_solve = time.perf_counter()
 
     # 4. The plan.
     plan = make_plan(graph, clus, best, result, path=path, entry=entry, tokens=spec.seq_len is not None)
     if plan_in is not None:
         plan.alternatives = []
+    warnings = init_warnings(init)
+    if norms.layers:
+        par = best.parallel
+        plan.model["batch_norm"] = {"layers": len(norms.layers), "statistics_over_samples": par.micro_batch_size}
+        if par.micro_batch_size < par.global_batch_size:
+            warnings.append(batch_norm_note(norms, par))
 
     # 5. The sharded program: the graph exported again at the micro-batch size, split by stages.
     t_codegen = time.perf_counter()
@@ -128,7 +144,41 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     timings = {"trace": traced.trace_s, "passes": traced.measure_s, "solve": t_solve - t_trace,
                "codegen": t_end - t_codegen, "total": t_end - t0}
     return CompileResult(plan=plan, best=best, graph=graph, spec=spec, traced=traced, search=result,
-                         timings=timings, warnings=init_warnings(init))
+                         timings=timings, warnings=warnings)
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchNorms:
+    layers: list[str]
+    """FQNs of the BatchNorm modules in training mode, in module order."""
+    single: list[str]
+    """Those that see one value per channel in a sample (a 1 x 1 map, or BatchNorm1d on features)."""
+
+
+def batch_norms(model: torch.nn.Module, traced: Traced) -> BatchNorms:
+    layers = [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+              and m.training]
+    single = []
+    for node in traced.exported.graph.nodes:
+        x = node.args[0].meta.get("val") if node.op == "call_function" and "batch_norm" in str(node.target) \
+            and node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.numel() == x.shape[1]:  # one sample's values
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            single.append(stack[-1][0] if stack else node.name)
+    return BatchNorms(layers=layers, single=single)
+
+
+def _refuse_single_value_norms(norms: BatchNorms) -> None:
+    raise PartcError(f"BatchNorm {norms.single[0]} sees one value per channel in a sample: it cannot train on "
+                     f"micro-batches of 1 sample; use a micro-batch size of 2 or more")
+
+
+def batch_norm_note(norms: BatchNorms, par) -> str:
+    where = f" on each of {par.dp} data-parallel ranks" if par.dp > 1 else ""
+    return (f"BatchNorm statistics ({len(norms.layers)} layers, {norms.layers[0]} first) are computed over each "
+            f"micro-batch of {par.micro_batch_size} samples{where}, not over the global batch of "
+            f"{par.global_batch_size}: the loss differs from one process's on the whole batch (partc does not "
+            f"offer SyncBatchNorm)")
 
 
 def init_warnings(init: InitRecord) -> list[str]:

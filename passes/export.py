@@ -23,10 +23,11 @@ from partc.frames import exception_frames, innermost
 def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "") -> torch.export.ExportedProgram:
     """Export `model` (already on meta) with meta example inputs. Errors name the module and source line."""
     try:
-        with _quiet_export():
+        with _quiet_export(), norms_on_any_batch():
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - anything export raises is a model the tracer cannot handle
-        where = _locate_failure(model, args, kwargs, e)
+        with norms_on_any_batch():
+            where = _locate_failure(model, args, kwargs, e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
         hint = failure_hint(e)
         raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
@@ -56,6 +57,34 @@ def _quiet_export():
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)
+
+
+@contextlib.contextmanager
+def norms_on_any_batch():
+    """BatchNorm in training refuses one value per channel (one sample whose map is 1 x 1, ResNet's last stage on
+    a small image; BatchNorm1d on one sample), and the fake-tensor rule behind its shapes divides by n - 1 for the
+    running variance. The trace is of one sample on meta: shapes only, no values, so both are off while tracing
+    (the shapes are those of any batch). `partc.compile` keeps such a model off micro-batches of one sample."""
+    import torch.nn.functional as F
+    from torch._decomp import decompositions as D
+
+    saved = F._verify_batch_size, D.native_batch_norm_helper
+    helper = saved[1]
+
+    def one_value_helper(input, weight, bias, running_mean, running_var, training, momentum, eps, functional):
+        if not (training and running_var is not None and input.numel() == input.shape[1]):
+            return helper(input, weight, bias, running_mean, running_var, training, momentum, eps, functional)
+        out = helper(input, weight, bias, running_mean, None, training, momentum, eps, functional)
+        new_var = running_var * (1 - momentum)  # the update's shape and dtype (a meta trace has no values)
+        if not functional:
+            running_var.copy_(new_var)
+        return (*out[:4], new_var)
+
+    F._verify_batch_size, D.native_batch_norm_helper = (lambda size: None), one_value_helper
+    try:
+        yield
+    finally:
+        F._verify_batch_size, D.native_batch_norm_helper = saved
 
 
 def _model_frame(e: BaseException) -> str:

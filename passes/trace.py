@@ -23,7 +23,7 @@ from torch import nn
 
 from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
-from partc.passes.export import export_on_meta
+from partc.passes.export import export_on_meta, norms_on_any_batch
 from partc.passes.measure import NodeStats, activation_bytes, measure, stack_fqns
 from partc.passes.shard import ShardAnalysis
 
@@ -477,7 +477,8 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: in
         seq_len = infer_seq_len(args, kwargs)
     if seq_len is None:
         seq_len = _tokens_from_graph(ep)
-    stats = measure(ep, args, kwargs, seq_len)
+    with norms_on_any_batch():  # one sample: a BatchNorm may see one value per channel
+        stats = measure(ep, args, kwargs, seq_len)
     graph = build_graph(ep, model, stats, name=name, seq_len=seq_len)
     t2 = time.perf_counter()
     return Traced(graph=graph, exported=ep, model=model, trace_s=t1 - t0, measure_s=t2 - t1)

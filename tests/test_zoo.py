@@ -275,3 +275,49 @@ def test_search_offers_only_cuts_the_program_can_make(tmp_path):
     with pytest.raises(PartcError, match=r"^stage 0 cannot end at b: an op before that boundary reads one after "
                                          r"it; move the boundary$"):
         compile_model(str(path), gpus=2, from_plan=str(tmp_path / "edited.json"))
+
+
+# -- 9. BatchNorm ------------------------------------------------------------------------------------------------
+
+
+def test_batch_norm_traces_one_sample_and_trains_on_two_or_more(tmp_path):
+    """ResNet on 8 x 8 images: its last BatchNorms see one value per channel in a sample. The trace (one sample on
+    meta) works; plans keep micro-batches of two samples or more; the statistics' scope is stated."""
+    path = write_zoo_model(tmp_path, "resnet")
+    with pytest.raises(PartcError, match=r"^BatchNorm resnet\.encoder\.stages\.1\..*normalization sees one value "
+                                         r"per channel in a sample: it cannot train on micro-batches of 1 sample"):
+        _compile(tmp_path, path, dp=2, gbs=8, name="mb1")  # _compile pins micro-batches of 1
+    result = compile_model(path, gpus=2, pins=Pins(dp=2), global_batch_size=8, out_dir=tmp_path / "dp2")
+    par = result.plan.parallel
+    assert par.dp == 2 and par.micro_batch_size >= 2
+    bn = [w for w in result.warnings if w.startswith("BatchNorm statistics")]
+    assert bn == [f"BatchNorm statistics (6 layers, resnet.embedder.embedder.normalization first) are computed "
+                  f"over each micro-batch of {par.micro_batch_size} samples on each of 2 data-parallel ranks, not "
+                  f"over the global batch of 8: the loss differs from one process's on the whole batch (partc does "
+                  f"not offer SyncBatchNorm)"]
+    plan = json.loads((tmp_path / "dp2" / "plan.json").read_text())
+    assert plan["model"]["batch_norm"] == {"layers": 6, "statistics_over_samples": par.micro_batch_size}
+
+    whole = compile_model(path, gpus=1, pins=Pins(micro_batch_size=8), global_batch_size=8)
+    assert not [w for w in whole.warnings if w.startswith("BatchNorm")], "one micro-batch of the whole batch"
+
+
+def test_batch_norm_of_one_value_moves_the_search_off_one_sample(tmp_path, monkeypatch):
+    """Nothing pinned, and the search's best plan has micro-batches of 1 sample (made so here: the tiny ResNet
+    prefers large ones): compile searches again at 2."""
+    import dataclasses
+
+    import partc.compile as compile_module
+
+    real, seen = compile_module.search, []
+
+    def search(graph, cluster, gpus, *, global_batch_size, pins=None):
+        seen.append(pins)
+        first = len(seen) == 1
+        return real(graph, cluster, gpus, global_batch_size=global_batch_size,
+                    pins=dataclasses.replace(pins or Pins(), micro_batch_size=1) if first else pins)
+
+    monkeypatch.setattr(compile_module, "search", search)
+    result = compile_model(write_zoo_model(tmp_path, "resnet"), gpus=2, global_batch_size=8)
+    assert seen[0] is None and seen[1].micro_batch_size == 2
+    assert result.plan.parallel.micro_batch_size == 2

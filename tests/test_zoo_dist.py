@@ -18,15 +18,18 @@ from zoo_models import write_zoo_model
 
 pytestmark = pytest.mark.slow  # one torchrun launch of 2 gloo ranks
 
-# name: (family in zoo_models.ZOO, pp, dp, zero, global batch, seq_len)
+# name: (family in zoo_models.ZOO, pp, dp, zero, micro-batch size, global batch, seq_len)
 CONFIGS = {
-    "roberta_pp2": ("roberta", 2, 1, 0, 4, 16),  # stage 0 sends an expanded attention mask
-    "opt_pp2": ("opt", 2, 1, 0, 4, 16),
-    "swin_pp2": ("swin", 2, 1, 0, 4, None),  # an image model: the runtime keeps its own inputs
-    "clip_pp2": ("clip", 2, 1, 0, 4, None),  # image_size in config.vision_config
-    "falcon_pp2": ("falcon", 2, 1, 0, 4, 16),  # tensor constants created in forward
-    "deberta_dp2_z3": ("deberta", 1, 2, 3, 4, 16),
-    "whisper_pp2": ("whisper", 2, 1, 0, 4, None),  # units in data-flow order (encoder.embed_positions)
+    "roberta_pp2": ("roberta", 2, 1, 0, 1, 4, 16),  # stage 0 sends an expanded attention mask
+    "opt_pp2": ("opt", 2, 1, 0, 1, 4, 16),
+    "swin_pp2": ("swin", 2, 1, 0, 1, 4, None),  # an image model: the runtime keeps its own inputs
+    "clip_pp2": ("clip", 2, 1, 0, 1, 4, None),  # image_size in config.vision_config
+    "falcon_pp2": ("falcon", 2, 1, 0, 1, 4, 16),  # tensor constants created in forward
+    "deberta_dp2_z3": ("deberta", 1, 2, 3, 1, 4, 16),
+    "whisper_pp2": ("whisper", 2, 1, 0, 1, 4, None),  # units in data-flow order (encoder.embed_positions)
+    # BatchNorm (1 x 1 maps in the last stage): one micro-batch of the whole batch, so its statistics are one
+    # process's (with dp > 1 or more micro-batches they are per micro-batch and rank: compile warns)
+    "resnet_pp2": ("resnet", 2, 1, 0, 4, 4, None),
 }
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
@@ -37,11 +40,11 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("zoo")
     paths, jobs = {}, []
-    for name, (family, pp, dp, zero, gbs, seq_len) in CONFIGS.items():
+    for name, (family, pp, dp, zero, mb, gbs, seq_len) in CONFIGS.items():
         paths[name] = path = write_zoo_model(tmp, family)
         torch.manual_seed(1234)
         torch.save(load_model_file(path, seq_len=seq_len).build().state_dict(), tmp / f"{name}.init.pt")
-        pins = Pins(tp=1, pp=pp, dp=dp, zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none")
+        pins = Pins(tp=1, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none")
         compile_model(path, gpus=pp * dp, pins=pins, global_batch_size=gbs, seq_len=seq_len, out_dir=tmp / name)
         jobs.append({"out": str(tmp / name), "steps": STEPS, "init": str(tmp / f"{name}.init.pt"),
                      "result": str(tmp / f"{name}.pt"), **SGD})
@@ -52,7 +55,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_one_process(runs, name):
     tmp, paths = runs
-    _, _, _, _, gbs, seq_len = CONFIGS[name]
+    *_, gbs, seq_len = CONFIGS[name]
     init = torch.load(tmp / f"{name}.init.pt", weights_only=True)
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
     losses, state = reference_run(paths[name], init, steps=STEPS, seed=0, global_batch_size=gbs, seq_len=seq_len,

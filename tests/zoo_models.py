@@ -82,6 +82,14 @@ ZOO = {
         def example_targets(batch_size):
             return torch.randint(0, 512, (batch_size, 8))
     """,
+    "resnet": """
+        from transformers import ResNetConfig, ResNetForImageClassification
+
+        def model():  # 8 x 8 images: the last stage's maps are 1 x 1 (one value per channel in a sample)
+            return ResNetForImageClassification(ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32],
+                                                             depths=[1, 1], layer_type="basic", num_labels=10,
+                                                             image_size=8))
+    """,
 }
 """Model files; those that define only ``model()`` get inputs partc synthesizes."""
 
