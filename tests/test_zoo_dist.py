@@ -4,7 +4,6 @@ trains 3 SGD steps under pp 2 or dp 2 with ZeRO-3, and its losses and gathered s
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
