@@ -36,6 +36,9 @@ class Cluster:
     (commonly 5% or more of what is allocated)."""
     peak_flops: float
     """Dense 16-bit tensor-core FLOP/s (datasheet)."""
+    peak_flops_fp32: float = 19.5e12
+    """Dense fp32 FLOP/s without tensor cores (datasheet; PyTorch runs fp32 matmuls without TF32 by default), for
+    ``precision: fp32`` plans."""
     gemm_efficiency: float = 0.75
     """Fraction of `peak_flops` that a large GEMM reaches when compute-bound, before the tile, wave and
     short-k factors of `passes.hw.gemm_efficiency`. A100: 0.75, fitted on Megatron-LM's Table 1 (fp16,
@@ -67,6 +70,11 @@ class Cluster:
     """Seconds per ring step inside a node."""
     inter_node_latency: float = 10e-6
     """Seconds per ring step across nodes."""
+    fused_attention: bool = True
+    """The attention op runs as a fused kernel (FlashAttention; memory-efficient attention with a mask), as PyTorch's
+    ``scaled_dot_product_attention`` does on these GPUs: no s x s scores in HBM or saved for backward
+    (`partc.passes.measure`). False: the math path's materialized scores and probabilities, as Megatron-LM's 2021
+    runs (Table 1) had them."""
     dp_overlap: float = 0.0
     """Fraction of the data-parallel gradient reduction hidden behind backward compute. 0: the reduction runs
     after the last backward, as in Megatron-LM's own ("local") DDP that the pipelined Table 1 runs used."""
@@ -93,6 +101,9 @@ class Cluster:
             if f.name in ("name", "gpu"):
                 if not isinstance(value, str):
                     raise PartcError(f"cluster field {f.name} must be a string, got {value!r}")
+            elif f.type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise PartcError(f"cluster field {f.name} must be true or false, got {value!r}")
             elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise PartcError(f"cluster field {f.name} must be a non-negative number, got {value!r}")
         if cluster.gpus_per_node < 1 or int(cluster.gpus_per_node) != cluster.gpus_per_node:
@@ -114,12 +125,12 @@ PRESETS: dict[str, Cluster] = {
     ),
     "h100-80g": Cluster(
         name="h100-80g", gpu="NVIDIA H100 SXM 80GB", memory_bytes=81559 * MiB,
-        peak_flops=989e12, memory_bandwidth=3.35e12, num_sms=132,
+        peak_flops=989e12, peak_flops_fp32=67e12, memory_bandwidth=3.35e12, num_sms=132,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
     ),
     "h200-141g": Cluster(
         name="h200-141g", gpu="NVIDIA H200 SXM 141GB", memory_bytes=143771 * MiB,
-        peak_flops=989e12, memory_bandwidth=4.8e12, num_sms=132,
+        peak_flops=989e12, peak_flops_fp32=67e12, memory_bandwidth=4.8e12, num_sms=132,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
     ),
 }

@@ -8,6 +8,7 @@ Each step is a function over typed data; `--dump-dir` writes the intermediate re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from partc.deferred_init import InitRecord, record
 from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import Pins
+from partc.precision import cast_floating, compute_dtype
 from partc.plan import Plan, Stage, read_plan, write_plan
 from partc.passes import cost
 from partc.model_file import ModelSpec, load_model_file
@@ -49,6 +51,13 @@ class CompileResult:
     """What a run of the program needs to know, one line each (the CLI prints ``warning: LINE``)."""
 
 
+def meta_inputs(spec: ModelSpec, batch_size: int, precision: str) -> tuple[tuple, dict]:
+    """The model's example inputs on meta, floating-point ones in the compute dtype (as the runtime feeds them)."""
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(batch_size)
+    return cast_floating((args, kwargs), compute_dtype(precision))
+
+
 def default_global_batch(gpus: int, seq_len: int | None) -> int:
     samples = -(-DEFAULT_BATCH_TOKENS // seq_len) if seq_len else 1
     return max(gpus, -(-samples // gpus) * gpus)
@@ -75,13 +84,17 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
 
     # 1. Load the model file and build the model on the meta device, recording how it sets each tensor (to name
     #    those `partc run` cannot initialize).
+    pins = pins or Pins()
+    precision = plan_in.parallel.precision if plan_in is not None else pins.precision or "bf16"
+    pins = dataclasses.replace(pins, precision=precision)
     spec = load_model_file(path, entry=entry, seq_len=seq_len)
     model, init = record(spec.build)
     with torch.device("meta"):
         args, kwargs = spec.inputs(1)
 
-    # 2. Trace (torch.export on meta) and build the layer graph.
-    traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=path)
+    # 2. Trace (torch.export on meta, at the plan's precision) and build the layer graph.
+    traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=path, precision=precision,
+                   fused_attention=clus.fused_attention)
     graph = traced.graph
     t_trace = time.perf_counter()
 
@@ -136,8 +149,7 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
     b = plan.parallel.micro_batch_size
     ep = traced.exported
     if b != 1 or plan.parallel.tp > 1:  # a fresh graph: codegen rewrites it in place for TP
-        with torch.device("meta"):
-            args, kwargs = spec.inputs(b)
+        args, kwargs = meta_inputs(spec, b, plan.parallel.precision)
         ep = export_on_meta(model, args, kwargs, path=path)
     return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers)
 

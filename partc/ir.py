@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-# Activations are trained in 16-bit (bf16 / fp16); masks and indices keep their own size.
 ACTIVATION_BYTES = 2
+"""Bytes of an activation element at the default precision (bf16). The trace records each tensor at its own size
+(the model is traced at the plan's precision; dropout masks at 1 byte, as the GPU's fused kernel keeps them)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,6 +32,10 @@ class Gemm:
     k: int
     batch_scales: bool
     """True when `batch` grows with the micro-batch size (attention bmm); else `m` does (tokens of a Linear)."""
+    dtype_bytes: int = ACTIVATION_BYTES
+    """Bytes of an operand element: 2 runs at the cluster's 16-bit tensor-core rate, 4 at its fp32 rate."""
+    fused: bool = False
+    """Part of a fused kernel (attention): operands and product stay on chip, its HBM traffic is its kernel's."""
 
     @property
     def flops(self) -> float:

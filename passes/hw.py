@@ -43,9 +43,9 @@ def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float, batch: float
     return cluster.gemm_efficiency * best * k / (k + cluster.gemm_half_size)
 
 
-def gemm_bytes(batch: float, m: float, n: float, k: float) -> float:
-    """HBM bytes of a 16-bit GEMM that reads both operands and writes the product once."""
-    return ACTIVATION_BYTES * batch * (m * k + k * n + m * n)
+def gemm_bytes(batch: float, m: float, n: float, k: float, dtype_bytes: int = ACTIVATION_BYTES) -> float:
+    """HBM bytes of a GEMM that reads both operands and writes the product once."""
+    return dtype_bytes * batch * (m * k + k * n + m * n)
 
 
 def gemm_time(cluster: Cluster, gemm: Gemm, *, micro_batch_size: int = 1, split: str | None = None,
@@ -71,8 +71,11 @@ def gemm_time(cluster: Cluster, gemm: Gemm, *, micro_batch_size: int = 1, split:
     # (k or n = the head dim, 64-160) move about as many bytes as they do FLOPs / 100, below A100's ridge point of
     # peak_flops / memory_bandwidth = 153 FLOP/byte, so they run at memory speed.
     flops = 2.0 * batch * m * n * k
-    return max(flops / (cluster.peak_flops * gemm_efficiency(cluster, m, n, k, batch)),
-               memory_time(cluster, gemm_bytes(batch, m, n, k)))
+    peak = cluster.peak_flops if gemm.dtype_bytes <= 2 else cluster.peak_flops_fp32
+    compute = flops / (peak * gemm_efficiency(cluster, m, n, k, batch))
+    if gemm.fused:  # inside a fused kernel: the kernel's own HBM traffic is counted with it
+        return compute
+    return max(compute, memory_time(cluster, gemm_bytes(batch, m, n, k, gemm.dtype_bytes)))
 
 
 def memory_time(cluster: Cluster, nbytes: float) -> float:

@@ -76,7 +76,8 @@ def _configs(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch: int, 
         for b in divisors(per_replica):
             for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
                 par = Parallel(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
-                               schedule=schedule, virtual_stages=v, recompute=recompute)
+                               schedule=schedule, virtual_stages=v, recompute=recompute,
+                               precision=pins.precision or "bf16")
                 if pins.allows(par):
                     yield par
 

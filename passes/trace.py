@@ -23,6 +23,7 @@ from torch import nn
 
 from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
+from partc.precision import cast_floating, cast_parameters, compute_dtype
 from partc.passes.export import export_on_meta
 from partc.passes.measure import NodeStats, activation_bytes, measure, stack_fqns
 from partc.passes.shard import ShardAnalysis
@@ -449,16 +450,22 @@ class Traced:
 
 
 def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: int | None = None,
-          path: str = "") -> Traced:
-    """Trace a meta-device model on one sample of meta inputs and build its `ModelGraph`."""
+          path: str = "", precision: str = "bf16", fused_attention: bool = False) -> Traced:
+    """Trace a meta-device model on one sample of meta inputs and build its `ModelGraph`. The model's parameters
+    (in place) and its floating-point inputs are cast to the `precision`'s compute dtype first (`partc.precision`):
+    the graph and its byte counts are those of a run at that precision. `fused_attention`: count the attention op
+    as the fused kernel the cluster runs (`partc.passes.measure.CORE_OPS`)."""
     t0 = time.perf_counter()
+    dtype = compute_dtype(precision)
+    cast_parameters(model, dtype)
+    args, kwargs = cast_floating((args, kwargs), dtype)
     ep = export_on_meta(model, args, kwargs, path=path)
     t1 = time.perf_counter()
     if seq_len is None:
         seq_len = infer_seq_len(args, kwargs)
     if seq_len is None:
         seq_len = _tokens_from_graph(ep)
-    stats = measure(ep, args, kwargs, seq_len)
+    stats = measure(ep, args, kwargs, seq_len, fused_attention=fused_attention)
     graph = build_graph(ep, model, stats, name=name, seq_len=seq_len)
     t2 = time.perf_counter()
     return Traced(graph=graph, exported=ep, model=model, trace_s=t1 - t0, measure_s=t2 - t1)

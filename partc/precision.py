@@ -1,0 +1,78 @@
+"""Precision as plans, programs and the runtime use it (the plan's ``parallel.precision``).
+
+``bf16`` (the default; Micikevicius et al. 2018, "Mixed Precision Training", with bf16 in place of fp16 and so no
+loss scaling): parameters in compute, activations and the tensors pipeline stages and TP collectives exchange are
+bf16; the master weights, the optimizer states and the gradients (accumulated over micro-batches and reduced over
+the data-parallel ranks) are fp32; the loss is computed in fp32 from the model's outputs. ``fp32``: everything fp32.
+
+The model is traced with its parameters and floating-point inputs in the compute dtype, so the program runs what the
+model does at that precision (a Hugging Face RMSNorm's upcast to fp32 is in the graph), and the trace's byte counts
+are those of the run. Buffers keep the dtype ``__init__`` gave them.
+
+What each ZeRO stage keeps, in bytes per parameter on the GPU (the cost model charges these, the runtime holds
+them; ``partc.runtime.parallelize`` implements them):
+
+    ======  ==========================  ==========================  ====================================
+    ZeRO    parameters                  gradients                   optimizer states
+    ======  ==========================  ==========================  ====================================
+    0       c (compute copy)            4 (fp32 main gradient)      4 master + 8 Adam (c = 4: no master)
+    1       c                           4                           (4 master + 8 Adam) / N_d
+    2       c (gathered for the step)   4 / N_d (fp32, sharded)     8 Adam / N_d
+            + 4 / N_d (fp32 master)
+    3       4 / N_d (fp32 master)       4 / N_d                     8 Adam / N_d
+    ======  ==========================  ==========================  ====================================
+
+with c = 2 for bf16 and 4 for fp32. (Rajbhandari et al.'s 2 + 2 + 12 assumes 16-bit gradients; Megatron-LM keeps
+fp32 gradients, as here: its 18 bytes per parameter at ZeRO-0.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from partc.errors import PartcError
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""Precision name -> the compute dtype of parameters and activations."""
+
+MASTER_DTYPE = torch.float32
+"""Master weights, gradients and optimizer states."""
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    if precision not in DTYPES:
+        raise PartcError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}")
+    return DTYPES[precision]
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes of one element in the compute dtype (2 for bf16, 4 for fp32)."""
+    return compute_dtype(precision).itemsize
+
+
+@torch.no_grad()
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every floating-point parameter of `model` in `dtype`, in place (on meta too; a tied parameter stays one
+    tensor under all its names); buffers unchanged."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = cast[id(p)]
+    return model
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """`value` with every floating-point tensor in it (a tensor, tuple, list or dict of them) cast to `dtype`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
+    return value
