@@ -290,6 +290,7 @@ def _manifest(ep: torch.export.ExportedProgram, a: Assignment, io: _GraphIO, rw:
         "stages": [{"index": s.index, "file": f"stage_{s.index}.py", "rank": s.index % plan.parallel.pp}
                    for s in stages],
         "tied": sorted(sorted(names_) for names_ in a.by_id.values() if len(names_) > 1),
+        "blocks": [u for u in a.unit_names if a.unit_kind.get(u) == "block"],
         "inputs": [names[n] for n in io.user_inputs],
         "input_keys": [flat_keys[user_input_names.index(n.name)] for n in io.user_inputs],
     }

@@ -34,6 +34,7 @@ from partc.model_file import ModelSpec, load_model_file
 from partc.runtime import checkpoint, checkpoint_dir
 from partc.runtime.materialize import (build_model, canonical_names, check_initializable, init_weights,
                                        load_weights, materialize, open_checkpoint)
+from partc.runtime.comm import CommCounter
 from partc.runtime.mesh import World, init_world
 from partc.runtime.parallelize import GradSync, OptimizerConfig, build_optimizers, parallelize
 from partc.runtime.program import ProgramFiles, StageFile, read_program
@@ -166,11 +167,12 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     untie_across_stages(stages)
 
     # 5. Recomputation and ZeRO (torchtitan's order), optimizers, gradient sync, the pipeline schedule.
-    modules = parallelize(stages, world, zero=par.zero, recompute=par.recompute)
-    optimizers = build_optimizers(modules, world, opt_config, par.zero)
+    modules = parallelize(stages, world, par, set(files.blocks))
+    optimizers = build_optimizers(stages, opt_config)
     holders = shared_holders(files, model, canon)
-    grad_sync = GradSync(stages, world, zero=par.zero, holders=holders, canon=canon)
-    runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes)
+    grad_sync = GradSync(stages, world, holders=holders, canon=canon)
+    counter = CommCounter({**{axis: [g] for axis, g in world.groups.items()}, "pp": [world.pp_group, *grad_sync.groups]})
+    runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes, counter)
     return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
                    runner=runner, canon=canon, layout=layout, seed=seed, unheld=unheld)
 

@@ -22,7 +22,7 @@ from types import ModuleType
 from partc.errors import PartcError
 from partc.plan import Plan, read_plan
 
-_LISTS = ("INPUTS", "OUTPUTS", "PARAMETERS", "BUFFERS", "MODULES")
+_LISTS = ("INPUTS", "OUTPUTS", "PARAMETERS", "BUFFERS", "MODULES", "UNITS")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +41,8 @@ class StageFile:
     buffers: list[str]
     modules: list[str]
     """Unit FQNs the stage owns (as in ``plan.json``)."""
+    units: list
+    """What ``forward`` runs, in order: a unit FQN, or a list of FQNs run as one function."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,6 +58,8 @@ class ProgramFiles:
     stages: list[StageFile]
     tied: list[list[str]]
     """Groups of parameter FQNs that are one parameter in the model (may span stages)."""
+    blocks: list[str]
+    """The units that are repeated blocks (full recomputation applies to them)."""
     inputs: list[str]
     """Names of the model's flattened tensor inputs (stage 0's INPUTS)."""
     input_keys: list[int | str]
@@ -105,7 +109,7 @@ def read_program(out_dir: str | Path) -> ProgramFiles:
                              f"{plan.stages[k].modules}; compile again")
         stages.append(StageFile(index=k, rank=entry["rank"], path=path, code=code, inputs=lists["INPUTS"],
                                 outputs=lists["OUTPUTS"], parameters=lists["PARAMETERS"],
-                                buffers=lists["BUFFERS"], modules=lists["MODULES"]))
+                                buffers=lists["BUFFERS"], modules=lists["MODULES"], units=lists["UNITS"]))
     if stages[0].inputs != list(manifest["inputs"]):
         raise PartcError(f"{stages[0].path}: INPUTS {stages[0].inputs} differ from the manifest's model inputs "
                          f"{manifest['inputs']}")
@@ -120,7 +124,7 @@ def read_program(out_dir: str | Path) -> ProgramFiles:
         raise PartcError(f"{stages[-1].path}: the last stage must define outputs(flat)")
     return ProgramFiles(out_dir=out, plan=plan, model_path=manifest["model_path"], entry=manifest["entry"],
                    micro_batch_size=manifest["micro_batch_size"], stages=stages,
-                   tied=[list(g) for g in manifest.get("tied", [])], inputs=list(manifest["inputs"]),
+                   tied=[list(g) for g in manifest.get("tied", [])], blocks=list(manifest.get("blocks", [])), inputs=list(manifest["inputs"]),
                    input_keys=list(manifest["input_keys"]), tp=dict(tp))
 
 

@@ -8,9 +8,10 @@ JOBS.json is a list of jobs: ``{"out": OUT, "steps": N, "seed": S, "optimizer": 
 FILE (the same, passed to load() as --init-checkpoint is), "result": FILE, "save": DIR (optional: a checkpoint
 after the run), "load": DIR (optional: resume from it first), "initial": true (optional: also the full state dict
 before the first step)}``. Rank 0 writes ``{"losses": [...], "state": full state dict, "start": step resumed from,
-"replica_diff": the largest difference between tp ranks' copies of a parameter the program does not split (0.0:
-they stay identical), "initial": the full state dict before the first step, if asked}`` to ``result``. A job
-``{"check": "collectives", "result": FILE}`` runs `check_collectives` over all ranks instead.
+"comm": per step, every rank's comm bytes by axis, "replica_diff": the largest difference between tp ranks' copies
+of a parameter the program does not split (0.0: they stay identical), "initial": the full state dict before the
+first step, if asked}`` to ``result``. A job ``{"check": "collectives", "result": FILE}`` runs `check_collectives`
+over all ranks instead.
 
 The workers leave with ``os._exit`` after destroying the process group (see `partc.runtime.__main__`).
 """
@@ -71,16 +72,20 @@ def run_job(job: dict[str, Any]) -> None:
         prog.load_state_dict(torch.load(job["init"], weights_only=True))
     start = prog.load(job["load"]) if job.get("load") else 0
     initial = prog.full_state_dict() if job.get("initial") else None
-    losses = []
+    losses, comm = [], []
     for k in range(start, job["steps"]):
         inputs, targets = prog.batch(k)
         losses.append(prog.step(inputs, targets))
+        ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, prog.runner.comm_bytes)
+        comm.append(ranks)
     if job.get("save"):
         prog.save(job["save"], job["steps"])
     state = prog.full_state_dict()
     diff = replica_diff(prog)
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "state": state, "start": start, "replica_diff": diff, "initial": initial},
+        torch.save({"losses": losses, "state": state, "start": start, "replica_diff": diff, "initial": initial,
+                    "comm": comm},
                    job["result"])
 
 
