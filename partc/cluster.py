@@ -27,13 +27,16 @@ class Cluster:
     gpus_per_node: int = 8
     memory_bytes: int
     """HBM per GPU, as the driver reports it."""
-    memory_reserve_bytes: int = 4 * GiB
-    """Held back from `memory_bytes`; a plan must fit in ``memory_bytes - memory_reserve_bytes`` (the search
-    never chooses one that does not, and ``--from-plan`` rejects it). 4 GiB covers what the cost model does not
-    count: the CUDA context and cuBLAS/cuDNN workspaces (about 0.5-1 GiB), NCCL's communication buffers (a few
-    hundred MiB per communicator, and a plan has TP, DP and PP communicators), and the caching allocator's
-    fragmentation, which leaves blocks reserved but unusable when activations of different sizes come and go
-    (commonly 5% or more of what is allocated)."""
+    memory_reserve_bytes: int = 1 * GiB
+    """Held back from `memory_bytes`, with `memory_reserve_fraction` (`usable_memory_bytes`): the CUDA context and
+    the cuBLAS/cuDNN workspaces (about 0.5-1 GiB), which the cost model does not count."""
+    memory_reserve_fraction: float = 0.05
+    """Fraction of `memory_bytes` held back for the caching allocator's fragmentation, which leaves blocks reserved
+    but unusable when activations of different sizes come and go (commonly 5% of what is allocated). A plan must fit
+    in `usable_memory_bytes` (the search never chooses one that does not, and ``--from-plan`` rejects it)."""
+    communicator_bytes: int = 256 * MiB
+    """Device memory of one NCCL communicator (its send and receive buffers: NCCL_BUFFSIZE, 4 MiB, per channel, peer
+    and protocol), counted for every process group of more than one rank a GPU belongs to."""
     peak_flops: float
     """Dense 16-bit tensor-core FLOP/s (datasheet)."""
     peak_flops_fp32: float = 19.5e12
@@ -79,6 +82,11 @@ class Cluster:
     """Fraction of the data-parallel gradient reduction hidden behind backward compute. 0: the reduction runs
     after the last backward, as in Megatron-LM's own ("local") DDP that the pipelined Table 1 runs used."""
 
+    @property
+    def usable_memory_bytes(self) -> float:
+        """What a plan may use of a GPU: `memory_bytes` less the reserves."""
+        return self.memory_bytes * (1 - self.memory_reserve_fraction) - self.memory_reserve_bytes
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -108,8 +116,11 @@ class Cluster:
                 raise PartcError(f"cluster field {f.name} must be a non-negative number, got {value!r}")
         if cluster.gpus_per_node < 1 or int(cluster.gpus_per_node) != cluster.gpus_per_node:
             raise PartcError(f"cluster gpus_per_node must be a positive integer, got {cluster.gpus_per_node!r}")
-        if cluster.memory_bytes <= cluster.memory_reserve_bytes:
-            raise PartcError("cluster memory_bytes must exceed memory_reserve_bytes")
+        if not 0 <= cluster.memory_reserve_fraction < 1:
+            raise PartcError(f"cluster memory_reserve_fraction must be in [0, 1), got {cluster.memory_reserve_fraction}")
+        if cluster.usable_memory_bytes <= 0:
+            raise PartcError("cluster memory_bytes must exceed its reserves (memory_reserve_bytes and "
+                             "memory_reserve_fraction)")
         return cluster
 
 

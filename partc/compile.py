@@ -155,7 +155,7 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
 
 
 def _no_fit_message(clus: Cluster, result: SearchResult) -> str:
-    usable = clus.memory_bytes - clus.memory_reserve_bytes
+    usable = clus.usable_memory_bytes
     gib = 1024**3
     if result.least_memory is None:
         return f"no plan fits in {usable / gib:.1f} GiB per GPU on {clus.name}"
@@ -163,7 +163,7 @@ def _no_fit_message(clus: Cluster, result: SearchResult) -> str:
     p = c.parallel
     return (f"the model fits no plan: the least memory any plan needs is {result.least_memory / gib:.1f} GiB per "
             f"GPU ({p.summary()}), but a {clus.gpu} has {usable / gib:.1f} GiB usable "
-            f"({clus.memory_bytes / gib:.1f} GiB minus a {clus.memory_reserve_bytes / gib:.1f} GiB reserve); "
+            f"({clus.memory_bytes / gib:.1f} GiB less its reserves); "
             f"use more GPUs or a larger GPU")
 
 
@@ -210,7 +210,7 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
     if not cost.fits(clus, pred.memory_per_gpu):
         gib = 1024**3
         raise PartcError(f"the plan needs {pred.memory_per_gpu.total / gib:.1f} GiB per GPU but a {clus.gpu} has "
-                         f"{(clus.memory_bytes - clus.memory_reserve_bytes) / gib:.1f} GiB usable")
+                         f"{clus.usable_memory_bytes / gib:.1f} GiB usable")
     return Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
 
 
@@ -221,6 +221,11 @@ def _predicted(pred: cost.Prediction) -> dict:
         "bubble_fraction": pred.bubble_fraction, "memory_per_gpu": pred.memory_per_gpu.to_dict(),
         "breakdown_s": {"compute": pred.compute_s, "tp_comm": pred.tp_comm_s, "pp_comm": pred.pp_comm_s,
                         "bubble": pred.bubble_s, "dp_comm": pred.dp_comm_s, "optimizer": pred.optimizer_s},
+        # One entry per pipeline rank, in rank order: what one GPU of it needs and moves in a step (the runtime
+        # measures the same: partc.runtime.comm, `--log-jsonl`).
+        "ranks": [{"time_s": r.time_s, "memory_bytes": r.memory.to_dict(),
+                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0))) for axis in ("tp", "pp", "dp")}}
+                  for r in pred.ranks],
     }
 
 

@@ -139,6 +139,9 @@ class ModelGraph:
     edges: list[Edge]
     cut_bytes: list[int]
     """cut_bytes[i]: bytes per sample that cross a pipeline boundary placed after units[i] (len(units) - 1)."""
+    cut_grad_bytes: list[int] = field(default_factory=list)
+    """The part of `cut_bytes` that needs a gradient (it depends on a parameter): what a pipeline sends back across
+    the boundary. Empty: all of it."""
     tied: dict[str, str] = field(default_factory=dict)
     """Parameter FQN -> the FQN of the parameter it shares storage with (first in execution order)."""
     first_unit_required: list[str] = field(default_factory=list)
@@ -147,6 +150,10 @@ class ModelGraph:
     """Units that must be on the last stage (the head feeding the loss)."""
     info: dict[str, object] = field(default_factory=dict)
     """Free-form model facts for the plan's ``model`` section (hidden size, heads, vocab...)."""
+
+    def grad_cut(self, i: int) -> int:
+        """`cut_grad_bytes[i]`, or `cut_bytes[i]` when the graph does not say."""
+        return self.cut_grad_bytes[i] if self.cut_grad_bytes else self.cut_bytes[i]
 
     def unit(self, fqn: str) -> Unit:
         for u in self.units:

@@ -94,11 +94,14 @@ def link(cluster: Cluster, *, spans_nodes: bool, ranks_per_node: int = 1) -> tup
 
 
 def collective_time(cluster: Cluster, kind: str, nbytes: float, n: int, *, spans_nodes: bool = False,
-                    ranks_per_node: int = 1) -> float:
-    """Seconds for one ring collective of `nbytes` over `n` ranks (0 when n == 1)."""
-    if n <= 1 or nbytes <= 0:
+                    ranks_per_node: int = 1, latency_only: bool = False) -> float:
+    """Seconds for one ring collective of `nbytes` over `n` ranks (0 when n == 1); `latency_only`: its latency
+    terms alone (a further call moving bytes already counted)."""
+    if n <= 1 or (nbytes <= 0 and not latency_only):
         return 0.0
     bw, alpha = link(cluster, spans_nodes=spans_nodes, ranks_per_node=ranks_per_node)
+    if latency_only:
+        nbytes = 0.0
     if kind == "all_reduce":
         return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
     if kind in ("all_gather", "reduce_scatter"):

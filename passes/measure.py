@@ -61,6 +61,8 @@ class NodeStats:
     core_input_bytes: int = 0
     """For an attention-core op: bytes of its inputs that no op saves, which selective recomputation must keep
     to replay it (they offset what it drops)."""
+    requires_grad: bool = False
+    """Whether the node's output needs a gradient (it depends on a parameter): a pipeline sends one back for it."""
 
 
 def activation_bytes(t: torch.Tensor, numel: int | None = None) -> int:
@@ -185,6 +187,9 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
                 recorder.core_bytes = None if fused_attention else inputs[0].element_size()
             try:
                 out = super().run_node(n)
+                if recorder.node is not None:
+                    recorder.stats[recorder.node].requires_grad = any(
+                        isinstance(x, torch.Tensor) and x.requires_grad for x in fx_pytree.tree_flatten(out)[0])
                 if core and fused_attention:
                     if out.dim() >= 3:  # the kernel's [..., seq, heads, head_dim] layout
                         out = out.transpose(-3, -2).contiguous().transpose(-3, -2)

@@ -179,8 +179,9 @@ class _Costs:
 
     def cut_time(self, par: Parallel) -> list[float]:
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
-        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, c, spans)
-                                              for c in self.graph.cut_bytes], par.pp > 1, spans)
+        graph = self.graph
+        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, c, spans, graph.grad_cut(i))
+                                              for i, c in enumerate(graph.cut_bytes)], par.pp > 1, spans)
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
@@ -269,7 +270,7 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
     """The fastest plan that fits, and the next `keep - 1`."""
     pins = pins or Pins()
     check_pins(pins, gpus, num_units=len(graph.units), max_stages=max_stages(graph))
-    mem_limit = cluster.memory_bytes - cluster.memory_reserve_bytes
+    mem_limit = cluster.usable_memory_bytes
     costs = _Costs(graph, cluster, tp_pins)
     configs = list(_configs(graph, cluster, gpus, global_batch_size, pins))
     if not configs and pins.dp is not None and global_batch_size % (pins.dp * (pins.micro_batch_size or 1)):

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from partc.runtime.program import StageFile
 
@@ -51,7 +51,10 @@ class UnitModule(nn.Module):
             return fn(self._lookup(), *inputs, device=self._device)
 
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(run, *args, use_reentrant=False)
+            # The whole unit runs again (no early stop after its last saved tensor): the collectives at its end
+            # too, as the cost model charges a full recomputation.
+            with set_checkpoint_early_stop(False):
+                return checkpoint(run, *args, use_reentrant=False)
         return run(*args)
 
 
