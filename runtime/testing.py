@@ -29,29 +29,62 @@ import torch.distributed as dist
 
 def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps: int, seed: int,
                   global_batch_size: int, optimizer: str = "sgd", lr: float = 0.1, weight_decay: float = 0.0,
-                  entry: str = "model", start: int = 0, seq_len: int | None = None
-                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  entry: str = "model", start: int = 0, seq_len: int | None = None, precision: str = "fp32",
+                  micro_batch_size: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train the whole model in this process on the runtime's batches (steps `start` .. `steps` - 1) from
-    `init_state`; returns the losses and the final state dict."""
+    `init_state`, under the runtime's precision policy (`partc.precision`); returns the losses and the final state
+    dict. The model's parameters are the fp32 master weights; each micro-batch (`micro_batch_size` samples, in
+    order; the whole batch by default) runs forward and backward on a copy in the compute dtype, from
+    floating-point inputs in that dtype, the loss in fp32 on the outputs upcast; the gradients are summed in fp32,
+    divided by the number of micro-batches, and the optimizer steps the fp32 weights. This is the runtime's
+    arithmetic up to the order of the fp32 sums over micro-batches and data-parallel ranks."""
+    import copy
+
+    from partc._torch import tree_map
     from partc.model_file import load_model_file
+    from partc.precision import MASTER_DTYPE, cast_floating, cast_parameters, compute_dtype
     from partc.runtime.parallelize import OptimizerConfig
     from partc.runtime.train import global_batch
 
     spec = load_model_file(model_path, entry=entry, seq_len=seq_len)
-    model = spec.build()
-    model.load_state_dict(init_state)
-    model.train()
+    master = spec.build()
+    master.load_state_dict(init_state)
+    master.train()
+    dtype = compute_dtype(precision)
+    work = cast_parameters(copy.deepcopy(master), dtype) if dtype != MASTER_DTYPE else master
+    pairs = [(mp, wp) for (_, mp), (_, wp) in zip(master.named_parameters(), work.named_parameters())]
     cls, kwargs = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay).optimizer_class()
-    opt = cls(model.parameters(), **kwargs)
+    opt = cls(master.parameters(), **kwargs)
+    b = micro_batch_size or global_batch_size
+    micro = range(0, global_batch_size, b)
     losses = []
     for k in range(start, steps):
         args, kw, targets = global_batch(spec, seed, k, global_batch_size)
-        loss = spec.loss_fn(model(*args, **kw), targets)
         opt.zero_grad()
-        loss.backward()
+        total = 0.0
+        for i in micro:
+            def take(x, i=i):
+                return x[i:i + b] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == global_batch_size else x
+            if work is not master:
+                with torch.no_grad():
+                    for mp, wp in pairs:
+                        wp.copy_(mp)
+            a, kw_b = cast_floating((tree_map(take, args), tree_map(take, kw)), dtype)
+            loss = spec.loss_fn(cast_floating(work(*a, **kw_b), MASTER_DTYPE), tree_map(take, targets))
+            loss.backward()
+            total += loss.item()
+            if work is not master:
+                for mp, wp in pairs:
+                    if wp.grad is not None:
+                        grad = wp.grad.to(MASTER_DTYPE)
+                        mp.grad = grad if mp.grad is None else mp.grad + grad
+                        wp.grad = None
+        for mp in master.parameters():
+            if mp.grad is not None:
+                mp.grad /= len(micro)
         opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        losses.append(total / len(micro))
+    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
 def run_job(job: dict[str, Any]) -> None:
