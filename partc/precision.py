@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from partc._torch import tree_map
 from partc.errors import PartcError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -68,11 +69,6 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """`value` with every floating-point tensor in it (a tensor, tuple, list or dict of them) cast to `dtype`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: cast_floating(v, dtype) for k, v in value.items()}
-    return value
+    """`value` with every floating-point tensor in it (a tensor, or any structure of them torch's pytree knows:
+    tuples, dicts, a Hugging Face ``ModelOutput``) cast to `dtype`, the structure kept."""
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, value)

@@ -118,9 +118,15 @@ def apply_zero(stage: StageModule, mesh: DeviceMesh, par: Parallel) -> nn.Module
     """FSDP2 on each unit and on the stage, under the plan's ZeRO policy and precision (module docstring)."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype(par.precision), reduce_dtype=MASTER_DTYPE) \
         if par.precision != "fp32" else MixedPrecisionPolicy()
-    for unit in stage.units.values():
+    units = list(stage.units.values())
+    for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)
     fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)
+    # In backward each unit prefetches the one before it (FSDP2's default picks the module that ran forward before
+    # it, which across micro-batches in flight is the previous micro-batch's last unit: an extra gather). The first
+    # unit names itself, a no-op, so that no default prefetch crosses into another micro-batch.
+    for i, unit in enumerate(units):
+        unit.set_modules_to_backward_prefetch([units[i - 1] if i else unit])
     return SyncEveryStep(stage) if par.zero >= 2 else stage
 
 

@@ -30,14 +30,17 @@ import torch.distributed as dist
 def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps: int, seed: int,
                   global_batch_size: int, optimizer: str = "sgd", lr: float = 0.1, weight_decay: float = 0.0,
                   entry: str = "model", start: int = 0, seq_len: int | None = None, precision: str = "fp32",
-                  micro_batch_size: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  micro_batch_size: int | None = None, untied: bool = False
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train the whole model in this process on the runtime's batches (steps `start` .. `steps` - 1) from
     `init_state`, under the runtime's precision policy (`partc.precision`); returns the losses and the final state
     dict. The model's parameters are the fp32 master weights; each micro-batch (`micro_batch_size` samples, in
     order; the whole batch by default) runs forward and backward on a copy in the compute dtype, from
     floating-point inputs in that dtype, the loss in fp32 on the outputs upcast; the gradients are summed in fp32,
     divided by the number of micro-batches, and the optimizer steps the fp32 weights. This is the runtime's
-    arithmetic up to the order of the fp32 sums over micro-batches and data-parallel ranks."""
+    arithmetic up to the order of the fp32 sums over micro-batches and data-parallel ranks. `untied`: each use of a
+    tied weight gets its own compute copy, whose gradients are summed in fp32 (as the runtime does when the uses
+    are on different pipeline ranks; one stage holding both sums them in the compute dtype, as here by default)."""
     import copy
 
     from partc._torch import tree_map
@@ -53,6 +56,15 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
     dtype = compute_dtype(precision)
     work = cast_parameters(copy.deepcopy(master), dtype) if dtype != MASTER_DTYPE else master
     pairs = [(mp, wp) for (_, mp), (_, wp) in zip(master.named_parameters(), work.named_parameters())]
+    if untied and work is not master:
+        seen: set[int] = set()
+        for module in work.modules():
+            for key, wp in module._parameters.items():
+                if wp is not None and id(wp) in seen:
+                    module._parameters[key] = copy_ = torch.nn.Parameter(wp.detach().clone())
+                    pairs.append((next(mp for mp, w in pairs if w is wp), copy_))
+                elif wp is not None:
+                    seen.add(id(wp))
     cls, kwargs = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay).optimizer_class()
     opt = cls(master.parameters(), **kwargs)
     b = micro_batch_size or global_batch_size
