@@ -7,17 +7,19 @@ Every user error prints one line (``error: ...``) and exits with code 2, without
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from partc.cluster import PRESETS, Cluster
 from partc.errors import PartcError
-from partc.parallel import PINNABLE, Parallel, Pins
+from partc.parallel import PINNABLE, Parallel, Pins, check_gpus
 
 GiB = 1024**3
 
@@ -30,12 +32,17 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except PartcError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {one_line(str(e))}", err=True)
             sys.exit(2)
         except click.UsageError as e:
             command = e.ctx.command_path if e.ctx is not None else ctx.command_path
-            click.echo(f"error: {e.format_message()} (see '{command} --help')", err=True)
+            click.echo(f"error: {one_line(e.format_message())} (see '{command} --help')", err=True)
             sys.exit(2)
+
+
+def one_line(text: str) -> str:
+    """An error message as one line, whatever names from the user's files it quotes."""
+    return " ".join(text.splitlines())
 
 
 @click.group(cls=_Group)
@@ -81,27 +88,35 @@ def _pin_options(command):
 @_pin_options
 @click.option("--from-plan", "from_plan", type=str, default=None,
               help="Skip the search: validate and re-predict this plan.json (it replaces the pins).")
-@click.option("-o", "--out", "out_dir", default="partc_out", show_default=True, help="Output directory.")
+@click.option("-o", "--out", "out_dir", default="partc_out", show_default=True,
+              help="Output directory: new, empty, or an earlier output of partc compile (which it replaces).")
+@click.option("--force", is_flag=True,
+              help="Replace an earlier output even where its plan.json or program/ was changed since partc wrote it.")
 @click.option("--dump-dir", default=None, help="Also write graph.txt and costs.json here.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
               help="json: print the plan JSON to stdout instead of the summary.")
 def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_size, seq_len, from_plan, out_dir,
-                dump_dir, fmt, **pinned):
+                force, dump_dir, fmt, **pinned):
     """Plan MODEL_FILE for --gpus GPUs: write OUT/plan.json and print why."""
     from partc.compile import compile_model
 
-    if gpus < 1:
-        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
+    check_gpus(gpus)
     pins = Pins(**pinned)
-    result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
-                           global_batch_size=global_batch_size, seq_len=seq_len, pins=pins, from_plan=from_plan,
-                           out_dir=out_dir, dump_dir=dump_dir)
+    # The model's code runs inside (import, model(), example_inputs, its forward while traced): what it prints goes
+    # to stderr, so stdout holds partc's output alone (--format json: the plan, nothing else).
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
+                                   global_batch_size=global_batch_size, seq_len=seq_len, pins=pins,
+                                   from_plan=from_plan, out_dir=out_dir, dump_dir=dump_dir, force=force)
+    except SystemExit as e:  # the model's forward called sys.exit() while traced
+        raise PartcError(f"the model's code called sys.exit({e.code!r}) during partc compile") from None
     if fmt == "json":
         click.echo(result.plan.to_json(), nl=False)
     else:
         print_summary(result, Path(out_dir) / "plan.json")
     for line in result.warnings:
-        click.echo(f"warning: {line}", err=True)
+        click.echo(f"warning: {one_line(line)}", err=True)
 
 
 def compress_modules(modules: list[str]) -> str:
@@ -129,8 +144,10 @@ def print_summary(result, plan_path: Path) -> None:
     plan = result.plan.to_dict()
     pred, par, model = plan["predicted"], plan["parallel"], plan["model"]
     console = Console(highlight=False, width=max(Console().width, 100))
-    console.print(f"[bold]{model['name']}[/]: {model['num_params'] / 1e9:.2f}B parameters, {model['num_units']} units; "
-                  f"{par['dp'] * par['tp'] * par['pp']} x {result.plan.cluster['gpu']}")
+    # Names from the model and the cluster file are text, never markup: each goes through `escape`.
+    console.print(f"[bold]{escape(model['name'])}[/]: {model['num_params'] / 1e9:.2f}B parameters, "
+                  f"{model['num_units']} units; {par['dp'] * par['tp'] * par['pp']} x "
+                  f"{escape(result.plan.cluster['gpu'])}")
     t = Table(title="Plan", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
@@ -160,7 +177,7 @@ def print_summary(result, plan_path: Path) -> None:
     for st in plan["stages"]:
         ranks.setdefault(st["rank"], []).extend(st["modules"])
     for rank in result.best.prediction.ranks:
-        s.add_row(str(rank.rank), compress_modules(ranks.get(rank.rank, [])), f"{rank.time_s * 1e3:.1f} ms",
+        s.add_row(str(rank.rank), escape(compress_modules(ranks.get(rank.rank, []))), f"{rank.time_s * 1e3:.1f} ms",
                   f"{rank.memory.total / GiB:.1f} GiB")
     console.print(s)
 
@@ -179,11 +196,12 @@ def print_summary(result, plan_path: Path) -> None:
         searched = f"; {result.search.considered} plans considered, {result.search.evaluated} evaluated in full"
     program = plan_path.parent / "program"
     files = f"{len(plan['stages'])} stage file" + ("s" if len(plan["stages"]) > 1 else "")
-    console.print(f"wrote {plan_path} and {program}/ ({files})  (trace "
+    console.print(f"wrote {escape(str(plan_path))} and {escape(str(program))}/ ({files})  (trace "
                   f"{timings['trace']:.1f}s, passes {timings['passes']:.1f}s, solve {timings['solve']:.1f}s, codegen "
                   f"{timings['codegen']:.1f}s{searched})")
-    console.print(f"run it: partc run {plan_path.parent} --steps N   (or torchrun --nproc-per-node "
-                  f"{par['dp'] * par['tp'] * par['pp']} -m partc.runtime {plan_path.parent} ...)")
+    out = escape(str(plan_path.parent))
+    console.print(f"run it: partc run {out} --steps N   (or torchrun --nproc-per-node "
+                  f"{par['dp'] * par['tp'] * par['pp']} -m partc.runtime {out} ...)")
 
 
 @main.command("run", context_settings={"ignore_unknown_options": True})

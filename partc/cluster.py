@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from partc.errors import PartcError
+from partc.parallel import MAX_GPUS
 
 GiB = 1024**3
 MiB = 1024**2
@@ -109,19 +111,61 @@ class Cluster:
             if f.name in ("name", "gpu"):
                 if not isinstance(value, str):
                     raise PartcError(f"cluster field {f.name} must be a string, got {value!r}")
-            elif f.type in ("bool", bool):
+                continue
+            if f.type in ("bool", bool):
                 if not isinstance(value, bool):
                     raise PartcError(f"cluster field {f.name} must be true or false, got {value!r}")
-            elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise PartcError(f"cluster field {f.name} must be a non-negative number, got {value!r}")
-        if cluster.gpus_per_node < 1 or int(cluster.gpus_per_node) != cluster.gpus_per_node:
-            raise PartcError(f"cluster gpus_per_node must be a positive integer, got {cluster.gpus_per_node!r}")
-        if not 0 <= cluster.memory_reserve_fraction < 1:
-            raise PartcError(f"cluster memory_reserve_fraction must be in [0, 1), got {cluster.memory_reserve_fraction}")
+                continue
+            want = _check_number(f.name, value)
+            if want:
+                raise PartcError(f"cluster field {f.name} must be {want}, got {value!r}")
+            if f.name in _COUNTS:
+                setattr(cluster, f.name, int(value))
         if cluster.usable_memory_bytes <= 0:
             raise PartcError("cluster memory_bytes must exceed its reserves (memory_reserve_bytes and "
                              "memory_reserve_fraction)")
         return cluster
+
+
+# The range of each number (`_check_number`). Rates and sizes have a floor far below any GPU or network partc plans
+# for, which also catches a rate in the wrong unit (312 for peak_flops: TFLOP/s, not FLOP/s) before it makes step
+# times of years; efficiencies are fractions; latencies at most a second; any other number (a field added later)
+# finite and non-negative. A value outside would make a predicted time infinite, nan or negative.
+_COUNTS = {"gpus_per_node": MAX_GPUS, "num_sms": 2**20}
+"""Integer fields: 1 .. this."""
+_FLOORS = {
+    "memory_bytes": (2**20, "1 MiB: it is in bytes"),
+    "peak_flops": (1e12, "1 TFLOP/s: it is in FLOP/s"),
+    "peak_flops_fp32": (1e11, "0.1 TFLOP/s: it is in FLOP/s"),
+    "memory_bandwidth": (1e10, "10 GB/s: it is in bytes/s"),
+    "intra_node_bandwidth": (1e9, "1 GB/s: it is in bytes/s"),
+    "inter_node_bandwidth": (1e8, "100 MB/s: it is in bytes/s"),
+}
+"""Rates and sizes: at least this (and what it means)."""
+_RANGES = {
+    "gemm_efficiency": (0.01, 1.0), "memory_efficiency": (0.01, 1.0), "intra_node_efficiency": (0.01, 1.0),
+    "inter_node_efficiency": (0.01, 1.0), "dp_overlap": (0.0, 1.0), "intra_node_latency": (0.0, 1.0),
+    "inter_node_latency": (0.0, 1.0), "gemm_half_size": (0.0, 2.0**20), "memory_reserve_fraction": (0.0, 0.9),
+}
+"""Other numbers: low .. high."""
+
+
+def _check_number(name: str, value) -> str | None:
+    """What cluster field `name` must be, if `value` is not that; None if it is."""
+    try:
+        finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+    except OverflowError:  # an integer beyond any float
+        finite = False
+    if name in _COUNTS:
+        ok = finite and value == int(value) and 1 <= value <= _COUNTS[name]
+        return None if ok else f"an integer from 1 to {_COUNTS[name]:,}"
+    if name in _FLOORS:
+        floor, why = _FLOORS[name]
+        return None if finite and value >= floor else f"a finite number >= {floor:.3g} ({why})"
+    low, high = _RANGES.get(name, (0.0, math.inf))
+    if finite and low <= value <= high:
+        return None
+    return f"a finite number >= {low:g}" if high == math.inf else f"a number from {low:g} to {high:g}"
 
 
 # Datasheet rates from calibration.md section 4 (NVLink: per direction; InfiniBand: 8x 200 Gb/s HDR per 8-GPU

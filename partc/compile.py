@@ -16,18 +16,19 @@ from pathlib import Path
 
 import torch
 
+from partc import output
 from partc.cluster import Cluster, load_cluster
 from partc.deferred_init import InitRecord, record
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.parallel import Pins
+from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
 from partc.precision import cast_floating, compute_dtype
-from partc.plan import Plan, Stage, read_plan, write_plan
+from partc.plan import Plan, Stage, read_plan
 from partc.passes import cost
 from partc.model_file import ModelSpec, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import evaluate_tp
-from partc.passes.codegen import GeneratedProgram, generate, write_program
+from partc.passes.codegen import GeneratedProgram, generate
 from partc.passes.export import export_on_meta
 from partc.passes.trace import Traced, trace
 
@@ -66,18 +67,23 @@ def default_global_batch(gpus: int, seq_len: int | None) -> int:
 def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | Cluster = "a100-80g",
                   gpus_per_node: int | None = None, global_batch_size: int | None = None,
                   seq_len: int | None = None, pins: Pins | None = None, from_plan: str | None = None,
-                  out_dir: str | Path | None = None, dump_dir: str | Path | None = None) -> CompileResult:
+                  out_dir: str | Path | None = None, dump_dir: str | Path | None = None,
+                  force: bool = False) -> CompileResult:
+    """Plan the model of the file at `path`; with `out_dir`, write the plan and the program there (`partc.output`:
+    `force` replaces an earlier output whose files were changed since partc wrote them)."""
     t0 = time.perf_counter()
-    if gpus < 1:
-        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
+    check_gpus(gpus)
     clus = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     if gpus_per_node is not None:
-        if gpus_per_node < 1:
-            raise PartcError(f"--gpus-per-node must be a positive integer, got {gpus_per_node}")
+        if not 1 <= gpus_per_node <= MAX_GPUS:
+            raise PartcError(f"--gpus-per-node must be between 1 and {MAX_GPUS:,}, got {gpus_per_node:,}")
         clus = Cluster.from_dict({**clus.to_dict(), "gpus_per_node": gpus_per_node})
-    if global_batch_size is not None and global_batch_size < 1:
-        raise PartcError(f"--global-batch-size must be a positive integer, got {global_batch_size}")
+    if global_batch_size is not None and not 1 <= global_batch_size <= MAX_BATCH:
+        raise PartcError(f"--global-batch-size must be between 1 and {MAX_BATCH:,} samples, "
+                         f"got {global_batch_size:,}")
     plan_in = read_plan(from_plan) if from_plan else None
+    if out_dir is not None:
+        output.check(out_dir, force=force, keep=from_plan)  # before the work, and again before writing
     if plan_in is not None and pins is not None and pins.pinned():
         raise PartcError(f"--from-plan takes the place of the pins (--{', --'.join(pins.pinned()).replace('_', '-')}); "
                          f"edit the plan instead")
@@ -96,6 +102,9 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=path, precision=precision,
                    fused_attention=clus.fused_attention)
     graph = traced.graph
+    if not graph.units:
+        raise PartcError(f"{path}: {entry}() returned a model without parameters ({type(model).__name__}); partc "
+                         f"plans the training of a model with parameters")
     t_trace = time.perf_counter()
 
     # 3. Search, or re-predict a plan read from disk.
@@ -114,16 +123,17 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     plan = make_plan(graph, clus, best, result, path=path, entry=entry)
     if plan_in is not None:
         plan.alternatives = []
-    if dump_dir is not None:
-        dump(graph, clus, best, dump_dir)
 
     # 5. The sharded program: the graph exported again at the micro-batch size, split by stages.
     t_codegen = time.perf_counter()
     if out_dir is not None:
         program = make_program(spec, model, traced, plan, path=path, entry=entry)
-        write_program(program, out_dir)
-        write_plan(plan, out_dir)
+        output.write(out_dir, {"plan.json": plan.to_json(), **{f"program/{name}": text
+                                                                for name, text in program.files.items()}},
+                     force=force, keep=from_plan)
     t_end = time.perf_counter()
+    if dump_dir is not None:
+        dump(graph, clus, best, dump_dir)
     timings = {"trace": traced.trace_s, "passes": traced.measure_s, "solve": t_solve - t_trace,
                "codegen": t_end - t_codegen, "total": t_end - t0}
     return CompileResult(plan=plan, best=best, graph=graph, spec=spec, traced=traced, search=result,

@@ -218,6 +218,9 @@ def _import_file(file: Path, shown: str) -> ModuleType:
         spec.loader.exec_module(module)
     except BaseException as e:
         del sys.modules[name]
+        if isinstance(e, SystemExit):  # not partc's exit code: a compile that ends without a word, or a plan
+            raise PartcError(f"{_where(e, shown)}: the model file called sys.exit({e.code!r}) while partc imported "
+                             f"it; put script code under `if __name__ == \"__main__\":`") from None
         if isinstance(e, Exception):
             raise _import_error(e, shown) from None
         raise
@@ -261,7 +264,7 @@ def _call_user(fn: Callable, what: str, shown: str, *args: Any) -> Any:
         return fn(*args)
     except PartcError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() in the file is its error, not partc's exit code
         where = _user_frame(e) or shown
         raise PartcError(f"{where}: {what} raised {_describe(e)}") from None
 

@@ -34,30 +34,43 @@ TP_STYLES = ("colwise", "rowwise", "replicate")
 MESH_AXES = ("pp", "dp", "tp")
 """The device mesh's axes, outermost first; each is also the name of a degree of `Parallel`."""
 
+MAX_GPUS = 2**20
+"""The most GPUs partc plans for (1,048,576), and the bound of each degree: several times the largest GPU clusters
+built or announced, which hold a few hundred thousand. A larger count is a mistake (``--gpus 10**9``), and a plan
+for it would be searched for minutes and run nowhere."""
 
-def _choice(help: str, *, choices: tuple | None = None, minimum: int | None = None, pin: bool = True) -> Any:
-    """Field metadata: the CLI help of its pin, its allowed values (or lower bound), and whether it can be pinned."""
-    return {"help": help, "choices": choices, "min": minimum, "pin": pin}
+MAX_BATCH = 2**24
+"""The largest global batch (and micro-batch), in samples: 16,777,216. Large-batch training runs at tens of
+thousands of samples a step (ImageNet in minutes: 32-64k) and language models at a few million tokens (a few
+thousand sequences); every rank draws the whole global batch of a step (`partc.runtime.train`), so a larger one
+only exhausts the host's memory."""
+
+
+def _choice(help: str, *, choices: tuple | None = None, minimum: int | None = None, maximum: int | None = None,
+            pin: bool = True) -> Any:
+    """Field metadata: the CLI help of its pin, its allowed values (or bounds), and whether it can be pinned."""
+    return {"help": help, "choices": choices, "min": minimum, "max": maximum, "pin": pin}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Parallel:
-    dp: int = field(metadata=_choice("Pin the data-parallel degree.", minimum=1))
+    dp: int = field(metadata=_choice("Pin the data-parallel degree.", minimum=1, maximum=MAX_GPUS))
     """Data-parallel degree (mesh axis ``dp``)."""
-    tp: int = field(metadata=_choice("Pin the tensor-parallel degree.", minimum=1))
+    tp: int = field(metadata=_choice("Pin the tensor-parallel degree.", minimum=1, maximum=MAX_GPUS))
     """Tensor-parallel degree (mesh axis ``tp``), inside a node unless pinned."""
-    pp: int = field(metadata=_choice("Pin the pipeline-parallel degree.", minimum=1))
+    pp: int = field(metadata=_choice("Pin the pipeline-parallel degree.", minimum=1, maximum=MAX_GPUS))
     """Pipeline-parallel degree: number of pipeline ranks (mesh axis ``pp``)."""
     zero: int = field(metadata=_choice("Pin the ZeRO stage (0-3).", choices=ZERO_STAGES))
     """ZeRO stage 0-3 over the ``dp`` axis: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
-    micro_batch_size: int = field(metadata=_choice("Pin the micro-batch size.", minimum=1))
+    micro_batch_size: int = field(metadata=_choice("Pin the micro-batch size.", minimum=1, maximum=MAX_BATCH))
     """Samples per micro-batch on one pipeline."""
-    global_batch_size: int = field(metadata=_choice("Samples per optimizer step.", minimum=1, pin=False))
+    global_batch_size: int = field(metadata=_choice("Samples per optimizer step.", minimum=1, maximum=MAX_BATCH,
+                                                    pin=False))
     """Samples per optimizer step over all data-parallel replicas."""
     schedule: str = field(default="1f1b", metadata=_choice("Pin the pipeline schedule.", choices=SCHEDULES))
     """``1f1b``, ``interleaved-1f1b`` or ``gpipe``."""
     virtual_stages: int = field(default=1, metadata=_choice("Pin the model chunks per pipeline rank "
-                                                            "(interleaved-1f1b).", minimum=1))
+                                                            "(interleaved-1f1b).", minimum=1, maximum=MAX_GPUS))
     """Model chunks per pipeline rank (``interleaved-1f1b`` only; 1 otherwise)."""
     recompute: str = field(default="none", metadata=_choice("Pin activation recomputation.", choices=RECOMPUTE))
     """Activation recomputation: ``none``, ``selective`` (attention core) or ``full`` (block inputs only)."""
@@ -77,6 +90,8 @@ class Parallel:
         x micro-batches, and interleaving needs pp >= 2, v >= 2 and m a multiple of p."""
         for f in fields(self):
             _check_value(f, getattr(self, f.name), where)
+        if self.world_size > MAX_GPUS:
+            raise PartcError(f"{where}: {self.world_text()} GPUs, more than partc plans for ({MAX_GPUS:,})")
         if self.global_batch_size % (self.dp * self.micro_batch_size):
             raise PartcError(f"global batch size {self.global_batch_size} is not divisible by dp x micro-batch size "
                              f"= {self.dp} x {self.micro_batch_size}")
@@ -211,6 +226,8 @@ def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
         raise PartcError(f"{where}.{f.name} must be one of {', '.join(map(str, meta['choices']))}, got {value!r}")
     if meta.get("min") is not None and value < meta["min"]:
         raise PartcError(f"{where}.{f.name} must be >= {meta['min']}, got {value}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise PartcError(f"{where}.{f.name} must be <= {meta['max']:,}, got {value:,}")
 
 
 PINNABLE = tuple(f for f in fields(Parallel) if f.metadata["pin"])
@@ -242,10 +259,18 @@ Pins = dataclasses.make_dataclass(
     kw_only=True, slots=True, frozen=True)
 
 
+def check_gpus(gpus: int) -> None:
+    """A GPU count partc plans for: 1 .. `MAX_GPUS`."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise PartcError(f"--gpus must be a positive integer, got {gpus!r}")
+    if gpus > MAX_GPUS:
+        raise PartcError(f"--gpus {gpus:,} is more than partc plans for ({MAX_GPUS:,}, several times the largest "
+                         f"GPU clusters)")
+
+
 def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None = None) -> None:
     """The pinned degrees must fit the GPU count and the model; PartcError names the first that does not."""
-    if gpus < 1:
-        raise PartcError(f"--gpus must be a positive integer, got {gpus}")
+    check_gpus(gpus)
     fixed = {f.name: getattr(pins, f.name) for f in PINNABLE
              if f.name in MESH_AXES and getattr(pins, f.name) is not None}  # in the plan's order: dp, tp, pp
     for axis, value in fixed.items():

@@ -8,6 +8,7 @@ predicts again; the file is written with sorted keys and no timestamps, so the s
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -54,7 +55,24 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        """Strict JSON: a nan or infinite number is an error here, never ``NaN`` in the file."""
+        data = self.to_dict()
+        bad = _non_finite(data, "plan")
+        if bad is not None:
+            raise PartcError(f"{bad} is not a finite number; check the cluster's numbers (--cluster)")
+        return json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def _non_finite(value, where: str) -> str | None:
+    """The path of the first nan or infinite float in `value` (dicts and lists), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where} = {value}"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, v in items:
+        found = _non_finite(v, f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]")
+        if found is not None:
+            return found
+    return None
 
 
 def write_plan(plan: Plan, out_dir: str | Path) -> Path:
@@ -87,6 +105,10 @@ def _get(d: dict, key: str, typ, where: str):
     return value
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_plan(path: str | Path) -> Plan:
     """Parse and check the structure of a plan file (the model-level checks happen in `validate`)."""
     where = str(path)
@@ -97,9 +119,11 @@ def read_plan(path: str | Path) -> Plan:
     except (OSError, UnicodeDecodeError) as e:
         raise PartcError(f"cannot read plan file {where}: {e}") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise PartcError(f"plan file {where} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    except ValueError as e:
+        raise PartcError(f"plan file {where} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise PartcError(f"plan file {where} must hold a JSON object")
     version = data.get("schema_version")

@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.fx
@@ -406,21 +403,3 @@ def _render(code: StageCode, plan: Plan, names: dict[torch.fx.Node, str], model_
         *tail,
     ]
     return "\n".join(header + body) + "\n"
-
-
-def write_program(program: GeneratedProgram, out_dir: str | Path) -> Path:
-    """Write ``OUT/program/`` atomically: a new directory, then renamed over the old one."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    final = out / "program"
-    tmp = Path(tempfile.mkdtemp(prefix=".program.", dir=out))
-    for name, text in program.files.items():
-        (tmp / name).write_text(text)
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=".program-old.", dir=out))
-        os.rename(final, old / "program")
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    return final

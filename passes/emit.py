@@ -12,6 +12,7 @@ import keyword
 import math
 import operator
 import re
+import sys
 
 import torch
 import torch.fx
@@ -96,7 +97,9 @@ class Emitter:
             self.needs.add("operator")
             return f"operator.{t.__name__}"
         if getattr(t, "__module__", "").startswith("torch") and hasattr(t, "__name__"):
-            return f"{t.__module__}.{t.__name__}"
+            name = f"{t.__module__}.{t.__name__}"
+            if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name, flags=re.ASCII):
+                return name
         raise PartcError(f"codegen cannot call {t!r} (node {node.name}); only ATen ops and getitem are supported")
 
     def args(self, node: torch.fx.Node) -> str:
@@ -131,6 +134,10 @@ def structure_expr(spec, names: list[str]) -> str:
             return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(s.context, kids)) + "}"
         keys = s.context
         if isinstance(keys, (list, tuple)) and all(isinstance(k, str) for k in keys) and len(keys) == len(kids):
+            if getattr(sys.modules.get(typ.__module__), typ.__name__, None) is not typ:
+                raise PartcError(f"codegen cannot rebuild the model's output type {typ.__qualname__!r}: module "
+                                 f"{typ.__module__!r} has no top-level name {typ.__name__!r} for it; define the "
+                                 f"class at the top level of its module")
             cls = f"getattr(importlib.import_module({typ.__module__!r}), {typ.__name__!r})"
             return f"{cls}(**{{{', '.join(f'{k!r}: {v}' for k, v in zip(keys, kids))}}})"
         raise PartcError(f"codegen cannot rebuild the model output type {typ.__name__}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.fx._pytree as fx_pytree
+from torch.export.graph_signature import InputKind
 from torch.utils.flop_counter import flop_registry
 
 from partc._torch import TorchDispatchMode
@@ -128,13 +129,17 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
             fused_attention: bool = False) -> dict[torch.fx.Node, NodeStats]:
     """Run the exported program on meta, node by node; return per-node GEMMs, bytes moved and bytes saved. With
     `fused_attention` the attention op is counted as a fused kernel (see `CORE_OPS`)."""
-    gm = ep.module()
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    for p in params.values():
-        p.requires_grad_(True)
-    param_storages = {p.untyped_storage()._cdata for p in params.values()}
-    param_storages |= {b.untyped_storage()._cdata for b in gm.buffers()}
-    # Map nodes of gm.graph back to the exported graph's nodes by name (ep.module() keeps the names).
+    # The lifted graph (parameters and buffers are its first inputs), not `ep.module()`: unlifting writes the
+    # model's module names into Python source unescaped (torch.fx), and a name holding a quote or a line break
+    # (an `nn.ModuleDict` key may) breaks that source.
+    gm = ep.graph_module
+    flat = ep._graph_module_flat_inputs(args, kwargs)
+    kinds = [s.kind for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
+    state = flat[:len(kinds)]  # parameters, buffers and constants, in the signature's order
+    for kind, t in zip(kinds, state):
+        if kind == InputKind.PARAMETER:
+            t.requires_grad_(True)
+    param_storages = {t.untyped_storage()._cdata for t in state if isinstance(t, torch.Tensor)}
     ep_nodes = {n.name: n for n in ep.graph.nodes}
     recorder = _Recorder()
     seen_storages: set[int] = set()
@@ -202,7 +207,6 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
             finally:
                 recorder.node, recorder.core_bytes, recorder.fused_core = None, None, False
 
-    flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
         interp = Interp(gm)
         interp.extra_traceback = False  # the PartcError of run_node is one line

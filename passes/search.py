@@ -57,7 +57,9 @@ class SearchResult:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n >= 1, ascending: each d <= sqrt(n) that divides n, and n // d (O(sqrt(n)) steps)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def max_stages(graph: ModelGraph) -> int:

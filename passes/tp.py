@@ -384,6 +384,11 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
     split_lits = [v for r in x for s, v in x[r].items() if s != "replicate"]
     w_coll = len(split_lits) + 1
     w_time = w_coll * (len(indicators) + 1)
+    # CP-SAT's sums are 64-bit integers: times of years (a cluster file's rates in the wrong unit) do not fit.
+    total_ns = sum(ns for ns, _ in indicators) + sum(compute.values())
+    if w_time * total_ns >= 2**62:
+        raise PartcError(f"the predicted times on cluster {cluster.name!r} are too large to optimize ({total_ns / NS:.3g} "
+                         f"s per micro-batch at tp {tp}); check the cluster's rates (FLOP/s and bytes/s)")
     time_ns = sum(ns * v for ns, v in indicators) + sum(c * x[r][s] for (r, s), c in compute.items())
     model.minimize(w_time * time_ns + w_coll * sum(v for _, v in indicators) + sum(split_lits))
 

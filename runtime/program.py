@@ -87,9 +87,13 @@ def read_program(out_dir: str | Path) -> ProgramFiles:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as e:
         raise PartcError(f"{manifest_path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(manifest, dict):
+        raise PartcError(f"{manifest_path} must hold a JSON object; compile the model again")
     for key in ("model_path", "entry", "micro_batch_size", "stages", "inputs", "input_keys"):
         if key not in manifest:
             raise PartcError(f"{manifest_path}: missing field '{key}'; compile the model again")
+    if not isinstance(manifest["stages"], list):
+        raise PartcError(f"{manifest_path}: 'stages' must be a list; compile the model again")
     par = plan.parallel
     if manifest["micro_batch_size"] != par.micro_batch_size:
         raise PartcError(f"{manifest_path} was generated for micro-batch size {manifest['micro_batch_size']} but "
@@ -99,9 +103,14 @@ def read_program(out_dir: str | Path) -> ProgramFiles:
                          f"pp x virtual_stages = {par.num_stages}; compile again")
     stages = []
     for k, entry in enumerate(manifest["stages"]):
-        path = out / "program" / entry["file"]
-        if entry["index"] != k or entry["rank"] != k % par.pp:
+        if not isinstance(entry, dict) or entry.get("index") != k or entry.get("rank") != k % par.pp:
             raise PartcError(f"{manifest_path}: stage {k} must have index {k} and rank {k % par.pp}")
+        # The file name is fixed, not taken from the manifest: a stage file is always program/stage_K.py, never a
+        # path elsewhere (`../../x.py`, `/abs/x.py`).
+        if entry.get("file") != f"stage_{k}.py":
+            raise PartcError(f"{manifest_path}: stage {k}'s file must be 'stage_{k}.py' (in {out / 'program'}), "
+                             f"got {entry.get('file')!r}")
+        path = out / "program" / f"stage_{k}.py"
         code = import_stage(path)
         lists = {name: list(getattr(code, name)) for name in _LISTS}
         if lists["MODULES"] != plan.stages[k].modules:
