@@ -9,21 +9,10 @@ The model is traced with its parameters and floating-point inputs in the compute
 model does at that precision (a Hugging Face RMSNorm's upcast to fp32 is in the graph), and the trace's byte counts
 are those of the run. Buffers keep the dtype ``__init__`` gave them.
 
-What each ZeRO stage keeps, in bytes per parameter on the GPU (the cost model charges these, the runtime holds
-them; ``partc.runtime.parallelize`` implements them):
-
-    ======  ==========================  ==========================  ====================================
-    ZeRO    parameters                  gradients                   optimizer states
-    ======  ==========================  ==========================  ====================================
-    0       c (compute copy)            4 (fp32 main gradient)      4 master + 8 Adam (c = 4: no master)
-    1       c                           4                           (4 master + 8 Adam) / N_d
-    2       c (gathered for the step)   4 / N_d (fp32, sharded)     8 Adam / N_d
-            + 4 / N_d (fp32 master)
-    3       4 / N_d (fp32 master)       4 / N_d                     8 Adam / N_d
-    ======  ==========================  ==========================  ====================================
-
-with c = 2 for bf16 and 4 for fp32. (Rajbhandari et al.'s 2 + 2 + 12 assumes 16-bit gradients; Megatron-LM keeps
-fp32 gradients, as here: its 18 bytes per parameter at ZeRO-0.)
+What each ZeRO stage keeps and moves at each precision (bytes per parameter, and per collective) is tabled once, in
+``partc.passes.zero``: the runtime (``partc.runtime.parallelize``, FSDP2 with ``MixedPrecisionPolicy(param_dtype=
+compute dtype, reduce_dtype=fp32)`` for every stage) holds exactly that. Gradients are fp32 at every stage, as in
+Megatron-LM (18 bytes per parameter at ZeRO-0 with bf16, against Rajbhandari et al.'s 16 with 16-bit gradients).
 """
 
 from __future__ import annotations

@@ -346,14 +346,23 @@ def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_n
 def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool,
                    grad_bytes_per_sample: float | None = None) -> float:
     """One boundary per micro-batch: the activation forward and its gradient backward (`grad_bytes_per_sample`:
-    what of it needs a gradient, all of it by default). Every TP rank of the sender sends the whole boundary to
-    its peer of the receiver, each over its own link, as torch.distributed.pipelining does (no scatter/gather)."""
+    what of it needs a gradient, all of it by default). Scatter/gather (Narayanan et al. 2021, section 4.1; the
+    program does it, `partc.collectives.scatter_to_next_stage`): the t ranks of a TP group hold the same boundary
+    tensor, so each sends only 1/t of it, over its own link, and the receiving group all-gathers it over NVLink:
+        p2p(b·s·h/t) + all_gather(b·s·h over t ranks)     instead of p2p(b·s·h)."""
     if par.pp <= 1 or nbytes_per_sample <= 0:
         return 0.0
-    b = par.micro_batch_size
+    b, t = par.micro_batch_size, par.tp
     grad = nbytes_per_sample if grad_bytes_per_sample is None else grad_bytes_per_sample
-    fwd = hw.collective_time(cluster, "p2p", nbytes_per_sample * b, 2, spans_nodes=spans_nodes)
-    return fwd + hw.collective_time(cluster, "p2p", grad * b, 2, spans_nodes=spans_nodes)
+    tp_spans = par.spans_nodes("tp", cluster.gpus_per_node)
+    total = 0.0
+    for nbytes in (nbytes_per_sample * b, grad * b):
+        if nbytes > 0:
+            total += hw.collective_time(cluster, "p2p", nbytes / t, 2, spans_nodes=spans_nodes)
+            if t > 1:
+                total += hw.collective_time(cluster, "all_gather", nbytes, t, spans_nodes=tp_spans,
+                                            ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
+    return total
 
 
 def p2p_time(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
@@ -400,13 +409,26 @@ def _cut(cut: Sequence[int], i: int) -> float:
 
 def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
     """Pipeline payload of one GPU in a step: per micro-batch and chunk, the boundary received and sent forward and
-    the gradients sent and received backward (what needs one: `ModelGraph.cut_grad_bytes`)."""
+    the gradients sent and received backward (what needs one: `ModelGraph.cut_grad_bytes`), each its 1/t part
+    (scatter/gather, `p2p_round_trip`)."""
     if par.pp == 1:
         return 0.0
     total = 0.0
     for lo, hi in chunks:
         total += _cut(graph.cut_bytes, lo - 1) + _cut(graph.cut_bytes, hi - 1)
         total += graph.grad_cut(lo - 1) if lo > 0 else 0.0
+        total += graph.grad_cut(hi - 1) if hi - 1 < len(graph.cut_bytes) else 0.0
+    return total * par.micro_batch_size * par.num_microbatches / par.tp
+
+
+def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
+    """TP payload of scatter/gather on one GPU in a step: per micro-batch and chunk, the all-gather (its output, the
+    whole boundary) of what the chunk receives forward and of the gradient of what it sends backward."""
+    if par.pp == 1 or par.tp == 1:
+        return 0.0
+    total = 0.0
+    for lo, hi in chunks:
+        total += _cut(graph.cut_bytes, lo - 1)
         total += graph.grad_cut(hi - 1) if hi - 1 < len(graph.cut_bytes) else 0.0
     return total * par.micro_batch_size * par.num_microbatches
 
@@ -497,7 +519,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         mem = model_state_bytes(params, par)
         mem.activations = in_flight(par, r) * sum(acts[i] for i in idx) + stage_extra_bytes(graph, par, tp, idx)
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
-        comm = {"tp": tp_bytes(graph, par, tp, idx), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
+        comm = {"tp": tp_bytes(graph, par, tp, idx) + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
                 "dp": sum(zero.dp_bytes(par, params, *padded).values())}
         ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem, num_params=params,
                                     chunks=chunks, comm_bytes=comm))

@@ -79,7 +79,9 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.node: torch.fx.Node | None = None
         self.core_bytes: int | None = None
-        """While an unfused attention core runs: its input's element size, at which its internals are counted."""
+        """While an attention core runs: its input's element size, at which its GEMMs and (unfused) internals are
+        counted. PyTorch's math kernel upcasts 16-bit inputs to fp32; a GPU's kernels (Megatron-LM's fused softmax,
+        FlashAttention) compute at the input's precision with fp32 accumulation on chip."""
         self.fused_core = False
         """While a fused attention core runs: only its GEMMs are recorded (`measure` adds the rest)."""
         self.stats: dict[torch.fx.Node, NodeStats] = defaultdict(NodeStats)
@@ -110,6 +112,8 @@ class _Recorder(TorchDispatchMode):
                                  dtype_bytes=self.core_bytes or a.element_size(), fused=self.fused_core))
         elif packet in flop_registry:
             st.conv_flops += float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif packet is aten._to_copy and self.core_bytes is not None:
+            pass  # the math kernel's upcast of 16-bit inputs to fp32 and back: counted at input precision, as fused
         elif not func.is_view and packet not in NO_TRAFFIC_OPS and not self.fused_core:
             tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
             outs = out if isinstance(out, (tuple, list)) else [out]
@@ -189,7 +193,7 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
                                               if a.untyped_storage()._cdata not in param_storages}
                 alive.extend(inputs)
                 recorder.fused_core = fused_attention
-                recorder.core_bytes = None if fused_attention else inputs[0].element_size()
+                recorder.core_bytes = inputs[0].element_size()
             try:
                 out = super().run_node(n)
                 if recorder.node is not None:

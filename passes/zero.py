@@ -24,10 +24,13 @@ multiple of N (Ψ' below, `padded_numel`):
          ZeRO 3: m x (all-gather c(2Ψ'_units + Ψ'_rest) + reduce-scatter 4Ψ')
                  (each unit gathered in its forward and again in its backward; the stage's own FSDP group, the
                  root, keeps its parameters from forward to backward, as FSDP2 does for its root)
-    tp   m x b x every TP collective of the rank's units (their forward ones twice under full recomputation)
+    tp   m x b x every TP collective of the rank's units (their forward ones twice under full recomputation);
+         with pp > 1, per chunk also the all-gather of the boundary it receives (forward) and of the gradient of
+         the one it sends (backward): Megatron-LM's scatter/gather
     pp   m x b x per chunk: the boundary received and sent forward, the gradients sent and received backward (a
-         tensor that needs no gradient, say an integer mask, crosses only forward); plus the fp32 gradient of a
-         weight shared by pipeline ranks (a tied embedding and head), all-reduced over them once a step
+         tensor that needs no gradient, say an integer mask, crosses only forward), each 1/t of it with tp = t
+         (scatter/gather); plus the fp32 gradient of a weight shared by pipeline ranks (a tied embedding and
+         head), all-reduced over them once a step
 """
 
 from __future__ import annotations

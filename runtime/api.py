@@ -79,7 +79,23 @@ class Program:
         `inputs` as the model takes them: a tensor, a tuple (positional), a dict (keyword), or (args, kwargs).
         Every rank passes the same batch; each keeps its data-parallel slice."""
         args, kwargs = _as_args(inputs)
+        device = self.world.device
+        if device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(device)
         return self.runner.step(args, kwargs, targets)
+
+    def step_record(self) -> dict:
+        """What this rank did in the last `step`, next to what the plan predicted for its pipeline rank: collective
+        payload by mesh axis (`partc.runtime.comm`; ``predicted.ranks[].comm_bytes`` defines the quantity) and the
+        peak of allocated device memory (None on a CPU, which does not report it)."""
+        device = self.world.device
+        predicted = self.plan.predicted.get("ranks") or []
+        mine = predicted[self.world.pp_rank] if self.world.pp_rank < len(predicted) else {}
+        return {"rank": self.world.rank, "pp_rank": self.world.pp_rank, "dp_rank": self.world.dp_rank,
+                "tp_rank": self.world.tp_rank, "comm_bytes": dict(self.runner.comm_bytes),
+                "predicted_comm_bytes": mine.get("comm_bytes"),
+                "peak_memory_bytes": None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device),
+                "predicted_memory_bytes": (mine.get("memory_bytes") or {}).get("total")}
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for st in self.stages for p in st.parameters()]

@@ -47,6 +47,7 @@ gradients and equal updates, so they stay equal.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -118,7 +119,10 @@ def apply_zero(stage: StageModule, mesh: DeviceMesh, par: Parallel) -> nn.Module
     """FSDP2 on each unit and on the stage, under the plan's ZeRO policy and precision (module docstring)."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype(par.precision), reduce_dtype=MASTER_DTYPE) \
         if par.precision != "fp32" else MixedPrecisionPolicy()
-    units = list(stage.units.values())
+    # A parameter shared by two units (a tied embedding and head on one stage) can be in one FSDP group only: those
+    # units stay in the stage's root group (as `partc.passes.cost.fsdp_groups` charges).
+    holders = Counter(id(p) for unit in stage.units.values() for p in unit.parameters())
+    units = [unit for unit in stage.units.values() if all(holders[id(p)] == 1 for p in unit.parameters())]
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)
     fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)

@@ -37,6 +37,7 @@ CONFIGS = {
     "gpt_pp1_dp2_z2_gpipe_selective": ("gpt", 2, 1, 2, 2, "gpipe", 2, 8, "selective"),
     "llama_pp2_z1_gpipe": ("llama", 2, 2, 1, 1, "gpipe", 2, 8, "none"),
     "gpt_pp2_dp1_z0_1f1b_m1": ("gpt", 2, 2, 1, 0, "1f1b", 4, 4, "full"),
+    "gpt_pp2_dp2_z2_1f1b_m8": ("gpt", 4, 2, 2, 2, "1f1b", 1, 16, "selective"),
 }
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
@@ -157,6 +158,14 @@ def test_cli_kill_and_resume_under_another_plan(tmp_path):
     losses += more
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 2, 3, 4]
+    # Each line holds every rank's traffic of that step next to its plan's prediction (plan a, then plan b).
+    for plan, part in ((a, lines[:3]), (b, lines[3:])):
+        assert [[r["rank"] for r in x["ranks"]] for x in part] == [[0, 1, 2, 3]] * len(part)
+        assert all(r["comm_bytes"] and r["predicted_comm_bytes"] and r["peak_memory_bytes"] is None
+                   for x in part for r in x["ranks"])
+        assert assert_comm_matches_plan(plan, [[r["comm_bytes"] for r in x["ranks"]] for x in part]) > 0
+        assert all(r["predicted_comm_bytes"] == json.loads((plan / "plan.json").read_text())["predicted"]["ranks"][
+            r["pp_rank"]]["comm_bytes"] for x in part for r in x["ranks"])
     assert_close_losses([x["loss"] for x in lines[:2] + lines[3:]], losses)
     assert_close_states(torch.load(full, weights_only=True), state)
     assert sorted(p.name for p in ck.iterdir()) == ["partc-run.json", "partc-run.lock", "step-00000002",
