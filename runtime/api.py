@@ -89,8 +89,8 @@ class Program:
         payload by mesh axis (`partc.runtime.comm`; ``predicted.ranks[].comm_bytes`` defines the quantity) and the
         peak of allocated device memory (None on a CPU, which does not report it)."""
         device = self.world.device
-        predicted = self.plan.predicted.get("ranks") or []
-        mine = predicted[self.world.pp_rank] if self.world.pp_rank < len(predicted) else {}
+        predicted = self.files.predicted_ranks
+        mine = predicted[self.world.pp_rank] if predicted else {}
         return {"rank": self.world.rank, "pp_rank": self.world.pp_rank, "dp_rank": self.world.dp_rank,
                 "tp_rank": self.world.tp_rank, "comm_bytes": dict(self.runner.comm_bytes),
                 "predicted_comm_bytes": mine.get("comm_bytes"),

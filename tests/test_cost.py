@@ -384,16 +384,27 @@ def test_collectives_across_nodes_use_every_adapter():
 # --- 9. Interleaved 1F1B and scatter/gather p2p (Narayanan et al. 2021) ----------------------------------------
 
 
-def test_p2p_full_boundary_per_tp_rank():
-    """Every TP rank sends the whole boundary to its peer, each over its own link (torch.distributed.pipelining has
-    no scatter/gather): the time does not depend on t."""
+def test_p2p_scatter_gather():
+    """With TP degree t each TP rank sends b·s·h/t to the next stage, which all-gathers it over NVLink (the program's
+    `scatter_to_next_stage` / `gather_from_previous_stage`)."""
     n = 2 * 2048 * 4096
     p_ = par(tp=8, pp=4, micro_batch_size=2, global_batch_size=8)
-    want = 2 * hw.collective_time(A100, "p2p", 2 * n, 2, spans_nodes=True)
+    want = 2 * (hw.collective_time(A100, "p2p", 2 * n / 8, 2, spans_nodes=True)
+                + hw.collective_time(A100, "all_gather", 2 * n, 8))
     assert cost.p2p_time(A100, p_, n, True) == pytest.approx(want)
-    assert cost.p2p_time(A100, p_, n, True) == cost.p2p_time(A100, dataclasses.replace(p_, tp=1), n, True)
+    assert cost.p2p_time(A100, p_, n, True) < cost.p2p_time(A100, dataclasses.replace(p_, tp=1), n, True)
     il = dataclasses.replace(p_, schedule="interleaved-1f1b", virtual_stages=2)
     assert cost.p2p_time(A100, il, n, True) == pytest.approx(2 * want)  # v times the traffic
+
+
+def test_scatter_gather_bytes():
+    """Per micro-batch a middle chunk receives and sends 1/t of each boundary (and of its gradient) over pp, and
+    all-gathers over tp what it receives forward and the gradient of what it sends backward."""
+    graph = ModelGraph(name="g", num_params=0, seq_len=1, units=[], layers={}, edges=[], cut_bytes=[100, 200, 300])
+    p_ = par(tp=2, pp=2, micro_batch_size=1, global_batch_size=4)  # m = 4
+    assert cost.pp_bytes(graph, p_, [(1, 2)]) == 4 * (100 + 200) * 2 / 2
+    assert cost.gather_bytes(graph, p_, [(1, 2)]) == 4 * (100 + 200)
+    assert cost.gather_bytes(graph, dataclasses.replace(p_, tp=1), [(1, 2)]) == 0
 
 
 def test_interleaved_bubble_and_microbatches():
