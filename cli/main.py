@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from partc.cluster import PRESETS
+from partc.cluster import PRESETS, Cluster
 from partc.errors import PartcError
 from partc.parallel import PINNABLE, Parallel, Pins, check_gpus
 
@@ -164,7 +164,7 @@ def print_summary(result, plan_path: Path) -> None:
     b = pred["breakdown_s"]
     t.add_row("step breakdown", "  ".join(f"{k} {v:.3f}s" for k, v in b.items()))
     mem = pred["memory_per_gpu"]
-    usable = (result.plan.cluster["memory_bytes"] - result.plan.cluster["memory_reserve_bytes"]) / GiB
+    usable = Cluster.from_dict(result.plan.cluster).usable_memory_bytes / GiB
     t.add_row("memory (most loaded GPU)",
               f"params {mem['params'] / GiB:.1f} + grads {mem['grads'] / GiB:.1f} + optimizer "
               f"{mem['optimizer'] / GiB:.1f} + activations {mem['activations'] / GiB:.1f} = "

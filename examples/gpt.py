@@ -51,6 +51,7 @@ SIZES: dict[str, GPTConfig] = {
     "39.1b": GPTConfig(vocab_size=51200, seq_len=2048, heads=64, hidden=8192, layers=48, tie_weights=True),
     "76.1b": GPTConfig(vocab_size=51200, seq_len=2048, heads=80, hidden=10240, layers=60, tie_weights=True),
     "145.6b": GPTConfig(vocab_size=51200, seq_len=2048, heads=96, hidden=12288, layers=80, tie_weights=True),
+    "174.6b": GPTConfig(vocab_size=51200, seq_len=2048, heads=96, hidden=12288, layers=96, tie_weights=True),
     "310.1b": GPTConfig(vocab_size=51200, seq_len=2048, heads=128, hidden=16384, layers=96, tie_weights=True),
     "529.6b": GPTConfig(vocab_size=51200, seq_len=2048, heads=128, hidden=20480, layers=105, tie_weights=True),
     "1008b": GPTConfig(vocab_size=51200, seq_len=2048, heads=160, hidden=25600, layers=128, tie_weights=True),

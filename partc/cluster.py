@@ -29,15 +29,21 @@ class Cluster:
     gpus_per_node: int = 8
     memory_bytes: int
     """HBM per GPU, as the driver reports it."""
-    memory_reserve_bytes: int = 4 * GiB
-    """Held back from `memory_bytes`; a plan must fit in ``memory_bytes - memory_reserve_bytes`` (the search
-    never chooses one that does not, and ``--from-plan`` rejects it). 4 GiB covers what the cost model does not
-    count: the CUDA context and cuBLAS/cuDNN workspaces (about 0.5-1 GiB), NCCL's communication buffers (a few
-    hundred MiB per communicator, and a plan has TP, DP and PP communicators), and the caching allocator's
-    fragmentation, which leaves blocks reserved but unusable when activations of different sizes come and go
-    (commonly 5% or more of what is allocated)."""
+    memory_reserve_bytes: int = 1 * GiB
+    """Held back from `memory_bytes`, with `memory_reserve_fraction` (`usable_memory_bytes`): the CUDA context and
+    the cuBLAS/cuDNN workspaces (about 0.5-1 GiB), which the cost model does not count."""
+    memory_reserve_fraction: float = 0.05
+    """Fraction of `memory_bytes` held back for the caching allocator's fragmentation, which leaves blocks reserved
+    but unusable when activations of different sizes come and go (commonly 5% of what is allocated). A plan must fit
+    in `usable_memory_bytes` (the search never chooses one that does not, and ``--from-plan`` rejects it)."""
+    communicator_bytes: int = 256 * MiB
+    """Device memory of one NCCL communicator (its send and receive buffers: NCCL_BUFFSIZE, 4 MiB, per channel, peer
+    and protocol), counted for every process group of more than one rank a GPU belongs to."""
     peak_flops: float
     """Dense 16-bit tensor-core FLOP/s (datasheet)."""
+    peak_flops_fp32: float = 19.5e12
+    """Dense fp32 FLOP/s without tensor cores (datasheet; PyTorch runs fp32 matmuls without TF32 by default), for
+    ``precision: fp32`` plans."""
     gemm_efficiency: float = 0.75
     """Fraction of `peak_flops` that a large GEMM reaches when compute-bound, before the tile, wave and
     short-k factors of `passes.hw.gemm_efficiency`. A100: 0.75, fitted on Megatron-LM's Table 1 (fp16,
@@ -69,9 +75,19 @@ class Cluster:
     """Seconds per ring step inside a node."""
     inter_node_latency: float = 10e-6
     """Seconds per ring step across nodes."""
+    fused_attention: bool = True
+    """The attention op runs as a fused kernel (FlashAttention; memory-efficient attention with a mask), as PyTorch's
+    ``scaled_dot_product_attention`` does on these GPUs: no s x s scores in HBM or saved for backward
+    (`partc.passes.measure`). False: the math path's materialized scores and probabilities, as Megatron-LM's 2021
+    runs (Table 1) had them."""
     dp_overlap: float = 0.0
     """Fraction of the data-parallel gradient reduction hidden behind backward compute. 0: the reduction runs
     after the last backward, as in Megatron-LM's own ("local") DDP that the pipelined Table 1 runs used."""
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """What a plan may use of a GPU: `memory_bytes` less the reserves."""
+        return self.memory_bytes * (1 - self.memory_reserve_fraction) - self.memory_reserve_bytes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -96,13 +112,18 @@ class Cluster:
                 if not isinstance(value, str):
                     raise PartcError(f"cluster field {f.name} must be a string, got {value!r}")
                 continue
+            if f.type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise PartcError(f"cluster field {f.name} must be true or false, got {value!r}")
+                continue
             want = _check_number(f.name, value)
             if want:
                 raise PartcError(f"cluster field {f.name} must be {want}, got {value!r}")
             if f.name in _COUNTS:
                 setattr(cluster, f.name, int(value))
-        if cluster.memory_bytes <= cluster.memory_reserve_bytes:
-            raise PartcError("cluster memory_bytes must exceed memory_reserve_bytes")
+        if cluster.usable_memory_bytes <= 0:
+            raise PartcError("cluster memory_bytes must exceed its reserves (memory_reserve_bytes and "
+                             "memory_reserve_fraction)")
         return cluster
 
 
@@ -115,6 +136,7 @@ _COUNTS = {"gpus_per_node": MAX_GPUS, "num_sms": 2**20}
 _FLOORS = {
     "memory_bytes": (2**20, "1 MiB: it is in bytes"),
     "peak_flops": (1e12, "1 TFLOP/s: it is in FLOP/s"),
+    "peak_flops_fp32": (1e11, "0.1 TFLOP/s: it is in FLOP/s"),
     "memory_bandwidth": (1e10, "10 GB/s: it is in bytes/s"),
     "intra_node_bandwidth": (1e9, "1 GB/s: it is in bytes/s"),
     "inter_node_bandwidth": (1e8, "100 MB/s: it is in bytes/s"),
@@ -123,7 +145,7 @@ _FLOORS = {
 _RANGES = {
     "gemm_efficiency": (0.01, 1.0), "memory_efficiency": (0.01, 1.0), "intra_node_efficiency": (0.01, 1.0),
     "inter_node_efficiency": (0.01, 1.0), "dp_overlap": (0.0, 1.0), "intra_node_latency": (0.0, 1.0),
-    "inter_node_latency": (0.0, 1.0), "gemm_half_size": (0.0, 2.0**20),
+    "inter_node_latency": (0.0, 1.0), "gemm_half_size": (0.0, 2.0**20), "memory_reserve_fraction": (0.0, 0.9),
 }
 """Other numbers: low .. high."""
 
@@ -158,12 +180,12 @@ PRESETS: dict[str, Cluster] = {
     ),
     "h100-80g": Cluster(
         name="h100-80g", gpu="NVIDIA H100 SXM 80GB", memory_bytes=81559 * MiB,
-        peak_flops=989e12, memory_bandwidth=3.35e12, num_sms=132,
+        peak_flops=989e12, peak_flops_fp32=67e12, memory_bandwidth=3.35e12, num_sms=132,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
     ),
     "h200-141g": Cluster(
         name="h200-141g", gpu="NVIDIA H200 SXM 141GB", memory_bytes=143771 * MiB,
-        peak_flops=989e12, memory_bandwidth=4.8e12, num_sms=132,
+        peak_flops=989e12, peak_flops_fp32=67e12, memory_bandwidth=4.8e12, num_sms=132,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
     ),
 }

@@ -118,6 +118,20 @@ def reduce_scatter_to_tp(x: Tensor, dim: int, group: dist.ProcessGroup | None = 
     return _apply(x, dim, group, _reduce_scatter, _all_gather)
 
 
+def scatter_to_next_stage(x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Megatron-LM's scatter/gather (Narayanan et al. 2021, section 4.1): every rank of the TP group holds the same
+    boundary tensor `x`, so each sends only its 1/t of it (flattened) to its peer of the next pipeline stage, over its
+    own link. Backward: the gradient's parts are all-gathered (every TP rank of the next stage computed the same
+    gradient, so each sent its part)."""
+    return _apply(x.reshape(-1), 0, group, _chunk, _all_gather)
+
+
+def gather_from_previous_stage(x: Tensor, shape: tuple[int, ...], group: dist.ProcessGroup | None = None) -> Tensor:
+    """The receiving side of `scatter_to_next_stage`: all-gather the TP group's parts of the boundary tensor (over
+    NVLink) and view them at its `shape`. Backward: this rank's part of the gradient goes back."""
+    return _apply(x, 0, group, _all_gather, _chunk).view(shape)
+
+
 def masked_embedding(weight: Tensor, ids: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     """Lookup in this rank's rows of a vocabulary-split embedding (Megatron's VocabParallelEmbedding): rank r holds
     rows [r·V/t, (r+1)·V/t); ids outside give zeros, and `reduce_from_tp` then sums the ranks' parts."""

@@ -22,6 +22,7 @@ from partc.deferred_init import InitRecord, record
 from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
+from partc.precision import cast_floating, compute_dtype
 from partc.plan import Plan, Stage, read_plan
 from partc.passes import cost
 from partc.model_file import ModelSpec, load_model_file
@@ -52,6 +53,13 @@ class CompileResult:
     """Seconds: trace (export + measure on meta), passes (graph build), solve (search), total."""
     warnings: list[str] = field(default_factory=list)
     """What a run of the program needs to know, one line each (the CLI prints ``warning: LINE``)."""
+
+
+def meta_inputs(spec: ModelSpec, batch_size: int, precision: str) -> tuple[tuple, dict]:
+    """The model's example inputs on meta, floating-point ones in the compute dtype (as the runtime feeds them)."""
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(batch_size)
+    return cast_floating((args, kwargs), compute_dtype(precision))
 
 
 def default_global_batch(gpus: int, seq_len: int | None) -> int:
@@ -86,13 +94,17 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
 
     # 1. Load the model file and build the model on the meta device, recording how it sets each tensor (to name
     #    those `partc run` cannot initialize).
+    pins = pins or Pins()
+    precision = plan_in.parallel.precision if plan_in is not None else pins.precision or "bf16"
+    pins = dataclasses.replace(pins, precision=precision)
     spec = load_model_file(path, entry=entry, seq_len=seq_len)
     model, init = record(spec.build)
     with torch.device("meta"):
         args, kwargs = spec.inputs(1)
 
-    # 2. Trace (torch.export on meta) and build the layer graph.
-    traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=path)
+    # 2. Trace (torch.export on meta, at the plan's precision) and build the layer graph.
+    traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=path, precision=precision,
+                   fused_attention=clus.fused_attention)
     graph = traced.graph
     if not graph.units:
         raise PartcError(f"{path}: {entry}() returned a model without parameters ({type(model).__name__}); partc "
@@ -200,14 +212,13 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
     b = plan.parallel.micro_batch_size
     ep = traced.exported
     if b != 1 or plan.parallel.tp > 1:  # a fresh graph: codegen rewrites it in place for TP
-        with torch.device("meta"):
-            args, kwargs = spec.inputs(b)
+        args, kwargs = meta_inputs(spec, b, plan.parallel.precision)
         ep = export_on_meta(model, args, kwargs, path=path)
     return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers)
 
 
 def _no_fit_message(clus: Cluster, result: SearchResult) -> str:
-    usable = clus.memory_bytes - clus.memory_reserve_bytes
+    usable = clus.usable_memory_bytes
     gib = 1024**3
     if result.least_memory is None:
         return f"no plan fits in {usable / gib:.1f} GiB per GPU on {clus.name}"
@@ -215,7 +226,7 @@ def _no_fit_message(clus: Cluster, result: SearchResult) -> str:
     p = c.parallel
     return (f"the model fits no plan: the least memory any plan needs is {result.least_memory / gib:.1f} GiB per "
             f"GPU ({p.summary()}), but a {clus.gpu} has {usable / gib:.1f} GiB usable "
-            f"({clus.memory_bytes / gib:.1f} GiB minus a {clus.memory_reserve_bytes / gib:.1f} GiB reserve); "
+            f"({clus.memory_bytes / gib:.1f} GiB less its reserves); "
             f"use more GPUs or a larger GPU")
 
 
@@ -266,7 +277,7 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
     if not cost.fits(clus, pred.memory_per_gpu):
         gib = 1024**3
         raise PartcError(f"the plan needs {pred.memory_per_gpu.total / gib:.1f} GiB per GPU but a {clus.gpu} has "
-                         f"{(clus.memory_bytes - clus.memory_reserve_bytes) / gib:.1f} GiB usable")
+                         f"{clus.usable_memory_bytes / gib:.1f} GiB usable")
     return Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
 
 
@@ -278,6 +289,11 @@ def _predicted(pred: cost.Prediction, global_batch_size: int) -> dict:
         "bubble_fraction": pred.bubble_fraction, "memory_per_gpu": pred.memory_per_gpu.to_dict(),
         "breakdown_s": {"compute": pred.compute_s, "tp_comm": pred.tp_comm_s, "pp_comm": pred.pp_comm_s,
                         "bubble": pred.bubble_s, "dp_comm": pred.dp_comm_s, "optimizer": pred.optimizer_s},
+        # One entry per pipeline rank, in rank order: what one GPU of it needs and moves in a step (the runtime
+        # measures the same: partc.runtime.comm, `--log-jsonl`).
+        "ranks": [{"time_s": r.time_s, "memory_bytes": r.memory.to_dict(),
+                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0))) for axis in ("tp", "pp", "dp")}}
+                  for r in pred.ranks],
     }
 
 

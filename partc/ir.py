@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-# Activations are trained in 16-bit (bf16 / fp16); masks and indices keep their own size.
 ACTIVATION_BYTES = 2
+"""Bytes of an activation element at the default precision (bf16). The trace records each tensor at its own size
+(the model is traced at the plan's precision; dropout masks at 1 byte, as the GPU's fused kernel keeps them)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,6 +32,10 @@ class Gemm:
     k: int
     batch_scales: bool
     """True when `batch` grows with the micro-batch size (attention bmm); else `m` does (tokens of a Linear)."""
+    dtype_bytes: int = ACTIVATION_BYTES
+    """Bytes of an operand element: 2 runs at the cluster's 16-bit tensor-core rate, 4 at its fp32 rate."""
+    fused: bool = False
+    """Part of a fused kernel (attention): operands and product stay on chip, its HBM traffic is its kernel's."""
 
     @property
     def flops(self) -> float:
@@ -134,6 +139,9 @@ class ModelGraph:
     edges: list[Edge]
     cut_bytes: list[int]
     """cut_bytes[i]: bytes per sample that cross a pipeline boundary placed after units[i] (len(units) - 1)."""
+    cut_grad_bytes: list[int] = field(default_factory=list)
+    """The part of `cut_bytes` that needs a gradient (it depends on a parameter): what a pipeline sends back across
+    the boundary. Empty: all of it."""
     cut_ok: list[bool] = field(default_factory=list)
     """cut_ok[i]: a pipeline boundary after units[i] can be realized, no op before it reads one after it (units
     whose ops read each other both ways stay in one stage); empty: every boundary can."""
@@ -145,6 +153,10 @@ class ModelGraph:
     """Units that must be on the last stage (the head feeding the loss)."""
     info: dict[str, object] = field(default_factory=dict)
     """Free-form model facts for the plan's ``model`` section (hidden size, heads, vocab...)."""
+
+    def grad_cut(self, i: int) -> int:
+        """`cut_grad_bytes[i]`, or `cut_bytes[i]` when the graph does not say."""
+        return self.cut_grad_bytes[i] if self.cut_grad_bytes else self.cut_bytes[i]
 
     def unit(self, fqn: str) -> Unit:
         for u in self.units:

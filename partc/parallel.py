@@ -28,6 +28,7 @@ from partc.errors import PartcError
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
+PRECISIONS = ("bf16", "fp32")
 TP_STYLES = ("colwise", "rowwise", "replicate")
 
 MESH_AXES = ("pp", "dp", "tp")
@@ -73,6 +74,11 @@ class Parallel:
     """Model chunks per pipeline rank (``interleaved-1f1b`` only; 1 otherwise)."""
     recompute: str = field(default="none", metadata=_choice("Pin activation recomputation.", choices=RECOMPUTE))
     """Activation recomputation: ``none``, ``selective`` (attention core) or ``full`` (block inputs only)."""
+    precision: str = field(default="bf16", metadata=_choice("Compute precision (bf16 with fp32 master weights, "
+                                                            "gradients and optimizer states; or fp32).",
+                                                            choices=PRECISIONS))
+    """``bf16``: bf16 parameters, activations and compute, fp32 master weights, gradients and optimizer states
+    (`partc.precision`); ``fp32``: everything fp32. The model is traced at this precision."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -188,10 +194,12 @@ class Parallel:
         return (f"{' x '.join(axes)} = {' x '.join(str(getattr(self, a)) for a in axes)} = {self.world_size}")
 
     def summary(self) -> str:
-        """One line for people: ``dp=64 tp=2 pp=4 zero=3 mb=1 recompute=none interleaved-1f1b v=4``."""
+        """One line for people: ``dp=64 tp=2 pp=4 zero=3 mb=1 recompute=none interleaved-1f1b v=4`` (and ``fp32``
+        when not bf16)."""
         text = (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} mb={self.micro_batch_size} "
                 f"recompute={self.recompute} {self.schedule}")
-        return text + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        text += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return text + (f" {self.precision}" if self.precision != "bf16" else "")
 
     def key(self, *independent: str) -> tuple:
         """A cache key for a quantity that depends on every field except the `independent` ones: a field added to

@@ -75,6 +75,10 @@ class StageCode:
     buffers: list[str]
     modules: list[str]
     units: list[UnitCode] = field(default_factory=list)
+    gathered: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Inputs that arrive as this TP rank's part (`scatter_to_next_stage`) -> the whole tensor's shape."""
+    scattered: list[str] = field(default_factory=list)
+    """Outputs this TP rank sends only its part of (Megatron's scatter/gather)."""
     source: str = ""
 
 
@@ -120,11 +124,17 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         values = constant_values(ep, model)
         names.update({ph: literal(values[target]) for ph, target in io.constants.items()})
     receives, sends = _boundaries(nodes, node_stage, io, len(plan.stages))
+    split = _scatter_gather(plan.parallel.tp, rw)
+    last = len(plan.stages) - 1
     stages = []
     for st in plan.stages:
         code = StageCode(index=st.index, inputs=[names[x] for x in receives[st.index]],
                          outputs=[names[x] for x in sends[st.index]], parameters=[], buffers=[],
                          modules=list(st.modules))
+        if st.index > 0:
+            code.gathered = {names[x]: tuple(x.meta["val"].shape) for x in receives[st.index] if split(x)}
+        if st.index < last:
+            code.scattered = [names[x] for x in sends[st.index] if split(x)]
         mine = [n for n in nodes if node_stage[n] == st.index]
         code.units = _units(mine, a, st.modules, receives[st.index], sends[st.index], names)
         _name_tensors(code, io, mine, aliases, names)
@@ -135,6 +145,16 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     files = {f"stage_{s.index}.py": s.source for s in stages}
     files["manifest.json"] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     return GeneratedProgram(stages=stages, manifest=manifest, files=files)
+
+
+def _scatter_gather(t: int, rw: tp_rewrite.Rewrite):
+    """Which values crossing a stage boundary go as each TP rank's 1/t part (`partc.collectives.
+    scatter_to_next_stage`): with tp > 1, a tensor every TP rank holds whole whose size divides by t. The cost model
+    charges every boundary so (`partc.passes.cost.pp_bytes`)."""
+    def split(x: torch.fx.Node) -> bool:
+        val = x.meta.get("val")
+        return t > 1 and x not in rw.split and isinstance(val, torch.Tensor) and val.numel() % t == 0
+    return split
 
 
 def _graph_io(ep: torch.export.ExportedProgram) -> _GraphIO:
@@ -292,6 +312,7 @@ def _manifest(ep: torch.export.ExportedProgram, a: Assignment, io: _GraphIO, rw:
         "stages": [{"index": s.index, "file": f"stage_{s.index}.py", "rank": s.index % plan.parallel.pp}
                    for s in stages],
         "tied": sorted(sorted(names_) for names_ in a.by_id.values() if len(names_) > 1),
+        "blocks": [u for u in a.unit_names if a.unit_kind.get(u) == "block"],
         "inputs": [names[n] for n in io.user_inputs],
         "input_keys": [flat_keys[user_input_names.index(n.name)] for n in io.user_inputs],
     }
@@ -350,9 +371,18 @@ def _render(code: StageCode, plan: Plan, names: dict[torch.fx.Node, str], model_
         call = f"run({key}, {unit.name}, p{args}, device=device)"
         calls.append(f"    {tuple_expr([names[x] for x in unit.outputs])} = {call}" if unit.outputs else f"    {call}")
     inputs = "".join(n + ", " for n in code.inputs)
+    receive = []
+    for name, shape in code.gathered.items():
+        receive += ["    # pipeline: the previous stage sent each TP rank's part of this tensor (scatter/gather): "
+                    "all-gather it over tp", f"    {name} = tp.gather_from_previous_stage({name}, {shape!r})"]
+    sent = [f"tp.scatter_to_next_stage({n})" if n in code.scattered else n for n in code.outputs]
+    if code.scattered:
+        calls.append("    # pipeline: every TP rank holds these whole; each sends its 1/tp part (scatter/gather)")
+    if code.gathered or code.scattered:
+        em.needs.add("tp")
     forward = ["", "", f"def forward(p, {inputs}*, device, run=call):",
                '    """This stage for one micro-batch: its units in order; `run(unit, fn, *args)` runs one."""',
-               *calls, f"    return {tuple_expr(code.outputs)}"]
+               *receive, *calls, f"    return {tuple_expr(sent)}"]
     tail = []
     if out_spec is not None:
         expr = structure_expr(out_spec, [f"flat[{i}]" for i in range(len(code.outputs))])

@@ -14,7 +14,9 @@ when t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop wh
 it (scatter/gather, `p2p_round_trip`).
 
 Validated (benchmarks/megatron_table1.py, tests/test_calibration.py): Megatron-LM's Table 1 iteration times within
-4% per row; activation bytes against autograd's saved tensors (tests/test_activations.py).
+5% per row (mean 2.6%); Table 2's PTD-P rows (benchmarks/megatron_table2.py); activation bytes against autograd's
+saved tensors (tests/test_activations.py); every collective's payload against the runtime's (the multi-process
+tests).
 """
 
 from __future__ import annotations
@@ -26,18 +28,19 @@ from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph, Unit
 from partc.parallel import MESH_AXES, TP_STYLES, Parallel
-from partc.sharding import GEMM_SPLIT
+from partc.precision import compute_bytes
+from partc.sharding import GEMM_SPLIT, param_shard
 from partc.passes.cost_types import Memory, Prediction, RankPrediction, TPPlan, UnitTime
 
-from . import hw
+from . import hw, zero
 
-# Mixed-precision Adam (ZeRO section 3): 2 bytes 16-bit params + 2 bytes 16-bit grads + K = 12 bytes of optimizer
-# states (fp32 master params, momentum, variance) per parameter.
-PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
-
-# HBM bytes of one Adam step per local parameter (memory-bound): read the fp32 master, momentum and variance (12)
-# and the 16-bit gradient (2); write the three fp32 states (12) and the 16-bit parameter (2).
+# HBM bytes of one Adam step per local parameter (memory-bound): read the fp32 master, gradient, momentum and
+# variance (16); write the master and the two moments (12). The compute copy comes from FSDP's next all-gather.
 ADAM_STEP_BYTES = 28
+
+LOSS_BYTES = 12
+"""Bytes per logit the loss holds at its peak besides the compute-dtype logits, on the last stage: the fp32 copy
+the runtime computes the loss from, the fp32 log-probabilities cross-entropy saves, and their fp32 gradient."""
 
 
 # --- 1. Helpers: styles, recomputation, mesh placement -----------------------------------------------------------
@@ -190,14 +193,55 @@ def stage_param_count(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
 
 
 def model_state_bytes(num_params: float, par: Parallel) -> Memory:
-    """ZeRO model states per GPU (Rajbhandari et al.; calibration.md section 3), mixed-precision Adam, K = 12:
-        stage 0: 2Ψ + 2Ψ + 12Ψ = 16Ψ          stage 2: 2Ψ + (2 + 12)Ψ/N_d
-        stage 1: 2Ψ + 2Ψ + 12Ψ/N_d            stage 3: (2 + 2 + 12)Ψ/N_d
-    with Ψ = `num_params` (already divided by TP and PP) and N_d = par.dp."""
-    psi, nd = float(num_params), par.dp
-    return Memory(params=PARAM_BYTES * psi / (nd if par.zero >= 3 else 1),
-                  grads=GRAD_BYTES * psi / (nd if par.zero >= 2 else 1),
-                  optimizer=OPTIMIZER_BYTES * psi / (nd if par.zero >= 1 else 1))
+    """Model states per GPU of `num_params` parameters (already divided by TP and PP): the FSDP policies of the
+    runtime under the plan's precision (`partc.passes.zero`'s table; Rajbhandari et al.'s 16Ψ, 4Ψ + 12Ψ/N_d...
+    assume 16-bit gradients, Megatron-LM's 18Ψ fp32 ones, as here)."""
+    params, grads, optimizer = zero.model_state_bytes(num_params, par)
+    return Memory(params=params, grads=grads, optimizer=optimizer)
+
+
+def _param_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> dict[str, tuple]:
+    """Parameter (canonical FQN) -> its shape on one GPU after TP, for one unit (parameters of the unit outside its
+    layers as one flat tensor)."""
+    out: dict[str, tuple] = {}
+    in_layers = 0
+    for fqn in unit.layers:
+        layer, style = graph.layers[fqn], style_of(tp, fqn)
+        in_layers += layer.num_params
+        for name, shape in layer.params.items():
+            shape = list(shape)
+            sh = param_shard(layer, name, style) if par.tp > 1 else None
+            if sh is not None:
+                shape[sh.dim] = -(-shape[sh.dim] // par.tp)
+            out[graph.tied.get(name, name)] = tuple(shape)
+    if unit.num_params > in_layers:
+        out[f"{unit.fqn}:<direct>"] = (unit.num_params - in_layers,)
+    return out
+
+
+def fsdp_groups(graph: ModelGraph, par: Parallel, tp: TPPlan | None, chunk: Sequence[int]
+                ) -> tuple[list[float], float, float, float]:
+    """FSDP's groups for one model chunk, as `partc.runtime.parallelize.apply_zero` makes them: (parameters of each
+    unit with a group of its own, their padded elements, the padded elements of the chunk's root group, its
+    parameters). A parameter shared by two units of the chunk (a tied embedding and head) puts both units in the
+    root group."""
+    shapes = [_param_local_shapes(graph, par, tp, graph.units[i]) for i in chunk]
+    owners: dict[str, int] = {}
+    for j, s in enumerate(shapes):
+        for key in s:
+            owners[key] = owners.get(key, 0) + 1
+    own, own_padded, rest, rest_padded, seen = [], 0.0, 0.0, 0.0, set()
+    for s in shapes:
+        shared = any(owners[k] > 1 for k in s)
+        numel = sum(math.prod(v) for k, v in s.items() if k not in seen)
+        padded = sum(zero.padded_numel(v, par.dp) for k, v in s.items() if k not in seen)
+        seen |= set(s)
+        if shared:
+            rest, rest_padded = rest + numel, rest_padded + padded
+        else:
+            own.append(float(numel))
+            own_padded += padded
+    return own, own_padded, rest_padded, rest
 
 
 # --- 4. Activations ----------------------------------------------------------------------------------------------
@@ -249,10 +293,9 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     """Transient working memory of a stage besides the saved activations, for one micro-batch:
     - full recompute: the backward of a block first rebuilds all its activations (as without recomputation):
       the largest recomputed unit's; selective: the largest recomputed attention core;
-    - ZeRO-3: 16-bit parameters of the two largest units gathered at once (current + prefetched, as FSDP2) and the
-      16-bit gradients of one before its reduce-scatter;
-    - last stage: the logits upcast to fp32 for the loss, out_bytes of the model's last layer x 2 x b (16-bit ->
-      fp32; kept whole even when the head is colwise, since a loss-parallel head is not assumed).
+    - ZeRO's transient memory (`partc.passes.zero.working_bytes`): gathered units and one unit's gradients;
+    - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole even when the head is
+      colwise, since a loss-parallel head is not assumed).
     """
     units = _unit_list(graph, units_in_stage)
     working = [0.0]
@@ -265,12 +308,12 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
             rebuilt -= _saved_bytes(par, tp, u, "selective")  # only the attention core is rebuilt
         working.append(rebuilt)
     extra = max(working)
-    if par.zero >= 3 and par.dp > 1:
-        sizes = sorted((sum(_param_shards(graph, par, tp, u).values()) for u in units), reverse=True)
-        extra += PARAM_BYTES * sum(sizes[:2]) + GRAD_BYTES * (sizes[0] if sizes else 0)
+    extra += zero.working_bytes(par, (sum(_param_shards(graph, par, tp, u).values()) for u in units))
     last = graph.units[-1]
     if any(u.fqn == last.fqn for u in units) and last.layers:
-        extra += graph.layers[last.layers[-1]].out_bytes * 2 * par.micro_batch_size
+        head = graph.layers[last.layers[-1]]
+        logits = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size
+        extra += LOSS_BYTES * logits
     return extra
 
 
@@ -283,50 +326,142 @@ def bubble_fraction(par: Parallel) -> float:
     return ((p - 1) / v) / (m + (p - 1) / v)
 
 
-def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_nodes: bool) -> float:
-    """Exposed data-parallel traffic per step for 16-bit gradients (ZeRO, calibration.md section 3), 2Ψ bytes:
-    stage 0 all-reduce; stages 1, 2 reduce-scatter + all-gather (the same 2Ψ volume as a ring all-reduce);
-    stage 3 reduce-scatter + an all-gather of parameters in forward and another in backward (1.5x).
-    The exposed part is (1 - cluster.dp_overlap) of the total. A group spanning nodes uses the InfiniBand
-    adapters of all its members in a node (`Parallel.ranks_per_node`)."""
-    kinds = (["all_reduce"] if par.zero == 0 else
-             ["reduce_scatter", "all_gather"] + (["all_gather"] if par.zero >= 3 else []))
+def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_nodes: bool, *,
+                 padded: tuple[float, float] | None = None, groups: int = 1) -> float:
+    """Exposed data-parallel traffic per step (`partc.passes.zero.dp_bytes`: ZeRO-0 all-reduces fp32 gradients
+    once, ZeRO-1 gathers and reduce-scatters once, ZeRO-2 every micro-batch, ZeRO-3 gathers twice a micro-batch),
+    as NCCL rings with one latency term per call. `padded`: (elements in units of their own, in the root group)
+    after FSDP's padding; `groups`: FSDP groups (calls). Left out, they give a lower bound (no padding, one
+    group), which the search prunes with. The exposed part is (1 - cluster.dp_overlap) of the total. A group
+    spanning nodes uses the InfiniBand adapters of all its members in a node (`Parallel.ranks_per_node`)."""
+    unit_padded, rest_padded = padded if padded is not None else (params_per_gpu, 0.0)
     per_node = par.ranks_per_node("dp", cluster.gpus_per_node)
-    total = sum(hw.collective_time(cluster, k, GRAD_BYTES * params_per_gpu, par.dp, spans_nodes=spans_nodes,
-                                   ranks_per_node=per_node) for k in kinds)
+    calls = zero.dp_calls(par, groups)
+    total = 0.0
+    for kind, nbytes in zero.dp_bytes(par, params_per_gpu, unit_padded, rest_padded).items():
+        total += hw.collective_time(cluster, kind, nbytes, par.dp, spans_nodes=spans_nodes, ranks_per_node=per_node)
+        total += (calls[kind] - 1) * hw.collective_time(cluster, kind, 0.0, par.dp, spans_nodes=spans_nodes,
+                                                        ranks_per_node=per_node, latency_only=True)
     return (1.0 - cluster.dp_overlap) * total
 
 
-def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
-    """One boundary per micro-batch: the activation forward and its gradient backward (same size).
-
-    Scatter/gather (Narayanan et al. 2021, section 4.1): the t ranks of a TP group hold the same boundary tensor,
-    so each sends only 1/t of it, over its own link, and the receiving group all-gathers it over NVLink:
+def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool,
+                   grad_bytes_per_sample: float | None = None) -> float:
+    """One boundary per micro-batch: the activation forward and its gradient backward (`grad_bytes_per_sample`:
+    what of it needs a gradient, all of it by default). Scatter/gather (Narayanan et al. 2021, section 4.1; the
+    program does it, `partc.collectives.scatter_to_next_stage`): the t ranks of a TP group hold the same boundary
+    tensor, so each sends only 1/t of it, over its own link, and the receiving group all-gathers it over NVLink:
         p2p(b·s·h/t) + all_gather(b·s·h over t ranks)     instead of p2p(b·s·h)."""
     if par.pp <= 1 or nbytes_per_sample <= 0:
         return 0.0
-    nbytes, t = nbytes_per_sample * par.micro_batch_size, par.tp
-    one = hw.collective_time(cluster, "p2p", nbytes / t, 2, spans_nodes=spans_nodes)
-    if t > 1:
-        one += hw.collective_time(cluster, "all_gather", nbytes, t, spans_nodes=par.spans_nodes("tp", cluster.gpus_per_node),
-                                  ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
-    return 2 * one
+    b, t = par.micro_batch_size, par.tp
+    grad = nbytes_per_sample if grad_bytes_per_sample is None else grad_bytes_per_sample
+    tp_spans = par.spans_nodes("tp", cluster.gpus_per_node)
+    total = 0.0
+    for nbytes in (nbytes_per_sample * b, grad * b):
+        if nbytes > 0:
+            total += hw.collective_time(cluster, "p2p", nbytes / t, 2, spans_nodes=spans_nodes)
+            if t > 1:
+                total += hw.collective_time(cluster, "all_gather", nbytes, t, spans_nodes=tp_spans,
+                                            ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
+    return total
 
 
 def p2p_time(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
-    """Pipeline traffic per micro-batch of one rank (Narayanan et al.: b·s·h per micro-batch between stages, b·s·h/t
-    per GPU with scatter/gather, v times as much when interleaved): one send forward and one backward per chunk."""
+    """Pipeline traffic per micro-batch of one rank (Narayanan et al.: b·s·h per micro-batch between stages, v times
+    as much when interleaved): one send forward and one backward per chunk."""
     return par.chunks_per_rank * p2p_round_trip(cluster, par, nbytes_per_sample, spans_nodes)
 
 
 def optimizer_time(cluster: Cluster, par: Parallel, params_per_gpu: float) -> float:
-    """Adam step, memory-bound: ADAM_STEP_BYTES per parameter this GPU updates (Ψ/N_d with ZeRO >= 1)."""
+    """Adam step, memory-bound: ADAM_STEP_BYTES per parameter this GPU updates (its shard of Ψ/N_d with ZeRO >=
+    1; all of Ψ with ZeRO-0)."""
     local = params_per_gpu / (par.dp if par.zero >= 1 else 1)
     return hw.memory_time(cluster, ADAM_STEP_BYTES * local)
 
 
 def fits(cluster: Cluster, mem: Memory) -> bool:
-    return mem.total <= cluster.memory_bytes - cluster.memory_reserve_bytes
+    return mem.total <= cluster.usable_memory_bytes
+
+
+def communicators(par: Parallel, shares_weights: bool) -> int:
+    """NCCL communicators one GPU holds: one per process group of more than one rank it belongs to (the world, its
+    tp, dp and pp groups, and the group summing a weight shared across pipeline ranks)."""
+    sizes = [par.world_size, par.tp, par.dp, par.pp] + ([2] if shares_weights else [])
+    return sum(1 for n in sizes if n > 1)
+
+
+def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
+    """TP collective payload of one GPU in a step: m x b x every collective of its units, a forward one twice in a
+    block recomputed in full (its forward runs again in backward)."""
+    if tp is None or par.tp == 1:
+        return 0.0
+    total = 0.0
+    for i in units:
+        unit = graph.units[i]
+        full = recompute_mode(unit, par) == "full"
+        total += sum(c.nbytes * (2 if full and c.phase == "fwd" else 1) for c in tp.collectives.get(unit.fqn, []))
+    return total * par.micro_batch_size * par.num_microbatches
+
+
+def _cut(cut: Sequence[int], i: int) -> float:
+    """Bytes per sample across the boundary after unit i (0 outside the model)."""
+    return float(cut[i]) if 0 <= i < len(cut) else 0.0
+
+
+def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
+    """Pipeline payload of one GPU in a step: per micro-batch and chunk, the boundary received and sent forward and
+    the gradients sent and received backward (what needs one: `ModelGraph.cut_grad_bytes`), each its 1/t part
+    (scatter/gather, `p2p_round_trip`)."""
+    if par.pp == 1:
+        return 0.0
+    total = 0.0
+    for lo, hi in chunks:
+        total += _cut(graph.cut_bytes, lo - 1) + _cut(graph.cut_bytes, hi - 1)
+        total += graph.grad_cut(lo - 1) if lo > 0 else 0.0
+        total += graph.grad_cut(hi - 1) if hi - 1 < len(graph.cut_bytes) else 0.0
+    return total * par.micro_batch_size * par.num_microbatches / par.tp
+
+
+def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
+    """TP payload of scatter/gather on one GPU in a step: per micro-batch and chunk, the all-gather (its output, the
+    whole boundary) of what the chunk receives forward and of the gradient of what it sends backward."""
+    if par.pp == 1 or par.tp == 1:
+        return 0.0
+    total = 0.0
+    for lo, hi in chunks:
+        total += _cut(graph.cut_bytes, lo - 1)
+        total += graph.grad_cut(hi - 1) if hi - 1 < len(graph.cut_bytes) else 0.0
+    return total * par.micro_batch_size * par.num_microbatches
+
+
+def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
+                   bounds: Sequence[tuple[int, int]]) -> dict[int, float]:
+    """Pipeline rank -> bytes it all-reduces once a step for the weights it shares with other pipeline ranks (a tied
+    embedding and head on the first and the last stage): the fp32 gradient of its shard (after TP, and FSDP's dp
+    shard, padded)."""
+    if par.pp == 1 or not graph.tied:
+        return {}
+    rank_of_unit = {i: k % par.pp for k, (lo, hi) in enumerate(bounds) for i in range(lo, hi)}
+    holders: dict[str, set[int]] = {}
+    shapes: dict[str, tuple] = {}
+    for i, unit in enumerate(graph.units):
+        for key, shape in _param_local_shapes(graph, par, tp, unit).items():
+            holders.setdefault(key, set()).add(rank_of_unit[i])
+            shapes[key] = shape
+    out: dict[int, float] = {}
+    for key, ranks in holders.items():
+        if len(ranks) > 1:
+            nbytes = zero.MASTER_BYTES * zero.padded_numel(shapes[key], par.dp) / par.dp
+            for r in ranks:
+                out[r] = out.get(r, 0.0) + nbytes
+    return out
+
+
+def shared_time(cluster: Cluster, par: Parallel, nbytes: float) -> float:
+    """The all-reduce of shared weights' gradients over pipeline ranks (two of them; across nodes when the
+    pipeline spans nodes)."""
+    return hw.collective_time(cluster, "all_reduce", nbytes, 2, spans_nodes=par.spans_nodes("pp", cluster.gpus_per_node))
 
 
 # --- 6. The whole step -------------------------------------------------------------------------------------------
@@ -367,28 +502,39 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     shards = shards if shards is not None else unit_param_shards(graph, par, tp)
     spans, cut = mesh_spans(cluster, par), graph.cut_bytes
 
-    ranks, comps = [], []
+    ranks, comps, dp_times, opt_times = [], [], [], []
+    shared = shared_weights(graph, par, tp, bounds)
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
         idx = [i for lo, hi in chunks for i in range(lo, hi)]
         compute = sum(parts[i].compute_s for i in idx)
         tp_comm = sum(parts[i].tp_comm_s for i in idx)
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
-        cuts = [max(cut[lo - 1] if lo > 0 else 0, cut[hi - 1] if hi <= len(cut) else 0) for lo, hi in chunks]
-        pp_comm = sum(p2p_round_trip(cluster, par, c, spans["pp"]) for c in cuts)
+        pp_comm = sum(p2p_round_trip(cluster, par, max(_cut(cut, lo - 1), _cut(cut, hi - 1)), spans["pp"],
+                                     max(_cut(graph.cut_grad_bytes or cut, lo - 1),
+                                         _cut(graph.cut_grad_bytes or cut, hi - 1)))
+                      for lo, hi in chunks)
         params = stage_param_count(graph, par, tp, idx, shards)
+        groups = [fsdp_groups(graph, par, tp, range(lo, hi)) for lo, hi in chunks]
+        own = [x for g in groups for x in g[0]]
+        padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
         mem = model_state_bytes(params, par)
         mem.activations = in_flight(par, r) * sum(acts[i] for i in idx) + stage_extra_bytes(graph, par, tp, idx)
-        ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem,
-                                    num_params=params, chunks=chunks))
+        mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
+        comm = {"tp": tp_bytes(graph, par, tp, idx) + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
+                "dp": sum(zero.dp_bytes(par, params, *padded).values())}
+        ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem, num_params=params,
+                                    chunks=chunks, comm_bytes=comm))
         comps.append((compute, tp_comm, pp_comm))
+        groups_n = len(own) + sum(1 for g in groups if g[3] > 0)  # the stage's root group, if it holds any
+        dp_times.append(dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n)
+                        + shared_time(cluster, par, shared.get(r, 0.0)))
+        opt_times.append(optimizer_time(cluster, par, params))
 
     slow = max(range(p), key=lambda r: ranks[r].time_s)
     t_max = ranks[slow].time_s
     bubble_s = (p - 1) / v * t_max
-    max_params = max(r.num_params for r in ranks)
-    dp_s = dp_comm_time(cluster, par, max_params, spans["dp"])
-    opt_s = optimizer_time(cluster, par, max_params)
+    dp_s, opt_s = max(dp_times), max(opt_times)
     step = m * t_max + bubble_s + dp_s + opt_s
 
     # Model FLOPs: 3 x forward (forward + backward, no recompute) over the global batch; for a GPT, Megatron's

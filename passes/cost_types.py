@@ -27,13 +27,16 @@ class Memory:
     optimizer: float = 0.0
     activations: float = 0.0
     """Saved activations of the micro-batches in flight plus transient working memory."""
+    buffers: float = 0.0
+    """The communication libraries' own buffers (NCCL communicators)."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
     def to_dict(self) -> dict:
-        return {k: int(round(getattr(self, k))) for k in ("params", "grads", "optimizer", "activations", "total")}
+        return {k: int(round(getattr(self, k))) for k in ("params", "grads", "optimizer", "activations", "buffers",
+                                                          "total")}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,6 +62,9 @@ class RankPrediction:
     """Parameters on one GPU of this rank after TP sharding (before ZeRO sharding)."""
     chunks: list[tuple[int, int]] = field(default_factory=list)
     """Half-open unit ranges [start, end) of the model chunks on this rank."""
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+    """Mesh axis (``tp``, ``pp``, ``dp``) -> the collective payload one GPU of this rank passes in a step
+    (`partc.passes.zero`'s definition; what the runtime measures)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,6 +90,6 @@ class Prediction:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("memory_per_gpu", "ranks")}
         out["memory_per_gpu"] = self.memory_per_gpu.to_dict()
         out["ranks"] = [{"rank": r.rank, "time_s": r.time_s, "num_params": r.num_params,
-                         "chunks": [list(c) for c in r.chunks], "memory": r.memory.to_dict()}
-                        for r in self.ranks]
+                         "chunks": [list(c) for c in r.chunks], "memory": r.memory.to_dict(),
+                         "comm_bytes": r.comm_bytes} for r in self.ranks]
         return out

@@ -43,9 +43,9 @@ def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float, batch: float
     return cluster.gemm_efficiency * best * k / (k + cluster.gemm_half_size)
 
 
-def gemm_bytes(batch: float, m: float, n: float, k: float) -> float:
-    """HBM bytes of a 16-bit GEMM that reads both operands and writes the product once."""
-    return ACTIVATION_BYTES * batch * (m * k + k * n + m * n)
+def gemm_bytes(batch: float, m: float, n: float, k: float, dtype_bytes: int = ACTIVATION_BYTES) -> float:
+    """HBM bytes of a GEMM that reads both operands and writes the product once."""
+    return dtype_bytes * batch * (m * k + k * n + m * n)
 
 
 def gemm_time(cluster: Cluster, gemm: Gemm, *, micro_batch_size: int = 1, split: str | None = None,
@@ -71,8 +71,11 @@ def gemm_time(cluster: Cluster, gemm: Gemm, *, micro_batch_size: int = 1, split:
     # (k or n = the head dim, 64-160) move about as many bytes as they do FLOPs / 100, below A100's ridge point of
     # peak_flops / memory_bandwidth = 153 FLOP/byte, so they run at memory speed.
     flops = 2.0 * batch * m * n * k
-    return max(flops / (cluster.peak_flops * gemm_efficiency(cluster, m, n, k, batch)),
-               memory_time(cluster, gemm_bytes(batch, m, n, k)))
+    peak = cluster.peak_flops if gemm.dtype_bytes <= 2 else cluster.peak_flops_fp32
+    compute = flops / (peak * gemm_efficiency(cluster, m, n, k, batch))
+    if gemm.fused:  # inside a fused kernel: the kernel's own HBM traffic is counted with it
+        return compute
+    return max(compute, memory_time(cluster, gemm_bytes(batch, m, n, k, gemm.dtype_bytes)))
 
 
 def memory_time(cluster: Cluster, nbytes: float) -> float:
@@ -91,11 +94,14 @@ def link(cluster: Cluster, *, spans_nodes: bool, ranks_per_node: int = 1) -> tup
 
 
 def collective_time(cluster: Cluster, kind: str, nbytes: float, n: int, *, spans_nodes: bool = False,
-                    ranks_per_node: int = 1) -> float:
-    """Seconds for one ring collective of `nbytes` over `n` ranks (0 when n == 1)."""
-    if n <= 1 or nbytes <= 0:
+                    ranks_per_node: int = 1, latency_only: bool = False) -> float:
+    """Seconds for one ring collective of `nbytes` over `n` ranks (0 when n == 1); `latency_only`: its latency
+    terms alone (a further call moving bytes already counted)."""
+    if n <= 1 or (nbytes <= 0 and not latency_only):
         return 0.0
     bw, alpha = link(cluster, spans_nodes=spans_nodes, ranks_per_node=ranks_per_node)
+    if latency_only:
+        nbytes = 0.0
     if kind == "all_reduce":
         return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
     if kind in ("all_gather", "reduce_scatter"):

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import flop_registry
 from partc._torch import TorchDispatchMode
 from partc.errors import PartcError
 from partc.frames import innermost, stack_trace_frames
-from partc.ir import ACTIVATION_BYTES, Gemm
+from partc.ir import Gemm
 from partc.passes.export import failure_hint
 
 aten = torch.ops.aten
@@ -40,6 +40,16 @@ MASK_BYTES = 1
 # Outside such an op (attention written out as matmul / softmax / dropout), the core is what carries two
 # sequence dimensions after a heads dimension (scores, probabilities, their dropout mask).
 CORE_OPS = (aten.scaled_dot_product_attention.default,)
+# On meta the attention op runs its math decomposition (scores and probabilities materialized, upcast to fp32 for a
+# 16-bit input). `measure(..., fused_attention=False)` counts that path at the input's precision (a GPU's unfused
+# kernels, as Megatron-LM 2021 ran them); `fused_attention=True` counts what a fused kernel (FlashAttention, or
+# memory-efficient attention with a mask) does instead: the same GEMM FLOPs, run in on-chip memory; HBM traffic of
+# its inputs and output; saved for backward its inputs, its output and the log-sum-exp (fp32, one per query row and
+# head), and no s x s tensor. The kernel writes its output as [batch, seq, heads, head_dim] (a transposed view of
+# [..., heads, seq, head_dim]), so the usual transpose-and-reshape after it is a view, not a copy. Selective
+# recomputation drops only what the kernel alone keeps (the log-sum-exp): its inputs are needed for the replay and
+# its output is the next layer's input.
+LSE_BYTES = 4
 
 
 @dataclass(slots=True)
@@ -52,12 +62,14 @@ class NodeStats:
     core_input_bytes: int = 0
     """For an attention-core op: bytes of its inputs that no op saves, which selective recomputation must keep
     to replay it (they offset what it drops)."""
+    requires_grad: bool = False
+    """Whether the node's output needs a gradient (it depends on a parameter): a pipeline sends one back for it."""
 
 
 def activation_bytes(t: torch.Tensor, numel: int | None = None) -> int:
-    """Bytes of `t` (or `numel` of its elements) as trained: floating point at 16 bits, others at their size."""
+    """Bytes of `t` (or `numel` of its elements): the model is traced at the plan's precision, so its size."""
     numel = t.numel() if numel is None else numel
-    return numel * (ACTIVATION_BYTES if t.dtype.is_floating_point else t.element_size())
+    return numel * t.element_size()
 
 
 class _Recorder(TorchDispatchMode):
@@ -66,6 +78,12 @@ class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.node: torch.fx.Node | None = None
+        self.core_bytes: int | None = None
+        """While an attention core runs: its input's element size, at which its GEMMs and (unfused) internals are
+        counted. PyTorch's math kernel upcasts 16-bit inputs to fp32; a GPU's kernels (Megatron-LM's fused softmax,
+        FlashAttention) compute at the input's precision with fp32 accumulation on chip."""
+        self.fused_core = False
+        """While a fused attention core runs: only its GEMMs are recorded (`measure` adds the rest)."""
         self.stats: dict[torch.fx.Node, NodeStats] = defaultdict(NodeStats)
         self.mask_storages: set[int] = set()
         """Storages of dropout keep-masks (outputs of `MASK_OPS`): saved at `MASK_BYTES` per element."""
@@ -86,24 +104,35 @@ class _Recorder(TorchDispatchMode):
         st = self.stats[self.node]
         if packet in (aten.mm, aten.addmm):
             a, b = (args[1], args[2]) if packet is aten.addmm else (args[0], args[1])
-            st.gemms.append(Gemm(batch=1, m=a.shape[0], n=b.shape[1], k=a.shape[1], batch_scales=False))
+            st.gemms.append(Gemm(batch=1, m=a.shape[0], n=b.shape[1], k=a.shape[1], batch_scales=False,
+                                 dtype_bytes=self.core_bytes or a.element_size(), fused=self.fused_core))
         elif packet in (aten.bmm, aten.baddbmm):
             a, b = (args[1], args[2]) if packet is aten.baddbmm else (args[0], args[1])
-            st.gemms.append(Gemm(batch=a.shape[0], m=a.shape[1], n=b.shape[2], k=a.shape[2], batch_scales=True))
+            st.gemms.append(Gemm(batch=a.shape[0], m=a.shape[1], n=b.shape[2], k=a.shape[2], batch_scales=True,
+                                 dtype_bytes=self.core_bytes or a.element_size(), fused=self.fused_core))
         elif packet in flop_registry:
             st.conv_flops += float(flop_registry[packet](*args, **kwargs, out_val=out))
-        elif not func.is_view and packet not in NO_TRAFFIC_OPS:
+        elif packet is aten._to_copy and self.core_bytes is not None:
+            pass  # the math kernel's upcast of 16-bit inputs to fp32 and back: counted at input precision, as fused
+        elif not func.is_view and packet not in NO_TRAFFIC_OPS and not self.fused_core:
             tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
             outs = out if isinstance(out, (tuple, list)) else [out]
             tensors += [x for x in outs if isinstance(x, torch.Tensor)]
-            st.memory_bytes += sum(activation_bytes(x) for x in tensors
+            st.memory_bytes += sum(self.bytes(x) for x in tensors
                                    if x.untyped_storage()._cdata not in self.mask_storages)
         return out
 
+    def bytes(self, t: torch.Tensor, numel: int | None = None) -> int:
+        """`activation_bytes`, inside an unfused attention core at its input's element size."""
+        if self.core_bytes is not None and t.is_floating_point():
+            return (t.numel() if numel is None else numel) * self.core_bytes
+        return activation_bytes(t, numel)
 
-def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len: int | None
-            ) -> dict[torch.fx.Node, NodeStats]:
-    """Run the exported program on meta, node by node; return per-node GEMMs, bytes moved and bytes saved."""
+
+def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len: int | None, *,
+            fused_attention: bool = False) -> dict[torch.fx.Node, NodeStats]:
+    """Run the exported program on meta, node by node; return per-node GEMMs, bytes moved and bytes saved. With
+    `fused_attention` the attention op is counted as a fused kernel (see `CORE_OPS`)."""
     # The lifted graph (parameters and buffers are its first inputs), not `ep.module()`: unlifting writes the
     # model's module names into Python source unescaped (torch.fx), and a name holding a quote or a line break
     # (an `nn.ModuleDict` key may) breaks that source.
@@ -123,11 +152,11 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
 
     def storage_bytes(t: torch.Tensor) -> int:
         numel = t.untyped_storage().nbytes() // max(t.element_size(), 1)
-        return numel * MASK_BYTES if t.untyped_storage()._cdata in recorder.mask_storages else activation_bytes(t, numel)
+        return numel * MASK_BYTES if t.untyped_storage()._cdata in recorder.mask_storages else recorder.bytes(t, numel)
 
     def pack(t: torch.Tensor):
         node = recorder.node
-        if node is None:
+        if node is None or recorder.fused_core:
             return t
         key = t.untyped_storage()._cdata
         if key in param_storages or key in seen_storages:
@@ -141,21 +170,46 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
         recorder.stats[node].saved.append((key, storage_bytes(t), core))
         return t
 
+    def fused_core_saved(node: torch.fx.Node, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
+        """What a fused attention kernel moves and saves (see `CORE_OPS`): its inputs and output, and the log-sum-exp
+        (core)."""
+        st = recorder.stats[node]
+        st.memory_bytes += sum(activation_bytes(a) for a in inputs) + activation_bytes(out)
+        for a in (*inputs, out):
+            key = a.untyped_storage()._cdata
+            if key not in param_storages and key not in seen_storages:
+                seen_storages.add(key)
+                st.saved.append((key, storage_bytes(a), False))
+        st.saved.append((-id(node), out.numel() // out.shape[-1] * LSE_BYTES, True))
+
     class Interp(torch.fx.Interpreter):
         def run_node(self, n):
             recorder.node = ep_nodes.get(n.name)
-            if n.op == "call_function" and n.target in CORE_OPS and recorder.node is not None:
+            core = n.op == "call_function" and n.target in CORE_OPS and recorder.node is not None
+            if core:
                 inputs = [a for a in fx_pytree.tree_flatten(self.fetch_args_kwargs_from_env(n))[0]
                           if isinstance(a, torch.Tensor)]
                 core_inputs[recorder.node] = {a.untyped_storage()._cdata: storage_bytes(a) for a in inputs
                                               if a.untyped_storage()._cdata not in param_storages}
                 alive.extend(inputs)
+                recorder.fused_core = fused_attention
+                recorder.core_bytes = inputs[0].element_size()
             try:
-                return super().run_node(n)
+                out = super().run_node(n)
+                if recorder.node is not None:
+                    recorder.stats[recorder.node].requires_grad = any(
+                        isinstance(x, torch.Tensor) and x.requires_grad for x in fx_pytree.tree_flatten(out)[0])
+                if core and fused_attention:
+                    if out.dim() >= 3:  # the kernel's [..., seq, heads, head_dim] layout
+                        out = out.transpose(-3, -2).contiguous().transpose(-3, -2)
+                    recorder.fused_core = False
+                    fused_core_saved(recorder.node, inputs, out)
+                    alive.append(out)
+                return out
             except Exception as e:  # noqa: BLE001 - an op that exported but cannot run on meta (data-dependent)
                 raise PartcError(_node_failure(ep_nodes.get(n.name, n), e)) from None
             finally:
-                recorder.node = None
+                recorder.node, recorder.core_bytes, recorder.fused_core = None, None, False
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
         interp = Interp(gm)

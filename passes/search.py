@@ -78,7 +78,8 @@ def _configs(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch: int, 
         for b in divisors(per_replica):
             for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
                 par = Parallel(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
-                               schedule=schedule, virtual_stages=v, recompute=recompute)
+                               schedule=schedule, virtual_stages=v, recompute=recompute,
+                               precision=pins.precision or "bf16")
                 if pins.allows(par):
                     yield par
 
@@ -123,7 +124,7 @@ _INDEPENDENT = {
     "parts": ("dp", "zero", *_PIPELINE),  # unit times: (tp, b, recompute)
     "shards": ("dp", "zero", "recompute", *_PIPELINE),  # parameters on one GPU: (tp, b)
     "acts": ("dp", "zero", *_PIPELINE),  # activations a micro-batch leaves: (tp, b, recompute)
-    "extra": ("dp", "zero", *_PIPELINE),  # + whether parameters are gathered (ZeRO-3 over dp > 1)
+    "extra": ("dp", *_PIPELINE),  # ZeRO's working memory depends on the stage, not on dp
     "cut": ("dp", "zero", "recompute", *_PIPELINE),  # + pp > 1 and whether a pipeline hop crosses nodes
     "free": ("dp", "zero", *_PIPELINE),  # + the chunk count, pp > 1 and the pipeline hop's nodes
 }
@@ -175,14 +176,15 @@ class _Costs:
         """Transient stage memory: (any stage, the last stage), bounded over all units."""
         units = list(range(len(self.graph.units)))
         return self._get("extra", par, lambda: (cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units),
-                                                cost.stage_extra_bytes(self.graph, par, self.tp(par), units)),
-                         par.zero >= 3 and par.dp > 1)
+                                                cost.stage_extra_bytes(self.graph, par, self.tp(par), units)))
 
     def cut_time(self, par: Parallel) -> list[float]:
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
-        ok = self.graph.cut_ok or [True] * len(self.graph.cut_bytes)  # a cut the program cannot make costs inf
-        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, c, spans) if fine else math.inf
-                                              for c, fine in zip(self.graph.cut_bytes, ok)], par.pp > 1, spans)
+        graph = self.graph
+        ok = graph.cut_ok or [True] * len(graph.cut_bytes)  # a cut the program cannot make costs inf
+        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, c, spans, graph.grad_cut(i))
+                                              if ok[i] else math.inf for i, c in enumerate(graph.cut_bytes)],
+                          par.pp > 1, spans)
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
@@ -234,7 +236,9 @@ class _Costs:
         # Two necessary conditions, cheap next to the DP, that rule out most configurations that cannot fit:
         # summed over the chunks, memory is at least all static memory plus all activations at the fewest
         # micro-batches in flight; and the largest unit must fit in some chunk on its own.
-        acts, least, limit = self.acts(par), min(in_flight), mem_limit / v
+        # Every GPU also holds its communicators' buffers (at least those of its tp, dp and pp groups).
+        buffers = self.cluster.communicator_bytes * cost.communicators(par, shares_weights=False)
+        acts, least, limit = self.acts(par), min(in_flight), (mem_limit - buffers) / v
         if sum(static) + least * sum(acts) + sum(extra) > chunks * limit * (1 + 1e-9):
             return None
         if max(st + least * a for st, a in zip(static, acts)) + min(extra) > limit * (1 + 1e-9):
@@ -271,7 +275,7 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
     """The fastest plan that fits, and the next `keep - 1`."""
     pins = pins or Pins()
     check_pins(pins, gpus, num_units=len(graph.units), max_stages=max_stages(graph))
-    mem_limit = cluster.memory_bytes - cluster.memory_reserve_bytes
+    mem_limit = cluster.usable_memory_bytes
     costs = _Costs(graph, cluster, tp_pins)
     configs = list(_configs(graph, cluster, gpus, global_batch_size, pins))
     if not configs and pins.dp is not None and global_batch_size % (pins.dp * (pins.micro_batch_size or 1)):
@@ -293,14 +297,18 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
         bounds = costs.split_stages(par, mem_limit=mem_limit)
         evaluated += 1
         if bounds is None:
-            if not best:
-                loose = costs.split_stages(par, mem_limit=math.inf)
-                if loose is not None:
-                    pred = costs.predict(par, loose)
-                    total = pred.memory_per_gpu.total
-                    if least is None or total < least[0]:
-                        least = (total, i, Candidate(parallel=par, tp=tp, bounds=loose, prediction=pred))
-            continue
+            # The stage DP bounds each stage's transient memory by the largest over all units: it may reject a
+            # configuration whose least-time split fits after all; `predict` says exactly.
+            loose = costs.free_split(par, par.num_stages)
+            if loose is None or (prune and len(best) >= keep and costs.split_bound(par, loose) > -best[0][0]):
+                continue
+            pred = costs.predict(par, loose)
+            if not cost.fits(cluster, pred.memory_per_gpu):
+                if not best and (least is None or pred.memory_per_gpu.total < least[0]):
+                    least = (pred.memory_per_gpu.total, i, Candidate(parallel=par, tp=tp, bounds=loose,
+                                                                       prediction=pred))
+                continue
+            bounds = loose
         if prune and len(best) >= keep and costs.split_bound(par, bounds) * (1 - 1e-9) > -best[0][0]:
             continue  # this split cannot beat the k-th best (the margin keeps float rounding on the safe side)
         pred = costs.predict(par, bounds)

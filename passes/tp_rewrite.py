@@ -46,6 +46,8 @@ class Rewrite:
     """Parameter FQN (the exported name) -> its split; parameters not listed are whole."""
     collectives: list[tuple[str, str]] = field(default_factory=list)
     """(collective, why) in graph order."""
+    split: set[Node] = field(default_factory=set)
+    """Nodes whose local value is not the whole tensor (split, or a partial sum): every TP rank holds another one."""
 
 
 def _local_shape(shape, dim: int, t: int, what: str) -> list[int]:
@@ -144,6 +146,7 @@ class _Rewriter:
                 new = [self.need(o, R, node) if isinstance(o, Node) else o for o in outs]
                 node.args = (type(outs)(new),)
         self.graph.lint()
+        self.result.split = {n for n, st in self.state.items() if st is not R}
         return self.result
 
     def _placeholder(self, node: Node) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
+from partc.precision import cast_floating, cast_parameters, compute_dtype
 from partc.passes.export import export_on_meta, norms_on_any_batch
 from partc.passes.measure import NodeStats, activation_bytes, measure, stack_fqns
 from partc.passes.shard import ShardAnalysis
@@ -196,7 +197,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
-    cut_bytes = _cuts(ep, a, units)                        # 8. bytes across each pipeline cut; unit inputs
+    cut_bytes, cut_grad_bytes = _cuts(ep, a, units, stats)  # 8. bytes across each pipeline cut; unit inputs
     cut_ok = _realizable_cuts(a)                           #    and which cuts the program can make
     for u in units.values():
         u.signature = _signature(u, layers)                # 9. identical blocks share TP decisions
@@ -204,7 +205,8 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     first_req, last_req = _required_ends(ordered)          # 10. embeddings first, head last
     return ModelGraph(name=name, num_params=sum(_numel(tuple(p.shape)) for p in _unique_params(model)),
                       seq_len=seq_len or 1, units=ordered, layers={m: layers[m] for m in a.ordered_layers},
-                      edges=edges, cut_bytes=cut_bytes, cut_ok=cut_ok, tied=tied, first_unit_required=first_req,
+                      edges=edges, cut_bytes=cut_bytes, cut_grad_bytes=cut_grad_bytes, cut_ok=cut_ok, tied=tied,
+                      first_unit_required=first_req,
                       last_unit_required=last_req, info=_model_info(layers, ordered, seq_len))
 
 
@@ -312,9 +314,10 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
     return units
 
 
-def _cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[str, Unit]) -> list[int]:
-    """Bytes per sample crossing a pipeline boundary after each unit (all but the last); sets each unit's
-    `input_bytes` (what enters it from elsewhere)."""
+def _cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[str, Unit],
+          stats: dict[torch.fx.Node, NodeStats]) -> tuple[list[int], list[int]]:
+    """(bytes per sample crossing a pipeline boundary after each unit (all but the last), the part of them that needs
+    a gradient); sets each unit's `input_bytes` (what enters it from elsewhere)."""
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     producer_pos: dict[torch.fx.Node, int] = {}
     for n in ep.graph.nodes:
@@ -325,6 +328,7 @@ def _cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[str, Unit
     param_nodes = {spec.arg.name for spec in ep.graph_signature.input_specs
                    if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT}
     diff = [0] * (len(a.unit_names) + 1)
+    grad_diff = [0] * (len(a.unit_names) + 1)
     input_bytes: dict[str, int] = defaultdict(int)
     for n, pu in producer_pos.items():
         if n.op == "placeholder" and n.name in param_nodes:
@@ -341,13 +345,18 @@ def _cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[str, Unit
         if last > start:
             diff[start] += nbytes
             diff[last] -= nbytes
-    cut_bytes, running = [], 0
+            if n in stats and stats[n].requires_grad:
+                grad_diff[start] += nbytes
+                grad_diff[last] -= nbytes
+    cut_bytes, cut_grad_bytes, running, grad_running = [], [], 0, 0
     for i in range(len(a.unit_names) - 1):
         running += diff[i]
+        grad_running += grad_diff[i]
         cut_bytes.append(running)
+        cut_grad_bytes.append(grad_running)
     for u, b in input_bytes.items():
         units[u].input_bytes = b
-    return cut_bytes
+    return cut_bytes, cut_grad_bytes
 
 
 def _realizable_cuts(a: Assignment) -> list[bool]:
@@ -468,9 +477,15 @@ class Traced:
 
 
 def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: int | None = None,
-          path: str = "") -> Traced:
-    """Trace a meta-device model on one sample of meta inputs and build its `ModelGraph`."""
+          path: str = "", precision: str = "bf16", fused_attention: bool = False) -> Traced:
+    """Trace a meta-device model on one sample of meta inputs and build its `ModelGraph`. The model's parameters
+    (in place) and its floating-point inputs are cast to the `precision`'s compute dtype first (`partc.precision`):
+    the graph and its byte counts are those of a run at that precision. `fused_attention`: count the attention op
+    as the fused kernel the cluster runs (`partc.passes.measure.CORE_OPS`)."""
     t0 = time.perf_counter()
+    dtype = compute_dtype(precision)
+    cast_parameters(model, dtype)
+    args, kwargs = cast_floating((args, kwargs), dtype)
     ep = export_on_meta(model, args, kwargs, path=path)
     t1 = time.perf_counter()
     if seq_len is None:
@@ -478,7 +493,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: in
     if seq_len is None:
         seq_len = _tokens_from_graph(ep)
     with norms_on_any_batch():  # one sample: a BatchNorm may see one value per channel
-        stats = measure(ep, args, kwargs, seq_len)
+        stats = measure(ep, args, kwargs, seq_len, fused_attention=fused_attention)
     graph = build_graph(ep, model, stats, name=name, seq_len=seq_len)
     t2 = time.perf_counter()
     return Traced(graph=graph, exported=ep, model=model, trace_s=t1 - t0, measure_s=t2 - t1)

@@ -78,12 +78,13 @@ def train(args: argparse.Namespace) -> None:
             try:
                 loss = prog.step(inputs, targets)
                 dt = time.perf_counter() - t0
+                ranks = _gather_records(prog) if args.log_jsonl else None
                 if rank0:
                     print(f"step {k + 1}/{args.steps}  loss {loss:.6f}  {tokens / dt:,.0f} {unit}/s  "
                           f"{dt * 1e3:.1f} ms", flush=True)
                     if log:
                         log.write(json.dumps({"step": k, "loss": loss, f"{unit}_per_s": tokens / dt,
-                                              "step_time_s": dt}, allow_nan=False) + "\n")
+                                              "step_time_s": dt, "ranks": ranks}, allow_nan=False) + "\n")
                         log.flush()
                 done = k + 1
                 if args.checkpoint_dir and (done == args.steps or
@@ -111,6 +112,13 @@ def train(args: argparse.Namespace) -> None:
                                  f"not writing --save-full-state-dict {args.save_full_state_dict}")
             torch.save(sd, args.save_full_state_dict)
             print(f"wrote {args.save_full_state_dict}", flush=True)
+
+
+def _gather_records(prog) -> list[dict] | None:
+    """Every rank's `Program.step_record`, in rank order, on rank 0 (None elsewhere). Collective."""
+    records = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(prog.step_record(), records, dst=0)
+    return records
 
 
 def on_rank0(fn) -> None:

@@ -34,6 +34,7 @@ from partc.model_file import ModelSpec, load_model_file
 from partc.runtime import checkpoint, checkpoint_dir
 from partc.runtime.materialize import (build_model, canonical_names, check_initializable, init_weights,
                                        load_weights, materialize, open_checkpoint)
+from partc.runtime.comm import CommCounter
 from partc.runtime.mesh import World, init_world
 from partc.runtime.parallelize import GradSync, OptimizerConfig, build_optimizers, parallelize
 from partc.runtime.program import ProgramFiles, StageFile, read_program
@@ -78,7 +79,23 @@ class Program:
         `inputs` as the model takes them: a tensor, a tuple (positional), a dict (keyword), or (args, kwargs).
         Every rank passes the same batch; each keeps its data-parallel slice."""
         args, kwargs = _as_args(inputs)
+        device = self.world.device
+        if device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(device)
         return self.runner.step(args, kwargs, targets)
+
+    def step_record(self) -> dict:
+        """What this rank did in the last `step`, next to what the plan predicted for its pipeline rank: collective
+        payload by mesh axis (`partc.runtime.comm`; ``predicted.ranks[].comm_bytes`` defines the quantity) and the
+        peak of allocated device memory (None on a CPU, which does not report it)."""
+        device = self.world.device
+        predicted = self.files.predicted_ranks
+        mine = predicted[self.world.pp_rank] if predicted else {}
+        return {"rank": self.world.rank, "pp_rank": self.world.pp_rank, "dp_rank": self.world.dp_rank,
+                "tp_rank": self.world.tp_rank, "comm_bytes": dict(self.runner.comm_bytes),
+                "predicted_comm_bytes": mine.get("comm_bytes"),
+                "peak_memory_bytes": None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device),
+                "predicted_memory_bytes": (mine.get("memory_bytes") or {}).get("total")}
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for st in self.stages for p in st.parameters()]
@@ -166,11 +183,12 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     untie_across_stages(stages)
 
     # 5. Recomputation and ZeRO (torchtitan's order), optimizers, gradient sync, the pipeline schedule.
-    modules = parallelize(stages, world, zero=par.zero, recompute=par.recompute)
-    optimizers = build_optimizers(modules, world, opt_config, par.zero)
+    modules = parallelize(stages, world, par, set(files.blocks))
+    optimizers = build_optimizers(stages, opt_config)
     holders = shared_holders(files, model, canon)
-    grad_sync = GradSync(stages, world, zero=par.zero, holders=holders, canon=canon)
-    runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes)
+    grad_sync = GradSync(stages, world, holders=holders, canon=canon)
+    counter = CommCounter({**{axis: [g] for axis, g in world.groups.items()}, "pp": [world.pp_group, *grad_sync.groups]})
+    runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes, counter)
     return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
                    runner=runner, canon=canon, layout=layout, seed=seed, unheld=unheld)
 

@@ -50,7 +50,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from partc.errors import PartcError
 from partc.runtime import checkpoint_dir as files
 from partc.runtime.mesh import World
-from partc.runtime.parallelize import local_optimizer
 from partc.sharding import TPLayout
 from partc.runtime.train import NonFiniteError
 
@@ -89,7 +88,7 @@ class StateDicts:
     def optimizer(self) -> dict:
         out: dict = {}
         for st, opt in zip(self.stages, self.optimizers):
-            for k, v in get_optimizer_state_dict(st, local_optimizer(opt), options=_FLAT).items():
+            for k, v in get_optimizer_state_dict(st, opt, options=_FLAT).items():
                 out.setdefault(_canon_key(k, self.canon), v)
         return out
 
@@ -109,7 +108,7 @@ class StateDicts:
 
     def load_optimizer(self, state: dict) -> None:
         for st, opt in zip(self.stages, self.optimizers):
-            local = local_optimizer(opt)
+            local = opt
             mine = {k: state[_canon_key(k, self.canon)] for k in get_optimizer_state_dict(st, local, options=_FLAT)}
             set_optimizer_state_dict(st, local, mine, options=_FLAT)
 
@@ -132,7 +131,7 @@ class StateDicts:
         shard, fused = self.layout.shard(fqn), self.layout.fused(fqn)
         if shard is None and fused is None:
             return v, None
-        fsdp = isinstance(v, DTensor)
+        fsdp = _dp_sharded(v)
         gather = fsdp and fused is not None and fused[0] == 0  # FSDP's rows of a [pieces, rows, ...] view
         back = None
         if gather and for_load:
@@ -141,7 +140,7 @@ class StateDicts:
         elif gather:
             local = v.full_tensor()  # collective over dp: every dp rank walks the same keys in the same order
         else:
-            local = v.to_local() if fsdp else v
+            local = v.to_local() if isinstance(v, DTensor) else v
         full = list(self.layout.full_shape(fqn, v.shape))
         dim = None if shard is None else shard.dim
         if fused is not None:
@@ -158,6 +157,12 @@ class StateDicts:
         stride = torch.empty(full, device="meta").stride()
         return DTensor.from_local(local, self.world.tp_dp_mesh, placements, run_check=False, shape=torch.Size(full),
                                   stride=stride), back
+
+
+def _dp_sharded(v: Any) -> bool:
+    """Whether `v` is an FSDP DTensor split over dp (not ZeRO-0's replicas, not a data-parallel group of one)."""
+    return isinstance(v, DTensor) and any(isinstance(pl, Shard) and v.device_mesh.size(i) > 1
+                                          for i, pl in enumerate(v.placements))
 
 
 def _param_of(key: str) -> str | None:

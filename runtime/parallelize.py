@@ -1,57 +1,65 @@
-"""Data parallelism, ZeRO, shared weights and the optimizer, applied to this rank's stage modules.
+"""Data parallelism, ZeRO, mixed precision, recomputation and the optimizer, applied to this rank's stage modules.
 
-The order is torchtitan's, one step a line in `parallelize`:
+The order is torchtitan's, one ``apply_*`` a dimension in `parallelize`:
 
-1. tensor parallelism: already in the program (the stage files hold local shards and call `collectives`). A
+1. tensor parallelism: already in the program (the stage files hold local shards and call `partc.collectives`). A
    parameter split over tp gets the gradient of its shard; one kept whole gets the same gradient on every tp rank
    (its inputs are whole, and each whole-to-split step in the program, `copy_to_tp` or `scatter_to_tp`,
    all-reduces or all-gathers the gradient coming back), so nothing is reduced over tp here, and DP and ZeRO
    below work on the local shards over the ``dp`` axis only;
-2. activation checkpointing: ``recompute == "full"`` recomputes each stage's forward in backward (the stage
-   file is one function, so "full" keeps only the stage inputs per micro-batch); ``selective`` is in the program
+2. `apply_recompute`: ``full`` recomputes each block unit in its backward (each `UnitModule` under
+   ``torch.utils.checkpoint``: only the block's inputs are kept per micro-batch); ``selective`` is in the program
    (codegen wraps the attention core in ``torch.utils.checkpoint``);
 3. compile: not applied;
-4. data parallelism over the mesh's ``dp`` axis, by ZeRO stage:
+4. `apply_zero`: FSDP2 ``fully_shard`` on every unit of the stage and on the stage itself, with mixed precision
+   (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for ``bf16``: the sharded parameters are the fp32
+   master weights, the gathered ones the bf16 compute copy, gradients are accumulated and reduced in fp32;
+   `partc.precision`). Every ZeRO stage is one policy of the same machinery:
 
-   ===== ======================================================== ==========================================
-   ZeRO  what is sharded over dp                                  how
-   ===== ======================================================== ==========================================
-   0     nothing                                                  gradients all-reduced (averaged) after the
-                                                                  pipeline step (`GradSync`)
-   1     optimizer states                                         the same all-reduce, then
-                                                                  ``ZeroRedundancyOptimizer`` over dp
-   2     + gradients                                              FSDP2 ``fully_shard(reshard_after_forward
-                                                                  =False)``: reduce-scatter, no re-gather for
-                                                                  backward (parameters are sharded between
-                                                                  steps too: FSDP2 has no ZeRO-2 proper)
-   3     + parameters                                             FSDP2 ``fully_shard(reshard_after_forward
-                                                                  =True)``
-   ===== ======================================================== ==========================================
+   ===== ============================================ =================================================
+   ZeRO  sharded over dp                              parameters gathered / gradients reduced
+   ===== ============================================ =================================================
+   0     nothing (FSDP's hybrid mode: replicated      once a step / all-reduced once, after the last
+         over dp, a shard group of one)                micro-batch (accumulated unsharded in fp32)
+   1     optimizer states and master weights          once a step / reduce-scattered once, after the last
+                                                      micro-batch (accumulated unsharded in fp32)
+   2     + gradients                                  in every micro-batch's forward, kept for its
+                                                      backward / reduce-scattered every micro-batch
+   3     + parameters                                 in every micro-batch's forward and again in its
+                                                      backward / reduce-scattered every micro-batch
+   ===== ============================================ =================================================
 
-   FSDP wraps each stage module as one unit: the stage file is one straight-line function, so there are no
-   per-block module calls for FSDP's hooks to gather around. For the same reason a rank allocates and
-   initializes its whole stage before sharding it: FSDP gathers the whole stage at every forward and backward
-   anyway, so this does not raise the peak.
+   ZeRO 0 and 1 keep torch.distributed.pipelining's own handling of FSDP (no gradient sync until the last
+   backward, then one reduction; torchtitan's). ZeRO 2 and 3 hand the pipeline a thin wrapper (`SyncEveryStep`), so
+   FSDP's own hooks reduce-scatter every micro-batch's gradients, and release the gathered parameters after each
+   micro-batch's backward (FSDP2 gives wrong gradients when it keeps them gathered across micro-batches while
+   reducing each one: measured on torch 2.13). Gathered parameters are released after the step (`reshard`): the
+   optimizer updates the sharded fp32 weights, and the next step gathers them again.
+
+The cost model (`partc.passes.cost`) charges exactly these bytes and gathers (`partc.precision` has the table).
 
 Shared weights (a tied embedding and LM head on different stages, Megatron's "embedding all-reduce"): after the
 pipeline step the copies' gradients are summed over a process group of the pipeline ranks holding a copy (one
-group per dp and tp coordinate: both layers split a tied weight alike, so the tp ranks' shards match); copies on
-one rank (interleaved stages) are summed locally first. The copies start equal and get equal gradients and equal
-updates, so they stay equal.
+group per dp and tp coordinate: both layers split a tied weight alike, and FSDP shards it alike, so the shards
+match); copies on one rank (interleaved stages) are summed locally first. The copies start equal and get equal
+gradients and equal updates, so they stay equal.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
+from partc.parallel import Parallel
+from partc.precision import MASTER_DTYPE, compute_dtype
 from partc.runtime.mesh import World
 from partc.runtime.stage import StageModule
 
@@ -79,40 +87,79 @@ class OptimizerConfig:
         return torch.optim.AdamW, {"lr": self.lr, "weight_decay": self.weight_decay}
 
 
-def parallelize(stages: list[StageModule], world: World, *, zero: int, recompute: str) -> list[nn.Module]:
-    """Apply recomputation and ZeRO to each stage module (in place); returns the modules to hand to the
-    pipeline (FSDP turns a module into an ``FSDPModule`` of the same object)."""
+def parallelize(stages: list[StageModule], world: World, par: Parallel, blocks: set[str]) -> list[nn.Module]:
+    """Apply recomputation, mixed precision and ZeRO to each stage module (in place); returns the modules to hand
+    to the pipeline. `blocks`: the units that are repeated blocks (recomputed under ``full``)."""
+    mesh = zero_mesh(world, par)
+    modules = []
     for st in stages:
         # 1. tensor parallelism: in the stage files.
-        # 2. activation checkpointing
-        if recompute == "full":
-            st.recompute = True
+        apply_recompute(st, par, blocks)
         # 3. compile: none.
-        # 4. data parallelism / ZeRO over dp
-        if zero >= 2 and world.par.dp > 1:
-            fully_shard(st, mesh=world.mesh["dp"], reshard_after_forward=zero == 3)
-    return list(stages)
+        modules.append(apply_zero(st, mesh, par))
+    return modules
 
 
-def build_optimizers(stages: list[nn.Module], world: World, config: OptimizerConfig,
-                     zero: int) -> list[torch.optim.Optimizer]:
-    """One optimizer per stage module (torchtitan's per-model-part optimizers): its state dict is keyed by that
-    module's FQNs. ZeRO-1 wraps it in ``ZeroRedundancyOptimizer`` over the dp group."""
+def apply_recompute(stage: StageModule, par: Parallel, blocks: set[str]) -> None:
+    """Full recomputation: each block unit keeps only its inputs and runs its forward again in backward."""
+    for fqn, unit in stage.units.items():
+        unit.recompute = par.recompute == "full" and fqn in blocks
+
+
+def zero_mesh(world: World, par: Parallel) -> DeviceMesh:
+    """The mesh FSDP shards over: the ``dp`` axis; for ZeRO-0, (``dp`` replicated, a shard group of one) (HSDP)."""
+    if par.zero > 0:
+        return world.mesh["dp"]
+    single, _ = dist.new_subgroups(group_size=1)  # collective: every rank creates every singleton group
+    return DeviceMesh.from_group([world.dp_group, single], world.device.type,
+                                 mesh=world.mesh["dp"].mesh.reshape(-1, 1), mesh_dim_names=("dp", "dp_shard"))
+
+
+def apply_zero(stage: StageModule, mesh: DeviceMesh, par: Parallel) -> nn.Module:
+    """FSDP2 on each unit and on the stage, under the plan's ZeRO policy and precision (module docstring)."""
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(par.precision), reduce_dtype=MASTER_DTYPE) \
+        if par.precision != "fp32" else MixedPrecisionPolicy()
+    # A parameter shared by two units (a tied embedding and head on one stage) can be in one FSDP group only: those
+    # units stay in the stage's root group (as `partc.passes.cost.fsdp_groups` charges).
+    holders = Counter(id(p) for unit in stage.units.values() for p in unit.parameters())
+    units = [unit for unit in stage.units.values() if all(holders[id(p)] == 1 for p in unit.parameters())]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)
+    fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)
+    # In backward each unit prefetches the one before it (FSDP2's default picks the module that ran forward before
+    # it, which across micro-batches in flight is the previous micro-batch's last unit: an extra gather). The first
+    # unit names itself, a no-op, so that no default prefetch crosses into another micro-batch.
+    for i, unit in enumerate(units):
+        unit.set_modules_to_backward_prefetch([units[i - 1] if i else unit])
+    return SyncEveryStep(stage) if par.zero >= 2 else stage
+
+
+class SyncEveryStep(nn.Module):
+    """The FSDP stage as the pipeline sees it under ZeRO 2 and 3: not an ``FSDPModule``, so
+    torch.distributed.pipelining does not defer gradient reduction to the last micro-batch, and FSDP's own hooks
+    reduce-scatter after every micro-batch's backward."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        return self.stage(*inputs)
+
+
+def reshard(modules: list[nn.Module]) -> None:
+    """Release every gathered parameter (after the step: the optimizer updated the sharded ones)."""
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+
+
+def build_optimizers(modules: list[nn.Module], config: OptimizerConfig) -> list[torch.optim.Optimizer]:
+    """One optimizer per stage module (torchtitan's per-model-part optimizers) over its sharded fp32 parameters
+    (the master weights): its state dict is keyed by that module's FQNs."""
     cls, kwargs = config.optimizer_class()
-    out = []
-    for st in stages:
-        params = [p for p in st.parameters() if p.requires_grad]
-        if zero == 1 and world.par.dp > 1:
-            out.append(ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=world.dp_group,
-                                               **kwargs))
-        else:
-            out.append(cls(params, **kwargs))
-    return out
-
-
-def local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's states (the partition's for ZeRO-1)."""
-    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+    return [cls([p for p in m.parameters() if p.requires_grad], **kwargs) for m in modules]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,14 +175,16 @@ class SharedGroup:
 
 
 class GradSync:
-    """Everything that happens to gradients between the pipeline step and the optimizer step."""
+    """What happens to gradients between the pipeline step and the optimizer step, besides FSDP's reduction over
+    dp: the copies of shared weights summed over the pipeline ranks holding them."""
 
-    def __init__(self, stages: list[StageModule], world: World, *, zero: int,
-                 holders: dict[str, list[int]], canon: dict[str, str]):
+    def __init__(self, stages: list[StageModule], world: World, *, holders: dict[str, list[int]],
+                 canon: dict[str, str]):
         """`holders`: canonical FQN -> indices of the stages (all of them, not only local) holding a copy."""
         self.stages = stages
         self.world = world
-        self.all_reduce_dp = zero <= 1 and world.par.dp > 1
+        self.groups: list[dist.ProcessGroup] = []
+        """Every group this rank sums shared weights over (the comm counter counts them as ``pp``)."""
         self.shared: list[SharedGroup] = []
         pp = world.par.pp
         by_ranks: dict[tuple[int, ...], list[str]] = {}
@@ -151,6 +200,7 @@ class GradSync:
                         group = dist.new_group(members)
                         if world.rank in members:
                             sg.group = group
+                            self.groups.append(group)
             if world.pp_rank in ranks:
                 for name in names:
                     sg.copies[name] = [loc for st in stages for loc in _locations(st, name, canon)]
@@ -158,9 +208,6 @@ class GradSync:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if self.all_reduce_dp:
-            _all_reduce([p.grad for st in self.stages for p in st.parameters() if p.grad is not None],
-                        self.world.dp_group, average=True)
         for sg in self.shared:
             grads = []
             for name in sg.names:

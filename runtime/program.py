@@ -15,14 +15,14 @@ import hashlib
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
 from partc.errors import PartcError
 from partc.plan import Plan, read_plan
 
-_LISTS = ("INPUTS", "OUTPUTS", "PARAMETERS", "BUFFERS", "MODULES")
+_LISTS = ("INPUTS", "OUTPUTS", "PARAMETERS", "BUFFERS", "MODULES", "UNITS")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +41,8 @@ class StageFile:
     buffers: list[str]
     modules: list[str]
     """Unit FQNs the stage owns (as in ``plan.json``)."""
+    units: list
+    """What ``forward`` runs, in order: a unit FQN, or a list of FQNs run as one function."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,6 +58,8 @@ class ProgramFiles:
     stages: list[StageFile]
     tied: list[list[str]]
     """Groups of parameter FQNs that are one parameter in the model (may span stages)."""
+    blocks: list[str]
+    """The units that are repeated blocks (full recomputation applies to them)."""
     inputs: list[str]
     """Names of the model's flattened tensor inputs (stage 0's INPUTS)."""
     input_keys: list[int | str]
@@ -64,6 +68,10 @@ class ProgramFiles:
     """The manifest's ``tp`` section: ``degree``; ``shards``: parameter FQN (every alias) -> ``{"dim": d,
     "fused": n}``, how the stage files split it over tp; ``fused``: parameter FQN -> ``{"dim": d, "pieces": n}``
     for the parameters of fused projections, whatever their style (`partc.sharding.TPLayout`)."""
+
+    predicted_ranks: list[dict] = field(default_factory=list)
+    """``plan.json``'s ``predicted.ranks`` (one per pipeline rank: ``comm_bytes``, ``memory_bytes``), for the
+    run's log to show next to what it measures; empty if the plan has none."""
 
     @property
     def num_stages(self) -> int:
@@ -114,7 +122,7 @@ def read_program(out_dir: str | Path) -> ProgramFiles:
                              f"{plan.stages[k].modules}; compile again")
         stages.append(StageFile(index=k, rank=entry["rank"], path=path, code=code, inputs=lists["INPUTS"],
                                 outputs=lists["OUTPUTS"], parameters=lists["PARAMETERS"],
-                                buffers=lists["BUFFERS"], modules=lists["MODULES"]))
+                                buffers=lists["BUFFERS"], modules=lists["MODULES"], units=lists["UNITS"]))
     if stages[0].inputs != list(manifest["inputs"]):
         raise PartcError(f"{stages[0].path}: INPUTS {stages[0].inputs} differ from the manifest's model inputs "
                          f"{manifest['inputs']}")
@@ -129,8 +137,29 @@ def read_program(out_dir: str | Path) -> ProgramFiles:
         raise PartcError(f"{stages[-1].path}: the last stage must define outputs(flat)")
     return ProgramFiles(out_dir=out, plan=plan, model_path=manifest["model_path"], entry=manifest["entry"],
                    micro_batch_size=manifest["micro_batch_size"], stages=stages,
-                   tied=[list(g) for g in manifest.get("tied", [])], inputs=list(manifest["inputs"]),
-                   input_keys=list(manifest["input_keys"]), tp=dict(tp))
+                   tied=[list(g) for g in manifest.get("tied", [])], blocks=list(manifest.get("blocks", [])), inputs=list(manifest["inputs"]),
+                   input_keys=list(manifest["input_keys"]), tp=dict(tp),
+                   predicted_ranks=_predicted_ranks(out / "plan.json", plan.parallel.pp))
+
+
+def _predicted_ranks(path: Path, pp: int) -> list[dict]:
+    """The plan's per-rank predictions, if it has them for every pipeline rank as numbers (else none: they are
+    only shown, never acted on)."""
+    data = json.loads(path.read_text())
+    predicted = data.get("predicted") if isinstance(data, dict) else None
+    ranks = predicted.get("ranks") if isinstance(predicted, dict) else None
+    if not isinstance(ranks, list) or len(ranks) != pp:
+        return []
+    out = []
+    for r in ranks:
+        comm, memory = (r.get("comm_bytes"), r.get("memory_bytes")) if isinstance(r, dict) else (None, None)
+        if not (isinstance(comm, dict) and isinstance(memory, dict)):
+            return []
+        numbers = [*comm.values(), *memory.values()]
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+            return []
+        out.append({"comm_bytes": dict(comm), "memory_bytes": dict(memory)})
+    return out
 
 
 def import_stage(path: Path) -> ModuleType:

@@ -1,27 +1,61 @@
-"""`StageModule`: one generated ``stage_K.py`` as an ``nn.Module`` with the model's own parameter names.
+"""`StageModule`: one generated ``stage_K.py`` as an ``nn.Module`` with the model's own parameter names, and one
+`UnitModule` per unit the stage file calls (``blocks.3``, ``lm_head``), so that ZeRO shards and activation
+checkpointing wrap each unit, as torchtitan wraps each transformer block.
 
-The stage's units (``blocks.3``, ``lm_head``) are attached under their FQNs in a tree of plain container modules,
-so ``state_dict()`` keys are the model's (``blocks.3.attn.qkv.weight``), and everything keyed by FQN (FSDP, the
-optimizer, ``torch.distributed.checkpoint``, ``--save-full-state-dict``) works unchanged. A tensor the code reads
-outside those units (a parameter on the model's root, or an alias of a tied weight the stage's modules do not
-hold) is attached at its own FQN; so is every tensor of the root unit "" (a model of bare parameters, whose root
-is its only unit).
+The stage's units are attached under their FQNs in a tree of plain container modules, so ``state_dict()`` keys are
+the model's (``blocks.3.attn.qkv.weight``), and everything keyed by FQN (FSDP, the optimizer,
+``torch.distributed.checkpoint``, ``--save-full-state-dict``) works unchanged. At a unit's FQN sits a `UnitModule`
+holding that model module's own parameters, buffers and children (the same tensors, under the same names). A tensor
+the code reads outside those units (a parameter of the model's root, or an alias of a tied weight the stage's units
+do not hold) is attached at its own FQN; so is every tensor of the root unit "" (a model of bare parameters, whose
+root is its only unit).
 
-``forward(*inputs)`` looks the tensors up again on every call (FSDP swaps sharded and unsharded parameters in
-the modules) and calls ``stage.forward(p, *inputs, **self.call_kwargs)``; ``call_kwargs`` is ``{"device": ...}``.
-With tensor parallelism the module's parameters are this tp rank's shards (at their local shapes, under the
-model's names) and the stage code's collectives use the group `partc.collectives.set_tp_group` set.
+``forward(*inputs)`` calls the stage file's ``forward(p, *inputs, device=..., run=...)``; its ``run(unit, fn, ...)``
+calls the unit's `UnitModule`, which looks its tensors up again (FSDP swaps sharded and unsharded parameters in the
+modules around each unit's call) and calls ``fn(p, *args, device=...)``, under ``torch.utils.checkpoint`` when the
+plan recomputes that unit. With tensor parallelism the parameters are this tp rank's shards (at their local shapes,
+under the model's names) and the stage code's collectives use the group `partc.collectives.set_tp_group` set.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from partc.runtime.program import StageFile
+
+
+class UnitModule(nn.Module):
+    """One unit of a stage: the model module's own parameters, buffers and children, called with the unit's function
+    from the stage file."""
+
+    def __init__(self, module: nn.Module, fqn: str, lookup: Callable[[], dict[str, Tensor]], device: torch.device):
+        super().__init__()
+        for name, p in module._parameters.items():
+            self.register_parameter(name, p)
+        for name, b in module._buffers.items():
+            self.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
+        for name, child in module._modules.items():
+            self.add_module(name, child)
+        self.fqn = fqn
+        self.recompute = False
+        """Recompute the unit's forward in its backward (full recomputation: only the unit's inputs are kept)."""
+        self._lookup = lookup  # the stage's `tensors` (a bound method, not a submodule)
+        self._device = device
+
+    def forward(self, fn: Callable, *args: Any) -> tuple[Tensor, ...]:
+        def run(*inputs: Any) -> tuple[Tensor, ...]:
+            return fn(self._lookup(), *inputs, device=self._device)
+
+        if self.recompute and torch.is_grad_enabled():
+            # The whole unit runs again (no early stop after its last saved tensor): the collectives at its end
+            # too, as the cost model charges a full recomputation.
+            with set_checkpoint_early_stop(False):
+                return checkpoint(run, *args, use_reentrant=False)
+        return run(*args)
 
 
 class StageModule(nn.Module):
@@ -31,15 +65,19 @@ class StageModule(nn.Module):
         super().__init__()
         self.stage_index = stage.index
         self.code = stage.code
-        self.call_kwargs: dict[str, Any] = {"device": device}
-        self.recompute = False
-        """Recompute the forward in backward (activation checkpointing of the whole stage)."""
-        for unit in stage.modules:
-            if unit:
-                _attach_module(self, unit, model.get_submodule(unit))
-            else:  # the root unit (a model of bare parameters): every tensor at its own FQN
+        self.device = device
+        self.units: dict[str, UnitModule] = {}
+        """Unit FQN -> its module, for every unit the stage file runs on its own (not the model's root)."""
+        called = {u for u in stage.units if isinstance(u, str)}
+        for fqn in stage.modules:
+            if not fqn:  # the root unit (a model of bare parameters): every tensor at its own FQN
                 for name, t in [*model.named_parameters(), *model.named_buffers()]:
                     _attach_tensor(self, name, t, model)
+            elif fqn in called:
+                self.units[fqn] = UnitModule(model.get_submodule(fqn), fqn, self.tensors, device)
+                _attach_module(self, fqn, self.units[fqn])
+            else:
+                _attach_module(self, fqn, model.get_submodule(fqn))
         own_params = {n: canon[n] for n, _ in self.named_parameters(remove_duplicate=False)}
         local_by_canon = {c: n for n, c in own_params.items()}
         own_buffers = {n for n, _ in self.named_buffers(remove_duplicate=False)}
@@ -63,14 +101,16 @@ class StageModule(nn.Module):
                 for name, (mod, attr, is_param) in self._refs.items()}
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._run, *inputs, use_reentrant=False)
-        return self._run(*inputs)
-
-    def _run(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         # Contiguous: a stage may hand over a view (BERT's and OPT's attention mask, expanded from a row), and the
         # pipeline sends and receives dense buffers (`train.stage_shapes` gives them the same contiguous layout).
-        return tuple(t.contiguous() for t in self.code.forward(self.tensors(), *inputs, **self.call_kwargs))
+        outputs = self.code.forward(self.tensors(), *inputs, device=self.device, run=self._run)
+        return tuple(t.contiguous() for t in outputs)
+
+    def _run(self, unit: str | tuple, fn: Callable, p: dict[str, Tensor], *args: Any, device: torch.device):
+        module = self.units.get(unit) if isinstance(unit, str) else None
+        if module is None:  # the model's root, or units whose ops interleave: they run in the stage's own call
+            return fn(p, *args, device=device)
+        return module(fn, *args)
 
 
 def _container(root: nn.Module, path: list[str]) -> nn.Module:

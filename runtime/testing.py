@@ -8,9 +8,10 @@ JOBS.json is a list of jobs: ``{"out": OUT, "steps": N, "seed": S, "optimizer": 
 FILE (the same, passed to load() as --init-checkpoint is), "result": FILE, "save": DIR (optional: a checkpoint
 after the run), "load": DIR (optional: resume from it first), "initial": true (optional: also the full state dict
 before the first step)}``. Rank 0 writes ``{"losses": [...], "state": full state dict, "start": step resumed from,
-"replica_diff": the largest difference between tp ranks' copies of a parameter the program does not split (0.0:
-they stay identical), "initial": the full state dict before the first step, if asked}`` to ``result``. A job
-``{"check": "collectives", "result": FILE}`` runs `check_collectives` over all ranks instead.
+"comm": per step, every rank's comm bytes by axis, "replica_diff": the largest difference between tp ranks' copies
+of a parameter the program does not split (0.0: they stay identical), "initial": the full state dict before the
+first step, if asked}`` to ``result``. A job ``{"check": "collectives", "result": FILE}`` runs `check_collectives`
+over all ranks instead.
 
 The workers leave with ``os._exit`` after destroying the process group (see `partc.runtime.__main__`).
 """
@@ -28,29 +29,74 @@ import torch.distributed as dist
 
 def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps: int, seed: int,
                   global_batch_size: int, optimizer: str = "sgd", lr: float = 0.1, weight_decay: float = 0.0,
-                  entry: str = "model", start: int = 0, seq_len: int | None = None
+                  entry: str = "model", start: int = 0, seq_len: int | None = None, precision: str = "fp32",
+                  micro_batch_size: int | None = None, untied: bool = False
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train the whole model in this process on the runtime's batches (steps `start` .. `steps` - 1) from
-    `init_state`; returns the losses and the final state dict."""
+    `init_state`, under the runtime's precision policy (`partc.precision`); returns the losses and the final state
+    dict. The model's parameters are the fp32 master weights; each micro-batch (`micro_batch_size` samples, in
+    order; the whole batch by default) runs forward and backward on a copy in the compute dtype, from
+    floating-point inputs in that dtype, the loss in fp32 on the outputs upcast; the gradients are summed in fp32,
+    divided by the number of micro-batches, and the optimizer steps the fp32 weights. This is the runtime's
+    arithmetic up to the order of the fp32 sums over micro-batches and data-parallel ranks. `untied`: each use of a
+    tied weight gets its own compute copy, whose gradients are summed in fp32 (as the runtime does when the uses
+    are on different pipeline ranks; one stage holding both sums them in the compute dtype, as here by default)."""
+    import copy
+
+    from partc._torch import tree_map
     from partc.model_file import load_model_file
+    from partc.precision import MASTER_DTYPE, cast_floating, cast_parameters, compute_dtype
     from partc.runtime.parallelize import OptimizerConfig
     from partc.runtime.train import global_batch
 
     spec = load_model_file(model_path, entry=entry, seq_len=seq_len)
-    model = spec.build()
-    model.load_state_dict(init_state)
-    model.train()
+    master = spec.build()
+    master.load_state_dict(init_state)
+    master.train()
+    dtype = compute_dtype(precision)
+    work = cast_parameters(copy.deepcopy(master), dtype) if dtype != MASTER_DTYPE else master
+    pairs = [(mp, wp) for (_, mp), (_, wp) in zip(master.named_parameters(), work.named_parameters())]
+    if untied and work is not master:
+        seen: set[int] = set()
+        for module in work.modules():
+            for key, wp in module._parameters.items():
+                if wp is not None and id(wp) in seen:
+                    module._parameters[key] = copy_ = torch.nn.Parameter(wp.detach().clone())
+                    pairs.append((next(mp for mp, w in pairs if w is wp), copy_))
+                elif wp is not None:
+                    seen.add(id(wp))
     cls, kwargs = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay).optimizer_class()
-    opt = cls(model.parameters(), **kwargs)
+    opt = cls(master.parameters(), **kwargs)
+    b = micro_batch_size or global_batch_size
+    micro = range(0, global_batch_size, b)
     losses = []
     for k in range(start, steps):
         args, kw, targets = global_batch(spec, seed, k, global_batch_size)
-        loss = spec.loss_fn(model(*args, **kw), targets)
         opt.zero_grad()
-        loss.backward()
+        total = 0.0
+        for i in micro:
+            def take(x, i=i):
+                return x[i:i + b] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == global_batch_size else x
+            if work is not master:
+                with torch.no_grad():
+                    for mp, wp in pairs:
+                        wp.copy_(mp)
+            a, kw_b = cast_floating((tree_map(take, args), tree_map(take, kw)), dtype)
+            loss = spec.loss_fn(cast_floating(work(*a, **kw_b), MASTER_DTYPE), tree_map(take, targets))
+            loss.backward()
+            total += loss.item()
+            if work is not master:
+                for mp, wp in pairs:
+                    if wp.grad is not None:
+                        grad = wp.grad.to(MASTER_DTYPE)
+                        mp.grad = grad if mp.grad is None else mp.grad + grad
+                        wp.grad = None
+        for mp in master.parameters():
+            if mp.grad is not None:
+                mp.grad /= len(micro)
         opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        losses.append(total / len(micro))
+    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
 def run_job(job: dict[str, Any]) -> None:
@@ -71,16 +117,20 @@ def run_job(job: dict[str, Any]) -> None:
         prog.load_state_dict(torch.load(job["init"], weights_only=True))
     start = prog.load(job["load"]) if job.get("load") else 0
     initial = prog.full_state_dict() if job.get("initial") else None
-    losses = []
+    losses, comm = [], []
     for k in range(start, job["steps"]):
         inputs, targets = prog.batch(k)
         losses.append(prog.step(inputs, targets))
+        ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, prog.runner.comm_bytes)
+        comm.append(ranks)
     if job.get("save"):
         prog.save(job["save"], job["steps"])
     state = prog.full_state_dict()
     diff = replica_diff(prog)
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "state": state, "start": start, "replica_diff": diff, "initial": initial},
+        torch.save({"losses": losses, "state": state, "start": start, "replica_diff": diff, "initial": initial,
+                    "comm": comm},
                    job["result"])
 
 

@@ -11,11 +11,20 @@ size), and `ScheduleGPipe`, `Schedule1F1B` or `ScheduleInterleaved1F1B` as the p
 stage. With pp = 1 the same schedule runs one stage over the same micro-batches, so every plan computes the same
 numbers.
 
+Precision. The program runs at the plan's precision (`partc.precision`): FSDP's mixed-precision policy casts the
+parameters (and a floating-point model input) to the compute dtype, the stages exchange compute-dtype activations,
+and the loss is computed in fp32 from the model's outputs upcast.
+
 Loss and gradients. ``loss_fn`` gives each micro-batch's mean; the schedule scales gradients by 1/m
 (``scale_grads``) and DP averages over dp, so the gradients are those of the global-batch mean, and the returned
 loss is the mean over micro-batches and DP ranks: what one process computes with ``loss_fn(model(x), y)`` on the
 whole batch (when the loss is a mean over equally many elements per sample, as cross-entropy without ignored
 positions is).
+
+Traffic. Each step counts what this rank passes to collectives by mesh axis (`partc.runtime.comm`):
+`PipelineRunner.comm_bytes`, the quantity the plan predicts as ``predicted.ranks[].comm_bytes``: the pipeline
+schedule, FSDP's gathers and reductions and the shared weights' sums; not the one all-reduce of 16 bytes that
+reports the loss and checks for non-finite gradients.
 
 With tensor parallelism every tp rank of the last stage computes the same loss from the same (gathered)
 outputs and runs backward from it; the program's collectives give each rank the gradient of its shards.
@@ -42,7 +51,10 @@ from torch.distributed.tensor import DTensor
 from partc._torch import tree_map
 from partc.errors import PartcError
 from partc.model_file import ModelSpec
+from partc.precision import MASTER_DTYPE, cast_floating, compute_dtype
+from partc.runtime.comm import CommCounter
 from partc.runtime.mesh import World
+from partc.runtime.parallelize import reshard
 from partc.runtime.program import ProgramFiles
 from partc.sharding import TPLayout
 
@@ -77,11 +89,13 @@ def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
     (an attention mask expanded from a row, strides 0) cannot be received into. With tensor
     parallelism the parameters are this rank's shards (`layout`) and the collectives only compute shapes."""
     b = program.micro_batch_size
+    dtype = compute_dtype(program.plan.parallel.precision)
     with torch.device("meta"):
-        args, kwargs = spec.inputs(b)
+        args, kwargs = cast_floating(spec.inputs(b), dtype)
     x = tuple(flatten_inputs(args, kwargs, program.input_keys))
-    p = {n: _meta(t, None if layout is None else layout.local_shape(n, t.shape))
-         for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    p = {n: _meta(t, None if layout is None else layout.local_shape(n, t.shape), dtype)
+         for n, t in model.named_parameters(remove_duplicate=False)}
+    p |= {n: _meta(t) for n, t in model.named_buffers(remove_duplicate=False)}
     meta = torch.device("meta")
     shapes = []
     for st in program.stages:
@@ -91,8 +105,10 @@ def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
     return shapes
 
 
-def _meta(t: Tensor, shape: tuple[int, ...] | None = None) -> Tensor:
-    out = torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device="meta")
+def _meta(t: Tensor, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """A meta tensor like `t` (at `shape`; a floating-point one in `dtype`)."""
+    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    out = torch.empty(t.shape if shape is None else shape, dtype=dtype, device="meta")
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else out
 
 
@@ -101,9 +117,13 @@ class PipelineRunner:
 
     def __init__(self, program: ProgramFiles, spec: ModelSpec, world: World, modules: list[nn.Module],
                  optimizers: list[torch.optim.Optimizer], grad_sync: Callable[[], None],
-                 shapes: list[tuple[tuple[Tensor, ...], ...]]):
+                 shapes: list[tuple[tuple[Tensor, ...], ...]], counter: CommCounter):
         par = program.plan.parallel
         self.world = world
+        self.modules = modules
+        self.counter = counter
+        self.comm_bytes: dict[str, int] = {}
+        """What this rank passed to collectives in the last step, by axis (``tp``, ``pp``, ``dp``, ``world``)."""
         self.optimizers = optimizers
         self.params = [p for m in modules for p in m.parameters()]
         self.grad_sync = grad_sync
@@ -134,7 +154,7 @@ class PipelineRunner:
     def _loss(self, output: Any, index: Tensor) -> Tensor:
         flat = output if isinstance(output, tuple) else (output,)
         targets = tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, self._targets)
-        return self.loss_fn(self.last_code.outputs(flat), targets)
+        return self.loss_fn(self.last_code.outputs(cast_floating(flat, MASTER_DTYPE)), targets)
 
     def dp_slice(self, n: int) -> slice:
         dp, r = self.world.par.dp, self.world.dp_rank
@@ -158,13 +178,16 @@ class PipelineRunner:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         losses: list[Tensor] = []
-        if self.has_first:
-            self.schedule.step(*local, target=index, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step(target=index, losses=losses, return_outputs=False)
-        self.grad_sync()
+        with self.counter.counting() as counted:
+            if self.has_first:
+                self.schedule.step(*local, target=index, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step(target=index, losses=losses, return_outputs=False)
+            self.grad_sync()
+        self.comm_bytes = dict(counted)
+        loss, bad_grads = self._global_mean(losses)  # the report: 16 bytes, not part of the step's traffic
+        reshard(self.modules)  # the gathered copies: stale once the optimizer updates the sharded weights
         self._targets = None
-        loss, bad_grads = self._global_mean(losses)
         if not math.isfinite(loss) or bad_grads:
             what = f"the loss is {loss}" if not math.isfinite(loss) else \
                 f"{bad_grads:.0f} gradient tensors hold nan or inf (loss {loss:.6g})"

@@ -171,6 +171,24 @@ def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5)
         assert abs(g - w) <= rtol * abs(w), (got, want)
 
 
+def assert_comm_matches_plan(out: Path, comm: list[list[dict]], rtol: float = 0.02) -> int:
+    """Every rank's measured collective payload of every step (`partc.runtime.testing`'s ``comm``) equals the
+    plan's ``predicted.ranks[pp_rank].comm_bytes`` within `rtol`, axis by axis; returns how many bytes were
+    checked (so a caller can assert there was traffic)."""
+    plan = json.loads((Path(out) / "plan.json").read_text())
+    par, ranks = plan["parallel"], plan["predicted"]["ranks"]
+    checked = 0
+    for step in comm:
+        for rank, measured in enumerate(step):
+            want = ranks[rank // (par["dp"] * par["tp"])]["comm_bytes"]
+            assert set(measured) <= {"tp", "pp", "dp"}, (rank, measured)
+            for axis in ("tp", "pp", "dp"):
+                got = measured.get(axis, 0)
+                assert abs(got - want[axis]) <= rtol * want[axis], (out, rank, axis, got, want[axis])
+                checked += got
+    return checked
+
+
 # One line of the branchy model below: `if y.sum() > 0:` on a tensor (data-dependent control flow).
 BRANCHY = """
     import torch

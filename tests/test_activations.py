@@ -11,22 +11,24 @@ kind ``block``) in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)
 Predicted: ``sum(cost.unit_activation_bytes(graph, Parallel(tp=1, micro_batch_size=b, recompute=...)))`` of the
 graph partc traces on the meta device at one sample.
 
-Conventions, so that both sides count the same thing: the IR counts floating-point activations at 16 bits and a
-dropout keep-mask at 1 byte (a GPU's ``native_dropout`` mask); the CPU saves fp32 activations and a float mask, so
-the measurement counts float elements x 2 bytes and the storages drawn by ``aten.bernoulli_`` x 1 byte; integer
-tensors at their own size. Attention runs the math SDPA kernel (``sdpa_kernel(SDPBackend.MATH)``), the one the
-trace records; the CPU's default flash kernel saves only q, k, v, the output and the log-sum-exp (measured below).
+Conventions, so that both sides count the same thing: both run at bf16 (the default precision: parameters and
+floating-point inputs cast, `partc.precision`) and count every tensor at its own size, a dropout keep-mask at 1 byte
+(a GPU's ``native_dropout`` mask; the CPU draws it into a bf16 storage, found by ``aten.bernoulli_``). Attention
+runs the math SDPA kernel (``sdpa_kernel(SDPBackend.MATH)``), which upcasts a 16-bit input to fp32 inside; the trace
+counts that kernel's internals at the input's precision (a GPU's unfused 16-bit kernels), and so does the
+measurement. The CPU's default flash kernel saves only q, k, v, the output and the log-sum-exp: the trace with
+``fused_attention=True`` predicts it (measured below).
 
 What the comparison shows (see also README "How partc predicts"):
 - at b = 1, none / selective / full match to the byte for the GPT and LLaMA (the ViT within 2%), except the GPT
   under full recomputation, whose embedding sum (tok + pos, outside every module) the layer graph gives to
   blocks.0: the IR keeps both embedding outputs as blocks.0's input where a module-level checkpoint keeps their
-  sum (one block input more per sample: 16% of the tiny 4-block GPT's full-recompute total, 4% at 24 blocks);
-- at b >= 2 the GPT saves 4·s·h bytes per block and sample less than at b = 1: at one sample, the attention's value
-  operand is a view of the fused QKV output and keeps all of it alive; with more samples matmul copies it. The IR,
-  traced at one sample, keeps the b = 1 figure, a conservative overestimate (7-10% for the tiny GPT);
-- the GPT block matches Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) (dropout on, b >= 2) to the byte, apart from
-  the fp32 LayerNorm statistics (8·s bytes); selective recomputation leaves 34·s·b·h.
+  sum (one block input more per sample);
+- at b >= 2 the trace, taken at one sample, counts the GPT's position ids (one int64 row for the whole batch) b
+  times: a conservative overestimate of 8·s·(b - 1) bytes;
+- the GPT block matches Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) to the byte, apart from the fp32 LayerNorm
+  statistics (16·s bytes); selective recomputation leaves 34·s·b·h;
+- the fused-attention trace (every GPU preset) predicts the CPU's flash kernel to the byte at one sample.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from helpers import EXAMPLES
 from partc.parallel import Parallel
 from partc.passes import cost
 from partc.passes.trace import trace
+from partc.precision import cast_floating, cast_parameters
 
 MICRO_BATCHES = (1, 2, 4)
 MODES = ("none", "selective", "full")
@@ -67,11 +70,14 @@ def _example(name: str):
 # --- the measurement ------------------------------------------------------------------------------------------
 
 class _Masks(TorchDispatchMode):
-    """Records the storages that dropout's keep-masks are drawn into (kept alive so that keys stay unique)."""
+    """Records the storages that dropout's keep-masks are drawn into, and those of LayerNorm's statistics (kept alive
+    so that keys stay unique). The CPU's bf16 LayerNorm keeps its mean and rstd in bf16; a GPU (and the meta device
+    the trace runs on) in fp32, which the measurement counts."""
 
     def __init__(self):
         super().__init__()
         self.keys: set[int] = set()
+        self.stats: set[int] = set()
         self._alive: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -79,17 +85,32 @@ class _Masks(TorchDispatchMode):
         if func.overloadpacket in (aten.bernoulli, aten.bernoulli_):
             self.keys.add(out.untyped_storage().data_ptr())
             self._alive.append(out)
+        if func.overloadpacket is aten.native_layer_norm:
+            self.stats |= {x.untyped_storage().data_ptr() for x in out[1:]}
+            self._alive += list(out[1:])
         return out
 
 
-class _CheckpointAttention(torch.overrides.TorchFunctionMode):
-    """Selective recomputation: every F.scaled_dot_product_attention call runs under a non-reentrant checkpoint."""
+class _Attention(torch.overrides.TorchFunctionMode):
+    """Marks while F.scaled_dot_product_attention runs (`inside`, its input's element size); under selective
+    recomputation runs it under a non-reentrant checkpoint."""
+
+    def __init__(self, selective: bool):
+        super().__init__()
+        self.selective = selective
+        self.inside: int | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return checkpoint(func, *args, use_reentrant=False, **kwargs)
-        return func(*args, **kwargs)
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.inside = args[0].element_size()
+        try:
+            if self.selective:
+                return checkpoint(func, *args, use_reentrant=False, **kwargs)
+            return func(*args, **kwargs)
+        finally:
+            self.inside = None
 
 
 @contextlib.contextmanager
@@ -114,12 +135,13 @@ def measure_saved_bytes(model: torch.nn.Module, args: tuple, kwargs: dict, *, re
     """Bytes autograd saves for backward in one forward of `model`, in the IR's convention (module docstring);
     `shapes` collects the shape of every tensor counted."""
     skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    saved: dict[int, torch.Tensor] = {}
+    saved: dict[int, tuple[torch.Tensor, int | None]] = {}
+    attention = _Attention(recompute == "selective")
 
     def pack(t: torch.Tensor):
         key = t.untyped_storage().data_ptr()
         if key not in skip and key not in saved and t.untyped_storage().nbytes() > 0:
-            saved[key] = t
+            saved[key] = (t, attention.inside)
         return t
 
     masks = _Masks()
@@ -130,18 +152,19 @@ def measure_saved_bytes(model: torch.nn.Module, args: tuple, kwargs: dict, *, re
             stack.enter_context(_checkpoint_blocks(model, list(blocks)))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         stack.enter_context(masks)
-        if recompute == "selective":
-            stack.enter_context(_CheckpointAttention())
+        stack.enter_context(attention)
         model(*args, **kwargs)
     total = 0
-    for key, t in saved.items():
+    for key, (t, inside) in saved.items():
         if shapes is not None:
             shapes.append(tuple(t.shape))
         numel = t.untyped_storage().nbytes() // t.element_size()
         if key in masks.keys:
             total += numel  # a 1-byte mask on a GPU
-        elif t.dtype.is_floating_point:
-            total += 2 * numel  # 16-bit activations
+        elif key in masks.stats:
+            total += 4 * numel  # fp32 statistics on a GPU
+        elif inside is not None and backend == SDPBackend.MATH and t.dtype.is_floating_point:
+            total += inside * numel  # the math kernel's upcast internals, at its input's precision
         else:
             total += t.untyped_storage().nbytes()
     return total
@@ -201,7 +224,7 @@ def traced(name: str):
             args, kwargs = case.inputs(1)
         graph = trace(meta_model, args, kwargs, name=case.name, seq_len=case.seq_len).graph
         torch.manual_seed(0)
-        model = case.build().train()
+        model = cast_parameters(case.build().train(), torch.bfloat16)
         _TRACED[name] = (case, graph, model, [u.fqn for u in graph.units if u.kind == "block"])
     return _TRACED[name]
 
@@ -210,7 +233,7 @@ def compare(name: str, b: int, recompute: str) -> tuple[int, float]:
     """(measured, predicted) bytes for one forward of micro-batch `b`."""
     case, graph, model, blocks = traced(name)
     torch.manual_seed(b)
-    args, kwargs = case.inputs(b)
+    args, kwargs = cast_floating(case.inputs(b), torch.bfloat16)
     measured = measure_saved_bytes(model, args, kwargs, recompute=recompute, blocks=blocks)
     return measured, predict_saved_bytes(graph, b, recompute)
 
@@ -250,18 +273,30 @@ def test_recompute_orders_and_linearity():
         assert predict_saved_bytes(graph, 4, "none") == pytest.approx(4 * none)
 
 
-def test_flash_attention_saves_no_score_matrices():
-    """The default CPU kernel (flash, no dropout) saves no [s, s] scores or probabilities: the math path that the
-    trace records overestimates what a flash-attention runtime keeps (for the tiny GPT, by about the attention
-    core: 26% of all saved bytes)."""
-    case, graph, model, _ = traced("gpt-nodropout")
-    args, kwargs = case.inputs(1)
+@pytest.mark.parametrize("b", MICRO_BATCHES)
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_fused_attention_predicts_the_flash_kernel(recompute, b):
+    """The default CPU kernel (flash, no dropout) saves no [s, s] scores or probabilities, only q, k, v, the output
+    and the log-sum-exp: what the trace with `fused_attention` (every GPU preset) predicts, to the byte (with selective
+    recomputation: the inputs q, k, v) at one sample; at b samples only the position ids are counted b times. The
+    math path saves far more (for the tiny GPT, 26%)."""
+    case, graph, model, blocks = traced("gpt-nodropout")
+    torch.manual_seed(b)
+    args, kwargs = cast_floating(case.inputs(b), torch.bfloat16)
     s = graph.seq_len
     shapes: list = []
-    flash = measure_saved_bytes(model, args, kwargs, backend=None, shapes=shapes)
-    math = measure_saved_bytes(model, args, kwargs)
-    assert not any(len(x) >= 3 and x[-3] > 1 and x[-2:] == (s, s) for x in shapes)  # [.., heads, s, s]
-    assert flash < math == predict_saved_bytes(graph, 1, "none")
+    flash = measure_saved_bytes(model, args, kwargs, backend=None, shapes=shapes, recompute=recompute)
+    with torch.device("meta"):
+        meta_args, meta_kwargs = case.inputs(1)
+    fused = trace(case.build().to("meta"), meta_args, meta_kwargs, name=case.name, seq_len=s,
+                  fused_attention=True).graph
+    assert not any(len(x) >= 4 and x[-2:] == (s, s) for x in shapes)  # [b, heads, s, s]
+    # The position ids (int64, one row for the whole batch) are the only tensor not proportional to b.
+    position_ids = 8 * s
+    assert 0 <= predict_saved_bytes(fused, b, recompute) - flash <= (b - 1) * position_ids
+    math = measure_saved_bytes(model, args, kwargs, recompute=recompute)
+    assert 0 <= predict_saved_bytes(graph, b, recompute) - math <= (b - 1) * position_ids
+    assert flash < math if recompute == "none" else flash <= math  # selective keeps the same inputs either way
 
 
 @pytest.mark.parametrize("dropout", [0.1, 0.0])
@@ -269,13 +304,13 @@ def test_gpt_block_against_korthikanti(dropout):
     """Per transformer block, t = 1 (Korthikanti et al. 2022, calibration.md section 2):
         dropout on:  s·b·h·(34 + 5·a·s/h)    (1-byte masks)      selective: 34·s·b·h
         dropout off: s·b·h·(32 + 2·a·s/h)    (no masks: -2·sbh; attention -3·a·s²·b: its mask and output)
-    Traced (b = 1): the formula + 4·s·h + the fp32 LayerNorm statistics. The formula's Q, K, V are 2·sh each; the
-    math SDPA saves its scaled copies of Q and K (4·sh) and V, which at one sample is a view of the fused QKV output
-    and keeps all of it alive (6·sh): 10·sh. At b >= 2 matmul copies V (2·sh), and the measured bytes per block
-    and sample (a 3-block minus a 2-block model) are the formula exactly, + the statistics."""
+    Traced and measured at bf16: the formula exactly, + the fp32 LayerNorm statistics. The formula's Q, K, V are
+    2·sh each: the math SDPA saves its own copies of Q, K (scaled) and V (upcast inside the kernel, counted at the
+    kernel's 16-bit input), and none of them keeps the fused QKV output alive. The measured bytes per block and
+    sample (a 3-block minus a 2-block model, b = 2) are the same."""
     s, h, a = 128, 64, 4  # h != s and a·s/h = 8, so the s·h and a·s² terms cannot stand in for each other
     kw = dict(seq_len=s, hidden=h, heads=a, vocab_size=256)
-    sh, ln_stats = s * h, 2 * 2 * 2 * s  # two LayerNorms x (mean, rstd) x s values x 2 bytes
+    sh, ln_stats = s * h, 2 * 2 * 4 * s  # two LayerNorms x (mean, rstd) x s values x 4 bytes
     formula = sh * (34 + 5 * a * s / h) if dropout else sh * (32 + 2 * a * s / h)
     block = {}
     for layers in (2, 3):
@@ -284,11 +319,11 @@ def test_gpt_block_against_korthikanti(dropout):
             args, kwargs = case.inputs(1)
             graph = trace(case.build(), args, kwargs, name=case.name, seq_len=s).graph
         unit = graph.unit("blocks.1")
-        assert unit.saved_bytes == formula + 4 * sh + ln_stats
+        assert unit.saved_bytes == formula + ln_stats
         if dropout:
             assert unit.saved_bytes - unit.saved_bytes_core == 34 * sh + ln_stats
         torch.manual_seed(0)
-        model = case.build().train()
+        model = cast_parameters(case.build().train(), torch.bfloat16)
         torch.manual_seed(1)
         block[layers] = measure_saved_bytes(model, *case.inputs(2))
     assert (block[3] - block[2]) / 2 == formula + ln_stats

@@ -145,7 +145,8 @@ def test_model_that_fits_no_plan(tmp_path, monkeypatch):
     """GPT 1.7B on one GPU with 1 GiB usable: the message gives the least memory a plan needs."""
     monkeypatch.setenv("PARTC_GPT_SIZE", "1.7b")
     cluster = tmp_path / "tiny_gpu.json"
-    cluster.write_text(json.dumps({"gpu": "Tiny GPU", "memory_bytes": 2 * GiB, "memory_reserve_bytes": GiB}))
+    cluster.write_text(json.dumps({"gpu": "Tiny GPU", "memory_bytes": 2 * GiB, "memory_reserve_bytes": GiB,
+                                   "memory_reserve_fraction": 0.0}))
     line = run_error(["compile", GPT, "--gpus", "1", "--cluster", str(cluster)], tmp_path=tmp_path)
     need = float(re.search(r"needs is ([\d.]+) GiB per GPU", line).group(1))
     params = 1.7e9

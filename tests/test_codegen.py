@@ -10,6 +10,7 @@ from helpers import EXAMPLES, load_stage, model_file
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
+from partc.precision import cast_floating, cast_parameters
 
 
 def run_program(out: Path, model, args, kwargs):
@@ -41,17 +42,19 @@ def test_stages_chain_equals_model(case, hf_dir, tmp_path):
     compile_model(path, gpus=2, pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b"), global_batch_size=4, out_dir=out,
                   seq_len=None)
     spec = load_model_file(path)
-    model = spec.build()
-    args, kwargs = spec.inputs(2)
+    model = cast_parameters(spec.build(), torch.bfloat16)  # the plan's default precision, as the trace ran
+    args, kwargs = cast_floating(spec.inputs(2), torch.bfloat16)
     ref = _logits(model(*args, **kwargs))
     ref.float().square().sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     got = _logits(run_program(out, model, args, kwargs))
+    assert got.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     got.float().square().sum().backward()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+    for n, p in model.named_parameters():  # bf16 gradients, summed over tokens in another order: 1% in norm
+        error = (p.grad.float() - ref_grads[n].float()).norm() / ref_grads[n].float().norm().clamp_min(1e-12)
+        assert error < 1e-2, (n, float(error))
 
 
 def test_program_is_readable(tmp_path):

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from helpers import EXAMPLES, HF_MODELS, GiB
 from partc.cli.main import main
+from partc.cluster import Cluster
 from partc.compile import compile_model
 from partc.model_file import build_on_meta
 from partc.parallel import Pins
@@ -53,7 +54,7 @@ def check_plan(result, gpus: int) -> None:
     assert len(plan.stages) == par.pp * par.virtual_stages
     assert set(graph.first_unit_required) <= set(plan.stages[0].modules)
     assert set(graph.last_unit_required) <= set(plan.stages[-1].modules)
-    usable = plan.cluster["memory_bytes"] - plan.cluster["memory_reserve_bytes"]
+    usable = Cluster.from_dict(plan.cluster).usable_memory_bytes
     assert 0 < plan.predicted["memory_per_gpu"]["total"] <= usable
     assert plan.predicted["step_time_s"] > 0 and 0 < plan.predicted["mfu"] < 1
     model = build_on_meta(result.spec)
@@ -158,7 +159,7 @@ def test_gpt3_175b_on_512_gpus_fits_80gb(tmp_path):
     assert par["dp"] * par["tp"] * par["pp"] == 512 and par["tp"] <= 8  # TP inside a node
     assert 174e9 < plan["model"]["num_params"] < 176e9
     assert plan["cluster"]["memory_bytes"] == 80 * GiB
-    usable = 80 * GiB - plan["cluster"]["memory_reserve_bytes"]
+    usable = Cluster.from_dict(plan["cluster"]).usable_memory_bytes
     assert pred["memory_per_gpu"]["total"] <= usable
     assert all(s["predicted"]["memory_bytes"] <= usable for s in plan["stages"])
     modules = [m for s in plan["stages"] for m in s["modules"]]

@@ -189,7 +189,7 @@ def test_hostile_model_file_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = compile_hostile(tmp_path, HOSTILE_FILE)
     first = (out / "program" / "stage_0.py").read_text().splitlines()[0]
-    assert first.startswith('"""partc program: stage 0 of 2') and 'model \\"\\"\\" open' in first
+    assert re.match(r'"""partc program: stage 0 of \d+ ', first) and 'model \\"\\"\\" open' in first
     check_program(out, tmp_path / HOSTILE_FILE)
 
 

@@ -29,7 +29,7 @@ from partc.runtime.materialize import (build_initialized, build_model, canonical
 from partc.runtime.mesh import check_world_size
 from partc.runtime.program import read_program
 from partc.sharding import TPLayout
-from partc.runtime.stage import StageModule
+from partc.runtime.stage import StageModule, UnitModule
 from partc.runtime.train import global_batch, stage_shapes
 
 CPU = torch.device("cpu")
@@ -261,7 +261,7 @@ def test_stage_module_resolves_aliases_and_outside_tensors(hf_pp2):
     m, _ = build_model(load_model_file(prog.model_path))
     canon = canonical_names(m, prog.tied)
     last = prog.stages[-1]
-    fake = SimpleNamespace(index=9, code=last.code, modules=["lm_head"],
+    fake = SimpleNamespace(index=9, code=last.code, modules=["lm_head"], units=["lm_head"],
                            parameters=["transformer.wte.weight", "transformer.ln_f.weight"], buffers=[])
     materialize(m, ["lm_head.weight", "transformer.ln_f.weight"], CPU)
     mod = StageModule(fake, m, canon, CPU)
@@ -269,6 +269,10 @@ def test_stage_module_resolves_aliases_and_outside_tensors(hf_pp2):
     assert t["transformer.wte.weight"] is mod.lm_head.weight  # the alias the stage's own module holds
     assert t["transformer.ln_f.weight"] is mod.transformer.ln_f.weight  # attached at its own FQN
     assert set(mod.state_dict()) == {"lm_head.weight", "transformer.ln_f.weight"}
+    # The unit the stage file runs is a module of its own (FSDP and recomputation wrap it), holding the same
+    # tensors under the same names.
+    assert isinstance(mod.lm_head, UnitModule) and set(mod.units) == {"lm_head"}
+    assert mod.lm_head.weight is m.lm_head.weight
 
 
 def test_shared_holders_span_stages(hf_pp2):
@@ -385,7 +389,7 @@ def test_api_in_one_process(tmp_path):
     init = spec.build().state_dict()
     save_file(init, str(tmp_path / "init.safetensors"))
     losses, want = reference_run(str(EXAMPLES / "gpt.py"), init, steps=2, seed=0, global_batch_size=4,
-                                 optimizer="sgd", lr=0.5)
+                                 optimizer="sgd", lr=0.5, precision="bf16", micro_batch_size=2)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         prog = partc.runtime.load(out, optimizer="sgd", lr=0.5, init_checkpoint=tmp_path / "init.safetensors")
@@ -480,7 +484,7 @@ def test_api_in_one_process_with_root_parameters(tmp_path):
         for name, path in (("plain", PLAIN), ("bare", tmp_path / "bare.py")):
             init = build_initialized(load_model_file(str(path)), seed=4).state_dict()
             losses, want = reference_run(str(path), init, steps=2, seed=4, global_batch_size=4, optimizer="sgd",
-                                         lr=0.5)
+                                         lr=0.5, precision="bf16", micro_batch_size=2)
             prog = partc.runtime.load(tmp_path / name, seed=4, optimizer="sgd", lr=0.5)
             start = prog.full_state_dict()
             assert list(start) == list(init) and all(torch.equal(start[k], init[k]) for k in init), name

@@ -1,9 +1,12 @@
-"""Multi-process runtime tests: torchrun on CPU (gloo), tiny models, compared with one process.
+"""Multi-process runtime tests: torchrun on CPU (gloo), tiny models, compared with one process and with the plan.
 
-A covering subset of pp in {1, 2, 4}, dp in {1, 2, 4}, ZeRO 0-3 and the three schedules for GPT, LLaMA and HF
-GPT-2 (not the cross product: CI has two cores). Programs of one world size run as jobs of one torchrun launch
+A covering subset of pp in {1, 2, 4}, dp in {1, 2, 4}, ZeRO 0-3, the three schedules, m from 1 to 8 and the three
+recomputation modes for GPT, LLaMA and HF GPT-2, at the default precision, bf16 (not the cross product: CI has two
+cores; tests/test_runtime_tp.py adds tp). Programs of one world size run as jobs of one torchrun launch
 (`partc.runtime.testing`), so start-up is paid once per launch. Each job trains from a saved state dict on the
-runtime's batches; its losses and gathered final state dict must equal `reference_run` (SGD: 1e-5 relative).
+runtime's batches; its losses and gathered final state dict must equal `reference_run` under the same precision
+policy and micro-batches (SGD: 1e-5 relative), and every rank's collective payload in every step must equal the
+plan's ``predicted.ranks[].comm_bytes`` within 2%, axis by axis.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXAMPLES, assert_close_losses, assert_close_states, run_jobs, torchrun
+from helpers import EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, run_jobs, torchrun
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
@@ -33,6 +36,8 @@ CONFIGS = {
     "hf_gpt2_pp2_z0_1f1b": ("hf_gpt2", 2, 2, 1, 0, "1f1b", 1, 4, "none"),
     "gpt_pp1_dp2_z2_gpipe_selective": ("gpt", 2, 1, 2, 2, "gpipe", 2, 8, "selective"),
     "llama_pp2_z1_gpipe": ("llama", 2, 2, 1, 1, "gpipe", 2, 8, "none"),
+    "gpt_pp2_dp1_z0_1f1b_m1": ("gpt", 2, 2, 1, 0, "1f1b", 4, 4, "full"),
+    "gpt_pp2_dp2_z2_1f1b_m8": ("gpt", 4, 2, 2, 2, "1f1b", 1, 16, "selective"),
 }
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
@@ -92,17 +97,21 @@ def test_matches_one_process(runs, name):
     model, world, pp, dp, zero, sched, mb, gbs, rec = CONFIGS[name]
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
     init = torch.load(inits[model], weights_only=True)
+    # GPT-2's tied embedding and head: on two pipeline ranks the runtime sums their bf16 gradients in fp32.
     losses, state = reference_run(str(EXAMPLES / f"{model}.py"), init, steps=STEPS, seed=0, global_batch_size=gbs,
-                                  **SGD)
+                                  precision="bf16", micro_batch_size=mb, untied=pp > 1, **SGD)
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     assert any(not torch.equal(state[k], init[k]) for k in state), "training must change the weights"
+    moved = assert_comm_matches_plan(tmp / name, got["comm"])
+    assert (moved > 0) == (world > 1)
 
 
 def test_checkpoint_resumes_under_another_plan(runs):
     tmp, inits = runs
     init = torch.load(inits["gpt"], weights_only=True)
-    losses, state = reference_run(str(EXAMPLES / "gpt.py"), init, steps=4, seed=0, global_batch_size=8, **ADAMW)
+    losses, state = reference_run(str(EXAMPLES / "gpt.py"), init, steps=4, seed=0, global_batch_size=8,
+                                  precision="bf16", micro_batch_size=1, **ADAMW)
     first = torch.load(tmp / "ckpt_first.pt", weights_only=True)
     resumed = torch.load(tmp / "ckpt_resumed.pt", weights_only=True)
     assert resumed["start"] == 2
@@ -141,9 +150,22 @@ def test_cli_kill_and_resume_under_another_plan(tmp_path):
     full = tmp_path / "full.pt"
     done = torchrun(4, ["-m", "partc.runtime", str(b), *common, "--resume", "--save-full-state-dict", str(full)])
     assert "resumed from" in done.stdout and "step 5/5" in done.stdout
-    losses, state = reference_run(str(EXAMPLES / "gpt.py"), init, steps=5, seed=0, global_batch_size=8, **SGD)
+    # Micro-batches of 1 sample for steps 0-1 (plan a), then of 2 (plan b): at bf16 they round differently.
+    losses, mid = reference_run(str(EXAMPLES / "gpt.py"), init, steps=2, seed=0, global_batch_size=8,
+                                precision="bf16", micro_batch_size=1, **SGD)
+    more, state = reference_run(str(EXAMPLES / "gpt.py"), mid, steps=5, start=2, seed=0, global_batch_size=8,
+                                precision="bf16", micro_batch_size=2, **SGD)
+    losses += more
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 2, 3, 4]
+    # Each line holds every rank's traffic of that step next to its plan's prediction (plan a, then plan b).
+    for plan, part in ((a, lines[:3]), (b, lines[3:])):
+        assert [[r["rank"] for r in x["ranks"]] for x in part] == [[0, 1, 2, 3]] * len(part)
+        assert all(r["comm_bytes"] and r["predicted_comm_bytes"] and r["peak_memory_bytes"] is None
+                   for x in part for r in x["ranks"])
+        assert assert_comm_matches_plan(plan, [[r["comm_bytes"] for r in x["ranks"]] for x in part]) > 0
+        assert all(r["predicted_comm_bytes"] == json.loads((plan / "plan.json").read_text())["predicted"]["ranks"][
+            r["pp_rank"]]["comm_bytes"] for x in part for r in x["ranks"])
     assert_close_losses([x["loss"] for x in lines[:2] + lines[3:]], losses)
     assert_close_states(torch.load(full, weights_only=True), state)
     assert sorted(p.name for p in ck.iterdir()) == ["partc-run.json", "partc-run.lock", "step-00000002",

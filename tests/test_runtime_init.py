@@ -35,7 +35,8 @@ def compile_plan(name: str, tmp: Path) -> Path:
     """Compile PLANS[name]; with tp, split the MLPs Megatron's way in plan.json and compile that (--from-plan)."""
     tp, pp, dp, zero, mb = PLANS[name]
     out = tmp / name
-    pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none")
+    pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
+                precision="fp32")  # initialization is the subject: fp32 programs equal one fp32 process to 1e-5
     compile_model(str(PLAIN), gpus=tp * pp * dp, pins=pins, global_batch_size=GBS, out_dir=out)
     if tp > 1:
         plan = json.loads((out / "plan.json").read_text())

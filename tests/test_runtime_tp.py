@@ -4,8 +4,13 @@ Every program is compiled with a hand-set `tp` map (Megatron's pattern: QKV / fc
 projections rowwise, and where asked the vocabulary split: the token embedding rowwise, the LM head colwise),
 through ``--from-plan`` as a user would, then trained under torchrun: SGD losses and the gathered final state dict
 (the model's own keys and shapes) must equal `reference_run` (1e-5 relative), and every parameter the program does
-not split must stay identical on the tp ranks. Programs of one world size share a launch (`partc.runtime.testing`):
-CI has two cores, and eight ranks on them are slow, so steps and sizes are tiny.
+not split must stay identical on the tp ranks, and every rank's collective payload must equal the plan's
+``predicted.ranks[].comm_bytes`` (2%). Programs of one world size share a launch (`partc.runtime.testing`): CI has
+two cores, and eight ranks on them are slow, so steps and sizes are tiny.
+
+The programs run at ``precision: fp32`` except where a config says bf16: a rowwise layer's partial sums are reduced
+in the compute dtype, so a bf16 program differs from one process by bf16 rounding (checked within 1%), while an fp32
+one equals it up to the order of fp32 sums (1e-5).
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (EXAMPLES, assert_close_losses, assert_close_states, megatron_style, run_jobs, torchrun,
-                     write_hf_model)
+from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, megatron_style,
+                     run_jobs, torchrun, write_hf_model)
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
@@ -48,6 +53,9 @@ CONFIGS = {
     "gpt_tp2_pp2_dp2_z1": ("gpt", 2, 2, 2, 1, "1f1b", 1, 4, "none", {}),
     "llama_tp2_pp2_dp2_z3": ("llama", 2, 2, 2, 3, "1f1b", 1, 4, "none", {}),
 }
+BF16 = {"llama_tp2_pp2"}
+"""Configs compiled at the default precision, bf16 (the others pin fp32)."""
+BF16_RTOL = 1e-2
 CHECKPOINT_ONLY = {"gpt_dp2_z3", "gpt_tp2_dp2_z1"}
 """Configs only the checkpoint jobs run."""
 STEPS = 2
@@ -78,7 +86,8 @@ def compile_tp(name: str, tmp: Path) -> Path:
     and compile that file with --from-plan."""
     model, tp, pp, dp, zero, schedule, mb, gbs, recompute, edits = CONFIGS[name]
     path, out = model_path(model, tmp), tmp / name
-    pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule=schedule, recompute=recompute)
+    pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule=schedule, recompute=recompute,
+                precision="bf16" if name in BF16 else "fp32")
     compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, seq_len=seq_len(model), out_dir=out)
     plan = json.loads((out / "plan.json").read_text())
     for fqn in plan["tp"]:
@@ -93,9 +102,10 @@ def compile_tp(name: str, tmp: Path) -> Path:
 
 
 def reference(name: str, tmp: Path, init: dict, *, steps: int = STEPS, **opt) -> tuple[list[float], dict]:
-    model, *_, gbs, _, _ = CONFIGS[name]
+    model, _, pp, _, _, _, mb, gbs, _, _ = CONFIGS[name]
     return reference_run(model_path(model, tmp), init, steps=steps, seed=0, global_batch_size=gbs,
-                         seq_len=seq_len(model), **(opt or SGD))
+                         seq_len=seq_len(model), precision="bf16" if name in BF16 else "fp32",
+                         micro_batch_size=mb, untied=pp > 1, **(opt or SGD))
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +151,15 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n not in CHECKPOINT_ONLY])
 def test_matches_one_process(runs, name):
-    tmp, _, inits = runs
+    tmp, outs, inits = runs
     model = CONFIGS[name][0]
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
     init = torch.load(inits[model], weights_only=True)
     losses, state = reference(name, tmp, init)
-    assert_close_losses(got["losses"], losses)
-    assert_close_states(got["state"], state)  # the model's own keys, order and shapes: shards gathered
+    rtol = BF16_RTOL if name in BF16 else 1e-5
+    assert_close_losses(got["losses"], losses, rtol=rtol)
+    assert_close_states(got["state"], state, rtol=rtol)  # the model's own keys, order and shapes: shards gathered
+    assert assert_comm_matches_plan(outs[name], got["comm"]) > 0
     assert got["replica_diff"] == 0.0, "parameters the program keeps whole must stay identical on the tp ranks"
     assert any(not torch.equal(state[k], init[k]) for k in state), "training must change the weights"
 

@@ -26,9 +26,10 @@ from partc import collectives
 
 
 def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False, extra: dict | None = None) -> dict:
-    """Compile at `tp`, set the Megatron pattern by hand (and `extra` styles), compile again --from-plan; returns
-    the plan."""
-    compile_model(path, gpus=tp, pins=Pins(tp=tp, pp=1, micro_batch_size=2), global_batch_size=2, out_dir=out)
+    """Compile at `tp` (fp32: the workers run the fp32 model's shards against its own fp32 forward), set the Megatron
+    pattern by hand (and `extra` styles), compile again --from-plan; returns the plan."""
+    compile_model(path, gpus=tp, pins=Pins(tp=tp, pp=1, micro_batch_size=2, precision="fp32"), global_batch_size=2,
+                  out_dir=out)
     plan = json.loads((out / "plan.json").read_text())
     matched = {fqn: style for fqn in plan["tp"] if (style := megatron_style(fqn, vocab=vocab))}
     # The pattern must match, or a case would test whatever the solver chose instead of Megatron's split.

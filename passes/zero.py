@@ -1,0 +1,110 @@
+"""What data parallelism keeps and moves: the model states of each ZeRO stage and the collective payload of every
+axis, per GPU and step, exactly as the runtime (`partc.runtime.parallelize`: FSDP2 per unit, mixed precision) runs
+them. `partc.passes.cost` turns the bytes into seconds; the plan reports them as ``predicted.ranks[].comm_bytes``
+and the runtime measures the same quantity (`partc.runtime.comm`).
+
+Model states per parameter on the GPU (Ψ after TP and PP, N = dp, c = 2 for bf16 and 4 for fp32; `partc.precision`):
+
+    ======  ==========================================  ====================  ===================
+    ZeRO    parameters                                  gradients (fp32)      optimizer (Adam)
+    ======  ==========================================  ====================  ===================
+    0       4 (fp32 master, replicated) + c (gathered)  4                     8
+    1       4/N (master, sharded) + c (gathered)        4 (accumulated) + 4/N 8/N
+    2       4/N + c (gathered for each micro-batch)     4/N                   8/N
+    3       4/N (+ two units gathered at a time)        4/N                   8/N
+    ======  ==========================================  ====================  ===================
+
+Collective payload per step on one GPU (the bytes passed to the calls: all-reduce the tensor, all-gather the
+gathered output, reduce-scatter the input, send and receive the tensor). FSDP pads every parameter's dim 0 to a
+multiple of N (Ψ' below, `padded_numel`):
+
+    dp   ZeRO 0: all-reduce 4Ψ (FSDP's hybrid mode over a shard group of one: no padding, no gather)
+         ZeRO 1: all-gather cΨ' + reduce-scatter 4Ψ'                        (once a step)
+         ZeRO 2: m x (all-gather cΨ' + reduce-scatter 4Ψ')                  (every micro-batch)
+         ZeRO 3: m x (all-gather c(2Ψ'_units + Ψ'_rest) + reduce-scatter 4Ψ')
+                 (each unit gathered in its forward and again in its backward; the stage's own FSDP group, the
+                 root, keeps its parameters from forward to backward, as FSDP2 does for its root)
+    tp   m x b x every TP collective of the rank's units (their forward ones twice under full recomputation);
+         with pp > 1, per chunk also the all-gather of the boundary it receives (forward) and of the gradient of
+         the one it sends (backward): Megatron-LM's scatter/gather
+    pp   m x b x per chunk: the boundary received and sent forward, the gradients sent and received backward (a
+         tensor that needs no gradient, say an integer mask, crosses only forward), each 1/t of it with tp = t
+         (scatter/gather); plus the fp32 gradient of a weight shared by pipeline ranks (a tied embedding and
+         head), all-reduced over them once a step
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from partc.parallel import Parallel
+from partc.precision import compute_bytes
+
+MASTER_BYTES = 4
+"""fp32 master weights, gradients and each Adam moment (`partc.precision.MASTER_DTYPE`)."""
+ADAM_BYTES = 8
+"""Adam's two fp32 moments per parameter."""
+
+
+def model_state_bytes(num_params: float, par: Parallel) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes per GPU for `num_params` parameters (module docstring's table)."""
+    psi, n, c = float(num_params), par.dp, compute_bytes(par.precision)
+    if par.zero == 0:
+        return psi * (MASTER_BYTES + c), psi * MASTER_BYTES, psi * ADAM_BYTES
+    if par.zero == 1:
+        return psi * (MASTER_BYTES / n + c), psi * MASTER_BYTES * (1 + 1 / n), psi * ADAM_BYTES / n
+    if par.zero == 2:
+        return psi * (MASTER_BYTES / n + c), psi * MASTER_BYTES / n, psi * ADAM_BYTES / n
+    return psi * MASTER_BYTES / n, psi * MASTER_BYTES / n, psi * ADAM_BYTES / n
+
+
+def working_bytes(par: Parallel, unit_params: Iterable[float]) -> float:
+    """Transient memory of ZeRO on top of the model states, by the sizes (parameters on this GPU) of the FSDP units
+    the rank runs: ZeRO-3 gathers two units at a time (the current and the prefetched one) and reduces one unit's
+    gradient (compute-dtype, then fp32 for the reduce-scatter); ZeRO 2 reduces one unit's gradient each
+    micro-batch; ZeRO 0 and 1 fold one unit's compute-dtype gradient into the fp32 accumulation."""
+    sizes = sorted(unit_params, reverse=True) or [0.0]
+    c = compute_bytes(par.precision)
+    grad = c + (MASTER_BYTES if c != MASTER_BYTES else 0)
+    if par.zero == 3:
+        return c * sum(sizes[:2]) + grad * sizes[0]
+    if par.zero == 2:
+        return grad * sizes[0]
+    return (c if c != MASTER_BYTES else 0) * sizes[0]
+
+
+def padded_numel(shape: tuple[int, ...], n: int) -> int:
+    """Elements FSDP allocates for a parameter sharded over `n` ranks: dim 0 padded to a multiple of `n`."""
+    if not shape:
+        return n
+    rows = -(-shape[0] // n) * n
+    return rows * math.prod(shape[1:])
+
+
+def dp_bytes(par: Parallel, numel: float, unit_padded: float, rest_padded: float) -> dict[str, float]:
+    """Collective -> bytes one GPU passes over dp in a step: `numel` parameters on the GPU, `unit_padded` of them
+    (padded) in FSDP units of their own and `rest_padded` in the stage's root group (module docstring)."""
+    if par.dp == 1:
+        return {}
+    c, m = compute_bytes(par.precision), par.num_microbatches
+    padded = unit_padded + rest_padded
+    if par.zero == 0:
+        return {"all_reduce": MASTER_BYTES * numel}
+    if par.zero == 1:
+        return {"all_gather": c * padded, "reduce_scatter": MASTER_BYTES * padded}
+    if par.zero == 2:
+        return {"all_gather": m * c * padded, "reduce_scatter": m * MASTER_BYTES * padded}
+    return {"all_gather": m * c * (2 * unit_padded + rest_padded), "reduce_scatter": m * MASTER_BYTES * padded}
+
+
+def dp_calls(par: Parallel, groups: int) -> dict[str, int]:
+    """Collective -> calls per step over dp, for `groups` FSDP groups (each gathers and reduces as one call)."""
+    if par.dp == 1:
+        return {}
+    m = par.num_microbatches
+    if par.zero == 0:
+        return {"all_reduce": groups}
+    if par.zero == 1:
+        return {"all_gather": groups, "reduce_scatter": groups}
+    return {"all_gather": m * groups * (2 if par.zero == 3 else 1), "reduce_scatter": m * groups}
