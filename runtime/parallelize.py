@@ -121,8 +121,12 @@ def apply_zero(stage: StageModule, mesh: DeviceMesh, par: Parallel) -> nn.Module
         if par.precision != "fp32" else MixedPrecisionPolicy()
     # A parameter shared by two units (a tied embedding and head on one stage) can be in one FSDP group only: those
     # units stay in the stage's root group (as `partc.passes.cost.fsdp_groups` charges).
+    # So can a unit whose tensors other code of the stage reads (`StageFile.foreign_reads`).
     holders = Counter(id(p) for unit in stage.units.values() for p in unit.parameters())
-    units = [unit for unit in stage.units.values() if all(holders[id(p)] == 1 for p in unit.parameters())]
+    foreign = stage.foreign_reads
+    units = [unit for fqn, unit in stage.units.items()
+             if all(holders[id(p)] == 1 for p in unit.parameters())
+             and not any(name.startswith(fqn + ".") for name in foreign)]
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)
     fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)

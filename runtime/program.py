@@ -11,6 +11,7 @@ and imports the stage files. A stage file defines::
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import json
@@ -43,6 +44,10 @@ class StageFile:
     """Unit FQNs the stage owns (as in ``plan.json``)."""
     units: list
     """What ``forward`` runs, in order: a unit FQN, or a list of FQNs run as one function."""
+    foreign_reads: set[str] = field(default_factory=set)
+    """Parameter and buffer names the code reads outside the function of the unit they belong to (DeBERTa's
+    relative-position table, read by every layer): `partc.runtime.parallelize` keeps their units in the stage's
+    own FSDP group, gathered for the whole stage."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,7 +127,8 @@ def read_program(out_dir: str | Path) -> ProgramFiles:
                              f"{plan.stages[k].modules}; compile again")
         stages.append(StageFile(index=k, rank=entry["rank"], path=path, code=code, inputs=lists["INPUTS"],
                                 outputs=lists["OUTPUTS"], parameters=lists["PARAMETERS"],
-                                buffers=lists["BUFFERS"], modules=lists["MODULES"], units=lists["UNITS"]))
+                                buffers=lists["BUFFERS"], modules=lists["MODULES"], units=lists["UNITS"],
+                                foreign_reads=foreign_reads(path.read_text())))
     if stages[0].inputs != list(manifest["inputs"]):
         raise PartcError(f"{stages[0].path}: INPUTS {stages[0].inputs} differ from the manifest's model inputs "
                          f"{manifest['inputs']}")
@@ -159,6 +165,30 @@ def _predicted_ranks(path: Path, pp: int) -> list[dict]:
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
             return []
         out.append({"comm_bytes": dict(comm), "memory_bytes": dict(memory)})
+    return out
+
+
+def foreign_reads(source: str) -> set[str]:
+    """The names a stage file reads as ``p['name']`` outside the function of the unit that owns them: in ``forward``
+    itself, or in another unit's function (``run('unit', fn, ...)`` names which function is whose)."""
+    tree = ast.parse(source)
+    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+
+    def reads(node: ast.AST) -> set[str]:
+        return {n.slice.value for n in ast.walk(node) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
+                and n.value.id == "p" and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str)}
+
+    forward = functions.get("forward")
+    if forward is None:
+        return set()
+    out = reads(forward)
+    for call in ast.walk(forward):
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "run"
+                and len(call.args) >= 2 and isinstance(call.args[1], ast.Name) and call.args[1].id in functions):
+            owner = call.args[0].value if isinstance(call.args[0], ast.Constant) else None
+            units = [owner] if isinstance(owner, str) else []
+            out |= {n for n in reads(functions[call.args[1].id])
+                    if not any(n.startswith(u + ".") for u in units)}
     return out
 
 

@@ -66,6 +66,8 @@ class StageModule(nn.Module):
         self.stage_index = stage.index
         self.code = stage.code
         self.device = device
+        self.foreign_reads = stage.foreign_reads
+        """Tensors the code reads outside their own unit's function (`StageFile.foreign_reads`)."""
         self.units: dict[str, UnitModule] = {}
         """Unit FQN -> its module, for every unit the stage file runs on its own (not the model's root)."""
         called = {u for u in stage.units if isinstance(u, str)}

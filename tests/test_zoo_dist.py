@@ -42,7 +42,8 @@ def runs(tmp_path_factory):
         paths[name] = path = write_zoo_model(tmp, family)
         torch.manual_seed(1234)
         torch.save(load_model_file(path, seq_len=seq_len).build().state_dict(), tmp / f"{name}.init.pt")
-        pins = Pins(tp=1, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none")
+        pins = Pins(tp=1, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
+                    precision="fp32")  # the families are the subject: fp32 equals one fp32 process to 1e-5
         compile_model(path, gpus=pp * dp, pins=pins, global_batch_size=gbs, seq_len=seq_len, out_dir=tmp / name)
         jobs.append({"out": str(tmp / name), "steps": STEPS, "init": str(tmp / f"{name}.init.pt"),
                      "result": str(tmp / f"{name}.pt"), **SGD})
