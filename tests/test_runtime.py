@@ -262,7 +262,8 @@ def test_stage_module_resolves_aliases_and_outside_tensors(hf_pp2):
     canon = canonical_names(m, prog.tied)
     last = prog.stages[-1]
     fake = SimpleNamespace(index=9, code=last.code, modules=["lm_head"], units=["lm_head"],
-                           parameters=["transformer.wte.weight", "transformer.ln_f.weight"], buffers=[])
+                           parameters=["transformer.wte.weight", "transformer.ln_f.weight"], buffers=[],
+                           foreign_reads=set())
     materialize(m, ["lm_head.weight", "transformer.ln_f.weight"], CPU)
     mod = StageModule(fake, m, canon, CPU)
     t = mod.tensors()
@@ -498,3 +499,24 @@ def test_api_in_one_process_with_root_parameters(tmp_path):
             assert all(torch.equal(v, sd[k]) for k, v in prog.full_state_dict().items()), name
     finally:
         dist.destroy_process_group()
+
+
+def test_foreign_reads_are_the_tensors_read_outside_their_units_function():
+    """DeBERTa's layers read the encoder's relative-position table: that unit cannot be an FSDP group of its own."""
+    from partc.runtime.program import foreign_reads
+
+    source = '''
+def enc_rel(p, *, device):
+    return (p['enc.rel.weight'],)
+
+
+def enc_layer_0(p, x, *, device):
+    return (x @ p['enc.layer.0.w'] + p['enc.rel.weight'].sum(),)
+
+
+def forward(p, x, *, device, run=call):
+    (r,) = run('enc.rel', enc_rel, p, device=device)
+    (y,) = run('enc.layer.0', enc_layer_0, p, x, device=device)
+    return (y * p['root.scale'],)
+'''
+    assert foreign_reads(source) == {"enc.rel.weight", "root.scale"}
