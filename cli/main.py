@@ -227,12 +227,14 @@ def run_cmd(out_dir, nproc_per_node, runtime_args):
               help="The optimizer `partc run` will use (its states are part of the memory).")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
               help="json: print the measurements and the comparison as JSON to stdout.")
-def check_cmd(out_dir, optimizer, fmt):
+@click.option("--slack-bytes", type=click.IntRange(min=0), default=2**20, show_default=True,
+              help="Differences up to this many bytes agree whatever the fraction.")
+def check_cmd(out_dir, optimizer, fmt, slack_bytes):
     """Run one step of every pipeline rank of OUT_DIR's program on this CPU (fake tensors, a fake process group of
     the plan's world size) and compare its memory and traffic with the plan.
 
-    Exit 0 when every number agrees with the plan within 10% (or 1 MiB) and every rank fits its GPU; 1 otherwise,
-    listing the rows that disagree."""
+    Exit 0 when every number agrees with the plan within 10% (or --slack-bytes) and every rank fits its GPU; 1
+    otherwise, listing the rows that disagree."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from partc.runtime.check import TOLERANCE, check_program
@@ -251,7 +253,8 @@ def check_cmd(out_dir, optimizer, fmt):
 
         # The model's code runs inside: what it prints goes to stderr, so stdout holds partc's output alone.
         with contextlib.redirect_stdout(sys.stderr):
-            results = check_program(out_dir, optimizer=optimizer, progress=progress, started=started)
+            results = check_program(out_dir, optimizer=optimizer, slack_bytes=slack_bytes, progress=progress,
+                                    started=started)
     rows = [row for r in results for row in r.rows()]
     bad = [row for row in rows if not row.agrees]
     unfit = [r for r in results if not r.fits]
@@ -290,7 +293,7 @@ def print_check(results, worst, bad, unfit, tolerance: float) -> None:
         t.caption_justify = "left"
         console.print(t)
     console.print(f"worst error {worst.error * 100:+.1f}% ({worst.what}, pipeline rank {worst.pp_rank}); tolerance "
-                  f"{tolerance * 100:.0f}% or 1 MiB")
+                  f"{tolerance * 100:.0f}% or {_bytes(worst.slack)}")
     for row in bad:
         console.print(f"[bold red]disagrees[/]: pipeline rank {row.pp_rank} {row.what}: predicted "
                       f"{_bytes(row.predicted)}, measured {_bytes(row.measured)} ({row.error * 100:+.1f}%)")

@@ -30,8 +30,8 @@ Measured, per representative:
   the measured peak for the question whether the plan fits, not compared. Neither is the caching allocator's
   rounding and fragmentation, which the cluster's memory reserve is for.
 
-A row agrees when measured and predicted differ by at most `TOLERANCE` of the larger (and by more than `SLACK_BYTES`
-only when relative errors matter: a few KiB of a tiny test model are not a disagreement).
+A row agrees when measured and predicted differ by at most `TOLERANCE` of the larger, or by at most `SLACK_BYTES`
+(``--slack-bytes``): a few KiB of a tiny model, or a category the plan expects empty, are not a disagreement.
 """
 
 from __future__ import annotations
@@ -65,16 +65,24 @@ TOLERANCE = 0.10
 SLACK_BYTES = 1 << 20
 """Differences up to this many bytes agree whatever the fraction (tiny test models, a loss's few bytes)."""
 
-CATEGORIES: dict[str, tuple[str, ...]] = {
-    "params": (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.UNSHARDED_PARAM),
-    "grads": (_FSDPRefType.SHARDED_GRAD, _FSDPRefType.UNSHARDED_GRAD),
-    "optimizer": (_FSDPRefType.OPT,),
-    "activations": (_FSDPRefType.ACT, _FSDPRefType.TEMP, _FSDPRefType.ALL_GATHER, _FSDPRefType.REDUCE_SCATTER,
-                    _FSDPRefType.INP, _FSDPRefType.BUFFER),
-}
-"""The plan's memory categories (``predicted.ranks[].memory_bytes``) -> the tracker's. The plan's ``activations``
-hold everything transient: saved activations, recomputation, ZeRO's gathered units and gradient buffers, the loss
-(`partc.passes.cost.stage_extra_bytes`), and here also the model's buffers and the stage's input micro-batches."""
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+"""The plan's memory categories (``predicted.ranks[].memory_bytes``), `categories` maps the tracker's kinds to them."""
+
+
+def categories(zero: int) -> dict[str, tuple[str, ...]]:
+    """The plan's categories -> the tracker's kinds, by the plan's own table (`partc.passes.zero`): ``params`` are
+    the sharded fp32 master weights, and below ZeRO-3 the gathered compute copies; ``grads`` the sharded fp32
+    gradients, and below ZeRO-2 the unsharded fp32 accumulation (recorded as the tracker's sharded gradients, see
+    `_Tracker`); ``activations`` everything transient, as the plan's activations hold saved activations,
+    recomputation, ZeRO's working memory (a unit's compute-dtype gradient, at ZeRO-3 the gathered units) and the
+    loss (`partc.passes.cost.stage_extra_bytes`), and here also the model's buffers and the input micro-batches."""
+    gathered = (_FSDPRefType.UNSHARDED_PARAM,)
+    params = (_FSDPRefType.SHARDED_PARAM, *(gathered if zero < 3 else ()))
+    transient = (_FSDPRefType.ACT, _FSDPRefType.TEMP, _FSDPRefType.ALL_GATHER, _FSDPRefType.REDUCE_SCATTER,
+                 _FSDPRefType.INP, _FSDPRefType.BUFFER, _FSDPRefType.UNSHARDED_GRAD, *(gathered if zero == 3 else ()))
+    return {"params": params, "grads": (_FSDPRefType.SHARDED_GRAD,), "optimizer": (_FSDPRefType.OPT,),
+            "activations": transient}
+
 
 AXES = ("dp", "tp", "pp")
 
@@ -97,6 +105,8 @@ class RankCheck:
     """The plan's ``predicted.ranks[pp_rank].memory_bytes`` (``buffers`` included)."""
     usable_bytes: float
     """The cluster's usable memory per GPU (its size less the reserve)."""
+    slack_bytes: float = SLACK_BYTES
+    """Differences up to this many bytes agree whatever the fraction."""
     seconds: float
     """Wall time of this rank's check (build and step)."""
 
@@ -104,13 +114,13 @@ class RankCheck:
         """Every compared quantity of this rank: memory by category, the peak, traffic by axis."""
         mem, pred = self.memory_bytes, self.predicted_memory_bytes
         out = [Row(pp_rank=self.pp_rank, what=f"memory {c}", predicted=float(pred.get(c, 0.0)),
-                   measured=mem[c]) for c in CATEGORIES]
+                   measured=mem[c], slack=self.slack_bytes) for c in CATEGORIES]
         # The peak against the plan's total less the communicator buffers, which the tracker cannot see.
         out.append(Row(pp_rank=self.pp_rank, what="memory peak",
                        predicted=float(pred.get("total", 0.0)) - float(pred.get("buffers", 0.0)),
-                       measured=mem["total"]))
+                       measured=mem["total"], slack=self.slack_bytes))
         out += [Row(pp_rank=self.pp_rank, what=f"comm {axis}", predicted=float(self.predicted_comm_bytes.get(axis, 0)),
-                    measured=self.comm_bytes.get(axis, 0)) for axis in AXES]
+                    measured=self.comm_bytes.get(axis, 0), slack=self.slack_bytes) for axis in AXES]
         return out
 
     @property
@@ -127,7 +137,7 @@ class RankCheck:
                 "comm_bytes": dict(self.comm_bytes), "memory_bytes": dict(self.memory_bytes),
                 "predicted_comm_bytes": dict(self.predicted_comm_bytes),
                 "predicted_memory_bytes": dict(self.predicted_memory_bytes), "needed_bytes": self.needed_bytes,
-                "usable_bytes": self.usable_bytes, "fits": self.fits, "seconds": self.seconds,
+                "usable_bytes": self.usable_bytes, "slack_bytes": self.slack_bytes, "fits": self.fits, "seconds": self.seconds,
                 "rows": [r.to_dict() for r in self.rows()]}
 
 
@@ -140,6 +150,8 @@ class Row:
     """``memory CATEGORY``, ``memory peak`` or ``comm AXIS``."""
     predicted: float
     measured: float
+    slack: float = SLACK_BYTES
+    """Differences up to this many bytes agree whatever the fraction."""
 
     @property
     def error(self) -> float:
@@ -149,7 +161,7 @@ class Row:
 
     @property
     def agrees(self) -> bool:
-        return abs(self.error) <= TOLERANCE or abs(self.measured - self.predicted) <= SLACK_BYTES
+        return abs(self.error) <= TOLERANCE or abs(self.measured - self.predicted) <= self.slack
 
     def to_dict(self) -> dict[str, Any]:
         return {"pp_rank": self.pp_rank, "what": self.what, "predicted": self.predicted, "measured": self.measured,
@@ -161,7 +173,7 @@ def representatives(par: Parallel) -> list[int]:
     return [par.rank_of(pp=r, dp=0, tp=0) for r in range(par.pp)]
 
 
-def check_program(out_dir: str, *, optimizer: str = "adamw", progress: Callable[[int, int], None] | None = None,
+def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float = SLACK_BYTES, progress: Callable[[int, int], None] | None = None,
                   started: Callable[[int], None] | None = None) -> list[RankCheck]:
     """Check every representative of the program in `out_dir` (`check_rank`). `started(n)` is told how many there
     are; `progress(done, rank)` is called before each (done: how many finished) and with rank -1 at the end."""
@@ -176,13 +188,14 @@ def check_program(out_dir: str, *, optimizer: str = "adamw", progress: Callable[
     for i, rank in enumerate(ranks):
         if progress is not None:
             progress(i, rank)
-        results.append(check_rank(files, rank, optimizer=optimizer))
+        results.append(check_rank(files, rank, optimizer=optimizer, slack_bytes=slack_bytes))
     if progress is not None:
         progress(len(ranks), -1)
     return results
 
 
-def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw") -> RankCheck:
+def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
+               slack_bytes: float = SLACK_BYTES) -> RankCheck:
     """One step of global rank `rank` of the program on fake tensors and a fake process group (module docstring)."""
     par = files.plan.parallel
     start = time.perf_counter()
@@ -193,7 +206,7 @@ def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw") -> R
             _answer_warmup_vote(prog)
             _create_optimizer_states(prog)
             (args, kwargs), targets = prog.batch(0)
-            tracker = _Tracker(prog)
+            tracker = _Tracker(prog, categories(par.zero))
             with tracker:
                 prog.runner.forward_backward(args, kwargs, targets)
                 reshard(prog.runner.modules)
@@ -206,7 +219,7 @@ def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw") -> R
                      memory_bytes=memory, predicted_comm_bytes=mine["comm_bytes"],
                      predicted_memory_bytes=mine["memory_bytes"],
                      usable_bytes=float(Cluster.from_dict(files.plan.cluster).usable_memory_bytes),
-                     seconds=time.perf_counter() - start)
+                     slack_bytes=slack_bytes, seconds=time.perf_counter() - start)
 
 
 def predicted_ranks(files: ProgramFiles) -> list[dict[str, dict[str, float]]]:
@@ -269,8 +282,9 @@ class _Tracker(FSDPMemTracker):
     """FSDP2's memory tracker over every stage module and optimizer of this rank (the torch class takes one of each),
     recording the most each category holds at any moment besides the peak of the total."""
 
-    def __init__(self, prog: Program):
+    def __init__(self, prog: Program, kinds: dict[str, tuple[str, ...]]):
         super().__init__(prog.stages[0], None)
+        self.kinds = kinds
         self._root_mod = nn.ModuleList(prog.stages)  # the parent class walks `.modules()` and `.buffers()` only
         self._optms = list(prog.optimizers)
         self.most: dict[str, int] = {}
@@ -283,7 +297,9 @@ class _Tracker(FSDPMemTracker):
 
     def _fsdp_param_group_post_backward(self, fsdp_mod: nn.Module, orig: Callable) -> Callable:
         # ZeRO 0 and 1 accumulate each micro-batch's gradient unsharded in fp32 until the last one (FSDP's
-        # ``unsharded_accumulated_grad``): gradients, which the torch tracker leaves as temporaries.
+        # ``unsharded_accumulated_grad``): the plan's gradients, which the torch tracker leaves as temporaries. They
+        # are recorded as sharded gradients, the kind the plan's ``grads`` take (`categories`), apart from the
+        # compute-dtype gradient of the unit (unsharded gradients), which the plan counts as working memory.
         inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
 
         def post_backward(*args: Any, **kwargs: Any) -> None:
@@ -292,14 +308,14 @@ class _Tracker(FSDPMemTracker):
             for fsdp_param in group.fsdp_params if group is not None else ():
                 grad = fsdp_param.unsharded_accumulated_grad
                 if grad is not None:
-                    self._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
+                    self._update_and_maybe_create_winfos(grad, _FSDPRefType.SHARDED_GRAD)
 
         return post_backward
 
     def _update_snap(self, *args: Any, **kwargs: Any) -> None:
         super()._update_snap(*args, **kwargs)
         for snap in self._curr_mem_snap.values():
-            for category, kinds in CATEGORIES.items():
+            for category, kinds in self.kinds.items():
                 nbytes = sum(snap.get(k, 0) for k in kinds)
                 if nbytes > self.most.get(category, 0):
                     self.most[category] = nbytes
