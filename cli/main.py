@@ -229,7 +229,10 @@ def run_cmd(out_dir, nproc_per_node, runtime_args):
               help="json: print the measurements and the comparison as JSON to stdout.")
 @click.option("--slack-bytes", type=click.IntRange(min=0), default=2**20, show_default=True,
               help="Differences up to this many bytes agree whatever the fraction.")
-def check_cmd(out_dir, optimizer, fmt, slack_bytes):
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Pipeline ranks checked at once, each in a process of its own (one CPU core and the memory of "
+                   "one rank's bookkeeping each).")
+def check_cmd(out_dir, optimizer, fmt, slack_bytes, jobs):
     """Run one step of every pipeline rank of OUT_DIR's program on this CPU (fake tensors, a fake process group of
     the plan's world size) and compare its memory and traffic with the plan.
 
@@ -253,7 +256,7 @@ def check_cmd(out_dir, optimizer, fmt, slack_bytes):
 
         # The model's code runs inside: what it prints goes to stderr, so stdout holds partc's output alone.
         with contextlib.redirect_stdout(sys.stderr):
-            results = check_program(out_dir, optimizer=optimizer, slack_bytes=slack_bytes, progress=progress,
+            results = check_program(out_dir, optimizer=optimizer, slack_bytes=slack_bytes, jobs=jobs, progress=progress,
                                     started=started)
     rows = [row for r in results for row in r.rows()]
     bad = [row for row in rows if not row.agrees]

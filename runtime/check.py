@@ -36,8 +36,10 @@ A row agrees when measured and predicted differ by at most `TOLERANCE` of the la
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
+import multiprocessing
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -47,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -173,25 +176,44 @@ def representatives(par: Parallel) -> list[int]:
     return [par.rank_of(pp=r, dp=0, tp=0) for r in range(par.pp)]
 
 
-def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float = SLACK_BYTES, progress: Callable[[int, int], None] | None = None,
+def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float = SLACK_BYTES, jobs: int = 1,
+                  progress: Callable[[int, int], None] | None = None,
                   started: Callable[[int], None] | None = None) -> list[RankCheck]:
-    """Check every representative of the program in `out_dir` (`check_rank`). `started(n)` is told how many there
-    are; `progress(done, rank)` is called before each (done: how many finished) and with rank -1 at the end."""
+    """Check every representative of the program in `out_dir` (`check_rank`), `jobs` of them at a time (each in a
+    process of its own when `jobs` > 1). `started(n)` is told how many there are; `progress(done, rank)` is called
+    when a check starts (done: how many finished) and with rank -1 at the end."""
     if dist.is_initialized():
         raise PartcError("partc check runs in a process of its own, outside torchrun")
+    if jobs < 1:
+        raise PartcError(f"--jobs must be at least 1, got {jobs}")
     files = read_program(out_dir)
-    predicted_ranks(files)  # before minutes of work
+    predicted_ranks(files)  # user errors before minutes of work
+    Cluster.from_dict(files.plan.cluster)
     ranks = representatives(files.plan.parallel)
     if started is not None:
         started(len(ranks))
-    results = []
-    for i, rank in enumerate(ranks):
-        if progress is not None:
-            progress(i, rank)
-        results.append(check_rank(files, rank, optimizer=optimizer, slack_bytes=slack_bytes))
-    if progress is not None:
-        progress(len(ranks), -1)
-    return results
+    tell = progress or (lambda done, rank: None)
+    results: dict[int, RankCheck] = {}
+    if jobs == 1:
+        for rank in ranks:
+            tell(len(results), rank)
+            results[rank] = check_rank(files, rank, optimizer=optimizer, slack_bytes=slack_bytes)
+    else:
+        spawn = multiprocessing.get_context("spawn")  # a fresh process: no process group, no fake mode inherited
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(ranks)), mp_context=spawn) as pool:
+            running = {pool.submit(_check_in_worker, str(out_dir), rank, optimizer, slack_bytes): rank
+                       for rank in ranks}
+            tell(0, ranks[0])
+            for done in concurrent.futures.as_completed(running):
+                results[running[done]] = done.result()
+                tell(len(results), next((r for r in ranks if r not in results), -1))
+    tell(len(ranks), -1)
+    return [results[r] for r in ranks]
+
+
+def _check_in_worker(out_dir: str, rank: int, optimizer: str, slack_bytes: float) -> RankCheck:
+    torch.set_num_threads(1)
+    return check_rank(read_program(out_dir), rank, optimizer=optimizer, slack_bytes=slack_bytes)
 
 
 def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
@@ -319,6 +341,14 @@ class _Tracker(FSDPMemTracker):
                 nbytes = sum(snap.get(k, 0) for k in kinds)
                 if nbytes > self.most.get(category, 0):
                     self.most[category] = nbytes
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # The peak of the device only: the torch class also updates every module's own peak after every op, which
+        # costs more than the op itself with thousands of modules (and no one reads them here).
+        for dev, snap in self._curr_mem_snap.items():
+            if snap[_TOTAL_KEY] > self._peak_mem.get(dev, 0):
+                self._peak_mem[dev] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)
 
     def categories(self) -> dict[str, int]:
         """The plan's categories: the most each held at once; ``total``: the peak (one device)."""
