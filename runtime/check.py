@@ -41,18 +41,15 @@ import contextlib
 import math
 import multiprocessing
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY
-from torch.distributed.pipelining._utils import InferenceMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from partc._torch import TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPRefType, InferenceMode
 from partc.cluster import Cluster
 from partc.collectives import set_tp_group
 from partc.errors import PartcError
@@ -79,11 +76,11 @@ def categories(zero: int) -> dict[str, tuple[str, ...]]:
     `_Tracker`); ``activations`` everything transient, as the plan's activations hold saved activations,
     recomputation, ZeRO's working memory (a unit's compute-dtype gradient, at ZeRO-3 the gathered units) and the
     loss (`partc.passes.cost.stage_extra_bytes`), and here also the model's buffers and the input micro-batches."""
-    gathered = (_FSDPRefType.UNSHARDED_PARAM,)
-    params = (_FSDPRefType.SHARDED_PARAM, *(gathered if zero < 3 else ()))
-    transient = (_FSDPRefType.ACT, _FSDPRefType.TEMP, _FSDPRefType.ALL_GATHER, _FSDPRefType.REDUCE_SCATTER,
-                 _FSDPRefType.INP, _FSDPRefType.BUFFER, _FSDPRefType.UNSHARDED_GRAD, *(gathered if zero == 3 else ()))
-    return {"params": params, "grads": (_FSDPRefType.SHARDED_GRAD,), "optimizer": (_FSDPRefType.OPT,),
+    gathered = (FSDPRefType.UNSHARDED_PARAM,)
+    params = (FSDPRefType.SHARDED_PARAM, *(gathered if zero < 3 else ()))
+    transient = (FSDPRefType.ACT, FSDPRefType.TEMP, FSDPRefType.ALL_GATHER, FSDPRefType.REDUCE_SCATTER,
+                 FSDPRefType.INP, FSDPRefType.BUFFER, FSDPRefType.UNSHARDED_GRAD, *(gathered if zero == 3 else ()))
+    return {"params": params, "grads": (FSDPRefType.SHARDED_GRAD,), "optimizer": (FSDPRefType.OPT,),
             "activations": transient}
 
 
@@ -315,7 +312,7 @@ class _Tracker(FSDPMemTracker):
         # The states exist already (`_create_optimizer_states`) and are updated in place; what the optimizer step
         # allocates besides (foreach AdamW's temporaries) is transient, so it is not marked as optimizer states.
         for optm in self._optms:
-            self._track_optimizer_states(_FSDPRefType.OPT, optm)
+            self._track_optimizer_states(FSDPRefType.OPT, optm)
 
     def _fsdp_param_group_post_backward(self, fsdp_mod: nn.Module, orig: Callable) -> Callable:
         # ZeRO 0 and 1 accumulate each micro-batch's gradient unsharded in fp32 until the last one (FSDP's
@@ -330,7 +327,7 @@ class _Tracker(FSDPMemTracker):
             for fsdp_param in group.fsdp_params if group is not None else ():
                 grad = fsdp_param.unsharded_accumulated_grad
                 if grad is not None:
-                    self._update_and_maybe_create_winfos(grad, _FSDPRefType.SHARDED_GRAD)
+                    self._update_and_maybe_create_winfos(grad, FSDPRefType.SHARDED_GRAD)
 
         return post_backward
 
@@ -346,8 +343,8 @@ class _Tracker(FSDPMemTracker):
         # The peak of the device only: the torch class also updates every module's own peak after every op, which
         # costs more than the op itself with thousands of modules (and no one reads them here).
         for dev, snap in self._curr_mem_snap.items():
-            if snap[_TOTAL_KEY] > self._peak_mem.get(dev, 0):
-                self._peak_mem[dev] = snap[_TOTAL_KEY]
+            if snap[TRACKER_TOTAL] > self._peak_mem.get(dev, 0):
+                self._peak_mem[dev] = snap[TRACKER_TOTAL]
                 self._peak_mem_snap[dev] = dict(snap)
 
     def categories(self) -> dict[str, int]:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
 from helpers import EXAMPLES, run_jobs
+from partc._torch import FSDPRefType
 from partc.cli.main import main
 from partc.compile import compile_model
 from partc.parallel import Pins
@@ -77,9 +77,9 @@ def test_categories_follow_the_plans_zero_table():
     for zero in range(4):
         kinds = categories(zero)
         every = [k for ks in kinds.values() for k in ks]
-        assert sorted(every) == sorted(_FSDPRefType), zero  # every kind in exactly one category
-        assert (_FSDPRefType.UNSHARDED_PARAM in kinds["params"]) == (zero < 3)
-        assert _FSDPRefType.UNSHARDED_GRAD in kinds["activations"]
+        assert sorted(every) == sorted(FSDPRefType), zero  # every kind in exactly one category
+        assert (FSDPRefType.UNSHARDED_PARAM in kinds["params"]) == (zero < 3)
+        assert FSDPRefType.UNSHARDED_GRAD in kinds["activations"]
 
 
 # --- slow: partc check on small plans -----------------------------------------------------------------------------
