@@ -46,17 +46,19 @@ def run(case: str, pp_ranks: list[int] | None, out: Path) -> list[dict]:
     reps = representatives(par)
     rows = []
     for pp_rank in pp_ranks if pp_ranks is not None else range(par.pp):
+        cpu = time.process_time()
         r = check_rank(files, reps[pp_rank])
+        cpu = time.process_time() - cpu
         worst = max(r.rows(), key=lambda row: abs(row.error))
         pred_peak = r.predicted_memory_bytes["total"] - r.predicted_memory_bytes["buffers"]
-        rows.append({"case": case, "pp_rank": pp_rank, "seconds": r.seconds,
+        rows.append({"case": case, "pp_rank": pp_rank, "seconds": r.seconds, "cpu_seconds": cpu,
                      "peak_gib": r.memory_bytes["total"] / GiB, "predicted_gib": pred_peak / GiB,
                      "worst": f"{worst.what} {worst.error * 100:+.1f}%",
                      "agrees": all(row.agrees for row in r.rows()), "fits": r.fits,
                      "categories": {k: round(v / GiB, 2) for k, v in r.memory_bytes.items()},
                      "predicted": {k: round(v / GiB, 2) for k, v in r.predicted_memory_bytes.items()},
                      "comm": r.comm_bytes, "predicted_comm": r.predicted_comm_bytes})
-        print(f"  pp rank {pp_rank}: {r.seconds:.0f} s, peak {rows[-1]['peak_gib']:.2f} GiB (plan "
+        print(f"  pp rank {pp_rank}: {r.seconds:.0f} s ({cpu:.0f} s of CPU), peak {rows[-1]['peak_gib']:.2f} GiB (plan "
               f"{rows[-1]['predicted_gib']:.2f}), worst {rows[-1]['worst']}, agrees {rows[-1]['agrees']}, "
               f"fits {r.fits}", flush=True)
         print(f"    measured GiB {rows[-1]['categories']}\n    plan GiB     {rows[-1]['predicted']}\n"
