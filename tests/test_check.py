@@ -182,3 +182,13 @@ def test_user_errors_are_one_line(plans, tmp_path):
         assert len(lines) == 1 and re.search(pattern, lines[0]), result.output
     result = CliRunner().invoke(main, ["check", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "is not a directory" in result.output
+
+
+@pytest.mark.slow
+def test_jobs_check_ranks_in_processes_of_their_own(plans, checked):
+    """--jobs 2: the same measurements, each pipeline rank in a spawned process."""
+    name = "gpt_pp2_dp2_z1"
+    got = check_program(str(plans[name]), slack_bytes=0, jobs=2)
+    want = checked[name]
+    assert [(r.rank, r.comm_bytes, r.memory_bytes) for r in got] == \
+        [(r.rank, r.comm_bytes, r.memory_bytes) for r in want]
