@@ -33,8 +33,8 @@ next three to run and gathers them again later (rank 0: 130 all-gathers over dp 
 the 14 reduce-scatters are the plan's), so dp traffic is 3.6-3.7x the plan's and fewer gathered parameters are
 held at once; and the activations are 1.7-1.8x the plan's, of which the pipeline stages' receive buffers, allocated
 for every micro-batch of every chunk and kept (rank 0: 704 of 12 MiB, 8.9 GB, the bytes of its 704 ``irecv``s),
-are one part the cost model does not charge. With v <= 3 (tests/test_check.py, and v = 2 with 32 micro-batches) the
-traffic equals the plan's byte for byte.
+are one part the cost model does not charge. With v = 2 (tests/test_check.py; also checked with 32 micro-batches)
+the traffic equals the plan's byte for byte; v = 3 to 5 was not tried.
 
 LLaMA-2 70B / 64 H100 (default plan: dp 64, ZeRO-3, pp 1, full recomputation, 2 micro-batches of 4): 195 s wall,
 57 s CPU, one pipeline rank. Agrees and fits: dp traffic 1103.6 GB = the plan's byte for byte (332 all-gathers,
