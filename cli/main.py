@@ -8,6 +8,7 @@ Every user error prints one line (``error: ...``) and exits with code 2, without
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import sys
 from pathlib import Path
@@ -219,6 +220,92 @@ def run_cmd(out_dir, nproc_per_node, runtime_args):
     from partc.runtime.launch import run
 
     sys.exit(run(out_dir, list(runtime_args), nproc_per_node))
+
+
+@main.command("check")
+@click.argument("out_dir", type=str)
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
+              help="The optimizer `partc run` will use (its states are part of the memory).")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+              help="json: print the measurements and the comparison as JSON to stdout.")
+@click.option("--slack-bytes", type=click.IntRange(min=0), default=2**20, show_default=True,
+              help="Differences up to this many bytes agree whatever the fraction.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Pipeline ranks checked at once, each in a process of its own (one CPU core and the memory of "
+                   "one rank's bookkeeping each).")
+def check_cmd(out_dir, optimizer, fmt, slack_bytes, jobs):
+    """Run one step of every pipeline rank of OUT_DIR's program on this CPU (fake tensors, a fake process group of
+    the plan's world size) and compare its memory and traffic with the plan.
+
+    Exit 0 when every number agrees with the plan within 10% (or --slack-bytes) and every rank fits its GPU; 1
+    otherwise, listing the rows that disagree."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from partc.runtime.check import TOLERANCE, check_program
+
+    err = Console(stderr=True, highlight=False)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err, transient=fmt == "json") as bar:
+        task = bar.add_task("checking", total=None)
+
+        def progress(done: int, rank: int) -> None:
+            what = f"checking pipeline rank {done} (global rank {rank})" if rank >= 0 else "checked"
+            bar.update(task, completed=done, description=what)
+
+        def started(total: int) -> None:
+            bar.update(task, total=total)
+
+        # The model's code runs inside: what it prints goes to stderr, so stdout holds partc's output alone.
+        with contextlib.redirect_stdout(sys.stderr):
+            results = check_program(out_dir, optimizer=optimizer, slack_bytes=slack_bytes, jobs=jobs, progress=progress,
+                                    started=started)
+    rows = [row for r in results for row in r.rows()]
+    bad = [row for row in rows if not row.agrees]
+    unfit = [r for r in results if not r.fits]
+    worst = max(rows, key=lambda row: abs(row.error))
+    if fmt == "json":
+        click.echo(json.dumps({"tolerance": TOLERANCE, "ranks": [r.to_dict() for r in results],
+                               "worst_error": worst.error, "worst": worst.what, "worst_pp_rank": worst.pp_rank,
+                               "agrees": not bad, "fits": not unfit}, indent=2, sort_keys=True))
+    else:
+        print_check(results, worst, bad, unfit, TOLERANCE)
+    sys.exit(1 if bad or unfit else 0)
+
+
+def _bytes(n: float) -> str:
+    """Bytes as GiB, MiB or KiB, whichever reads best."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def print_check(results, worst, bad, unfit, tolerance: float) -> None:
+    console = Console(highlight=False, width=max(Console().width, 100))
+    for r in results:
+        t = Table(title=f"Pipeline rank {r.pp_rank} (global rank {r.rank}: dp {r.dp_rank}, tp {r.tp_rank}; "
+                        f"{r.seconds:.1f} s)", title_justify="left")
+        for col in ("", "predicted", "measured", "error", ""):
+            t.add_column(col, justify="left" if not col else "right")
+        for row in r.rows():
+            t.add_row(row.what, _bytes(row.predicted), _bytes(row.measured), f"{row.error * 100:+.1f}%",
+                      "ok" if row.agrees else "[bold red]DISAGREES[/]")
+        fit = "fits" if r.fits else "[bold red]DOES NOT FIT[/]"
+        t.caption = (f"peak {_bytes(r.memory_bytes['total'])} + communicators "
+                     f"{_bytes(r.predicted_memory_bytes.get('buffers', 0))} = {_bytes(r.needed_bytes)} of "
+                     f"{_bytes(r.usable_bytes)} usable: {fit}")
+        t.caption_justify = "left"
+        console.print(t)
+    console.print(f"worst error {worst.error * 100:+.1f}% ({worst.what}, pipeline rank {worst.pp_rank}); tolerance "
+                  f"{tolerance * 100:.0f}% or {_bytes(worst.slack)}")
+    for row in bad:
+        console.print(f"[bold red]disagrees[/]: pipeline rank {row.pp_rank} {row.what}: predicted "
+                      f"{_bytes(row.predicted)}, measured {_bytes(row.measured)} ({row.error * 100:+.1f}%)")
+    for r in unfit:
+        console.print(f"[bold red]does not fit[/]: pipeline rank {r.pp_rank} needs {_bytes(r.needed_bytes)}, "
+                      f"{_bytes(r.usable_bytes)} usable")
+    if not bad and not unfit:
+        console.print("the program agrees with the plan and fits")
 
 
 if __name__ == "__main__":  # pragma: no cover

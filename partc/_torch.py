@@ -9,6 +9,11 @@
   on meta).
 - `set_pg_timeout`: ``init_device_mesh`` creates the mesh's groups with c10d's default timeout (30 min, NCCL 10),
   not the one given to ``init_process_group``; `partc.runtime.mesh` sets ``--collective-timeout`` on each.
+- `partc check` (`partc.runtime.check`): `FakeStore` (the fake process group's store), `FSDPMemTracker` with its kinds
+  `FSDPRefType` and `TRACKER_TOTAL` (its private hooks ``_update_snap``, ``_update_peak_stats``,
+  ``_instrument_optimizer``, ``_fsdp_param_group_post_backward`` are overridden there), and `InferenceMode` with the
+  pipeline schedule's ``_warmup_p2p`` and the stage's ``_user_meta`` / ``_inference_mode`` (the warm-up vote it
+  answers for absent neighbours).
 
 FSDP2, the pipelining schedules, ZeroRedundancyOptimizer and torch.distributed.checkpoint are used through
 their public APIs only.
@@ -16,15 +21,35 @@ their public APIs only.
 
 from __future__ import annotations
 
+import importlib
+
 from torch import Tensor
 from torch.distributed.distributed_c10d import _set_pg_timeout as set_pg_timeout
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["TorchDispatchMode", "set_pg_timeout", "storage_key", "tree_flatten", "tree_map"]
+__all__ = ["FSDPMemTracker", "FSDPRefType", "FakeStore", "InferenceMode", "TRACKER_TOTAL", "TorchDispatchMode",
+           "set_pg_timeout", "storage_key", "tree_flatten", "tree_map"]
 
 
 def storage_key(t: Tensor) -> int:
     """An id of the storage `t` views, the same for every view of it, while the storage lives (keep it alive to
     keep the id unique)."""
     return t.untyped_storage()._cdata
+
+
+# `partc check`'s names, imported when first asked for (torch.distributed._tools alone takes seconds to import).
+_LAZY = {
+    "FSDPMemTracker": ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker"),
+    "FSDPRefType": ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPRefType"),
+    "TRACKER_TOTAL": ("torch.distributed._tools.mem_tracker", "_TOTAL_KEY"),
+    "InferenceMode": ("torch.distributed.pipelining._utils", "InferenceMode"),
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)

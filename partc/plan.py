@@ -146,4 +146,5 @@ def read_plan(path: str | Path) -> Plan:
         stages.append(Stage(index=i, rank=i % parallel.pp, modules=modules))
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
     cluster = data.get("cluster") if isinstance(data.get("cluster"), dict) else {}
-    return Plan(model=model, cluster=cluster, parallel=parallel, tp=dict(tp), stages=stages)
+    predicted = data.get("predicted") if isinstance(data.get("predicted"), dict) else {}
+    return Plan(model=model, cluster=cluster, parallel=parallel, tp=dict(tp), stages=stages, predicted=predicted)

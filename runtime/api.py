@@ -142,11 +142,19 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     """Set up this rank's part of the compiled program in `out_dir` (run under torchrun). A collective that
     waits longer than `collective_timeout_s` fails (every process group of the mesh)."""
     files = read_program(out_dir)
-    par = files.plan.parallel
     opt_config = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay)
+    # 1. The mesh (pp, dp, tp).
+    world = init_world(files.plan.parallel, timeout_s=collective_timeout_s)
+    return build(files, world, seed=seed, optimizer=opt_config, init_checkpoint=init_checkpoint)
 
-    # 1. The mesh (pp, dp, tp); the stage files find the tp group through `collectives`.
-    world = init_world(par, timeout_s=collective_timeout_s)
+
+def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: OptimizerConfig | None = None,
+          init_checkpoint: str | Path | None = None) -> Program:
+    """Steps 2-5 of `load` on a mesh already joined (`partc.runtime.check` builds it outside its fake tensor mode,
+    which device meshes do not run under)."""
+    par = files.plan.parallel
+    opt_config = optimizer or OptimizerConfig()
+    # The stage files find the tp group through `collectives`.
     set_tp_group(world.tp_group)
 
     # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes

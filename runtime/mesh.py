@@ -54,6 +54,8 @@ class World:
     """One process group per mesh axis: ``pp``, ``dp``, ``tp``."""
     tp_dp_mesh: DeviceMesh | None = None
     """This pipeline rank's ``(tp, dp)`` mesh (the groups of ``mesh``, tp outer), for checkpoint DTensors."""
+    zero_mesh: DeviceMesh | None = None
+    """The mesh FSDP shards over (`zero_mesh`)."""
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -99,9 +101,22 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
     assert tuple(mesh.get_coordinate()) == tuple(coords.values()), (mesh.get_coordinate(), rank)
     pp_rank, dp_rank, tp_rank = coords["pp"], coords["dp"], coords["tp"]
     groups = {name: mesh.get_group(name) for name in degrees}
-    for group in groups.values():  # the mesh's groups get c10d's default timeout otherwise (30 min)
-        set_pg_timeout(timedelta(seconds=timeout_s), group)
+    if dist.get_backend() != "fake":  # `partc check`'s fake process group has no timeout
+        for group in groups.values():  # the mesh's groups get c10d's default timeout otherwise (30 min)
+            set_pg_timeout(timedelta(seconds=timeout_s), group)
     ranks = mesh.mesh[pp_rank].t().contiguous()  # [tp, dp] global ranks of this pipeline rank
     tp_dp = DeviceMesh.from_group([groups["tp"], groups["dp"]], device.type, ranks, mesh_dim_names=("tp", "dp"))
-    return World(par=par, mesh=mesh, device=device, rank=rank, pp_rank=pp_rank, dp_rank=dp_rank,
-                 tp_rank=tp_rank, groups=groups, tp_dp_mesh=tp_dp)
+    world = World(par=par, mesh=mesh, device=device, rank=rank, pp_rank=pp_rank, dp_rank=dp_rank,
+                  tp_rank=tp_rank, groups=groups, tp_dp_mesh=tp_dp)
+    world.zero_mesh = zero_mesh(world, par)
+    return world
+
+
+def zero_mesh(world: World, par: Parallel) -> DeviceMesh:
+    """The mesh FSDP shards over: the ``dp`` axis; for ZeRO-0, (``dp`` replicated, a shard group of one) (HSDP)."""
+    if par.zero > 0:
+        return world.mesh["dp"]
+    single, _ = dist.new_subgroups(group_size=1)  # collective: every rank creates every singleton group
+    return DeviceMesh.from_group([world.dp_group, single], world.device.type,
+                                 mesh=world.mesh["dp"].mesh.reshape(-1, 1), mesh_dim_names=("dp", "dp_shard"))
+

@@ -57,6 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from partc._torch import storage_key
 from partc.errors import PartcError
 from partc.parallel import Parallel
 from partc.precision import MASTER_DTYPE, compute_dtype
@@ -90,7 +91,7 @@ class OptimizerConfig:
 def parallelize(stages: list[StageModule], world: World, par: Parallel, blocks: set[str]) -> list[nn.Module]:
     """Apply recomputation, mixed precision and ZeRO to each stage module (in place); returns the modules to hand
     to the pipeline. `blocks`: the units that are repeated blocks (recomputed under ``full``)."""
-    mesh = zero_mesh(world, par)
+    mesh = world.zero_mesh
     modules = []
     for st in stages:
         # 1. tensor parallelism: in the stage files.
@@ -104,15 +105,6 @@ def apply_recompute(stage: StageModule, par: Parallel, blocks: set[str]) -> None
     """Full recomputation: each block unit keeps only its inputs and runs its forward again in backward."""
     for fqn, unit in stage.units.items():
         unit.recompute = par.recompute == "full" and fqn in blocks
-
-
-def zero_mesh(world: World, par: Parallel) -> DeviceMesh:
-    """The mesh FSDP shards over: the ``dp`` axis; for ZeRO-0, (``dp`` replicated, a shard group of one) (HSDP)."""
-    if par.zero > 0:
-        return world.mesh["dp"]
-    single, _ = dist.new_subgroups(group_size=1)  # collective: every rank creates every singleton group
-    return DeviceMesh.from_group([world.dp_group, single], world.device.type,
-                                 mesh=world.mesh["dp"].mesh.reshape(-1, 1), mesh_dim_names=("dp", "dp_shard"))
 
 
 def apply_zero(stage: StageModule, mesh: DeviceMesh, par: Parallel) -> nn.Module:
@@ -228,7 +220,7 @@ class GradSync:
             for name, g in zip(sg.names, grads):
                 for m, attr in sg.copies[name]:
                     dst = _local(getattr(m, attr).grad)
-                    if dst.data_ptr() != g.data_ptr():
+                    if (storage_key(dst), dst.storage_offset()) != (storage_key(g), g.storage_offset()):
                         dst.copy_(g)
 
 

@@ -164,6 +164,21 @@ class PipelineRunner:
 
     def step(self, args: tuple, kwargs: dict, targets: Any) -> float:
         """One optimizer step on the global batch; returns the global-batch mean loss (on every rank)."""
+        losses = self.forward_backward(args, kwargs, targets)
+        loss, bad_grads = self._global_mean(losses)  # the report: 16 bytes, not part of the step's traffic
+        reshard(self.modules)  # the gathered copies: stale once the optimizer updates the sharded weights
+        if not math.isfinite(loss) or bad_grads:
+            what = f"the loss is {loss}" if not math.isfinite(loss) else \
+                f"{bad_grads:.0f} gradient tensors hold nan or inf (loss {loss:.6g})"
+            raise NonFiniteError(f"{what}: the step was not applied")
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def forward_backward(self, args: tuple, kwargs: dict, targets: Any) -> list[Tensor]:
+        """The step up to the optimizer: gradients cleared, the pipeline schedule on this rank's slice of the global
+        batch, the shared weights' gradients summed; counts the traffic (`comm_bytes`). Returns the last stage's
+        micro-batch losses (empty on other ranks)."""
         inputs = flatten_inputs(args, kwargs, self.input_keys)
         n = inputs[0].shape[0]
         if n != self.global_batch_size:
@@ -185,16 +200,8 @@ class PipelineRunner:
                 self.schedule.step(target=index, losses=losses, return_outputs=False)
             self.grad_sync()
         self.comm_bytes = dict(counted)
-        loss, bad_grads = self._global_mean(losses)  # the report: 16 bytes, not part of the step's traffic
-        reshard(self.modules)  # the gathered copies: stale once the optimizer updates the sharded weights
         self._targets = None
-        if not math.isfinite(loss) or bad_grads:
-            what = f"the loss is {loss}" if not math.isfinite(loss) else \
-                f"{bad_grads:.0f} gradient tensors hold nan or inf (loss {loss:.6g})"
-            raise NonFiniteError(f"{what}: the step was not applied")
-        for opt in self.optimizers:
-            opt.step()
-        return loss
+        return losses
 
     def _global_mean(self, losses: list[Tensor]) -> tuple[float, float]:
         """(the loss: mean over micro-batches and DP ranks; how many gradient tensors hold nan or inf), on every

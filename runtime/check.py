@@ -1,0 +1,354 @@
+"""`partc check OUT`: run one optimizer step of every pipeline rank of a compiled program, at the plan's world size, in
+this one CPU process, and hold what it allocates and communicates against the plan's ``predicted.ranks``.
+
+For each representative GPU (`representatives`: one per pipeline rank, at dp and tp coordinate 0; the others of
+that pipeline rank run the same code on tensors of the same shapes) `check_rank`:
+
+1. joins a fake process group of the plan's world size as that global rank
+   (``torch.testing._internal.distributed.fake_pg``: its collectives move nothing and return at once) and builds
+   the mesh exactly as `partc.runtime.mesh.init_world` does under torchrun;
+2. under ``FakeTensorMode`` (tensors with shapes, dtypes and devices but no storage: a 175B model costs no memory),
+   builds the runtime's program as `partc.runtime.api.load` does (`partc.runtime.api.build`: stages, ZeRO wrapping,
+   precision, optimizers, the plan's pipeline schedule);
+3. creates the optimizer states (AdamW creates them lazily in its first step, so one step on zero gradients, as
+   every step after a run's first has them), then runs one step: the schedule's forwards and backwards over every
+   micro-batch of this rank's slice of the global batch, the shared weights' sums, and the optimizer step.
+
+The pipeline neighbours are not in the process. The fake process group's ``recv`` leaves the receive buffer as it is,
+a tensor of the boundary's shape and dtype (`partc.runtime.train.stage_shapes`), so each stage runs on stand-ins of
+its inputs and gradients. The schedule's warm-up vote (every stage says whether its shapes are static; an integer
+over ``send``/``recv`` and ``.item()``, which fake tensors cannot give) is answered for the neighbours with what
+they would answer: static, as every stage of a partc program is built with static shapes (checked on the local
+ones).
+
+Measured, per representative:
+
+- traffic: the runtime's own `partc.runtime.comm.CommCounter`, the quantity of ``predicted.ranks[].comm_bytes``;
+- memory: ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (every tensor's storage, by what it is),
+  folded into the plan's categories (`CATEGORIES`); for each, the most it holds at any moment of the step, and the
+  peak of the total. The plan's ``buffers`` (NCCL's communicator memory) has no counterpart on a CPU: it is added to
+  the measured peak for the question whether the plan fits, not compared. Neither is the caching allocator's
+  rounding and fragmentation, which the cluster's memory reserve is for.
+
+A row agrees when measured and predicted differ by at most `TOLERANCE` of the larger, or by at most `SLACK_BYTES`
+(``--slack-bytes``): a few KiB of a tiny model, or a category the plan expects empty, are not a disagreement.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import multiprocessing
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from partc._torch import TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPRefType, InferenceMode
+from partc.cluster import Cluster
+from partc.collectives import set_tp_group
+from partc.errors import PartcError
+from partc.parallel import Parallel
+from partc.runtime.api import Program, build
+from partc.runtime.mesh import init_world
+from partc.runtime.parallelize import OptimizerConfig, reshard
+from partc.runtime.program import ProgramFiles, read_program
+
+TOLERANCE = 0.10
+"""A measured number agrees with the plan's when they differ by at most this fraction of the larger."""
+
+SLACK_BYTES = 1 << 20
+"""Differences up to this many bytes agree whatever the fraction (tiny test models, a loss's few bytes)."""
+
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+"""The plan's memory categories (``predicted.ranks[].memory_bytes``), `categories` maps the tracker's kinds to them."""
+
+
+def categories(zero: int) -> dict[str, tuple[str, ...]]:
+    """The plan's categories -> the tracker's kinds, by the plan's own table (`partc.passes.zero`): ``params`` are
+    the sharded fp32 master weights, and below ZeRO-3 the gathered compute copies; ``grads`` the sharded fp32
+    gradients, and below ZeRO-2 the unsharded fp32 accumulation (recorded as the tracker's sharded gradients, see
+    `_Tracker`); ``activations`` everything transient, as the plan's activations hold saved activations,
+    recomputation, ZeRO's working memory (a unit's compute-dtype gradient, at ZeRO-3 the gathered units) and the
+    loss (`partc.passes.cost.stage_extra_bytes`), and here also the model's buffers and the input micro-batches."""
+    gathered = (FSDPRefType.UNSHARDED_PARAM,)
+    params = (FSDPRefType.SHARDED_PARAM, *(gathered if zero < 3 else ()))
+    transient = (FSDPRefType.ACT, FSDPRefType.TEMP, FSDPRefType.ALL_GATHER, FSDPRefType.REDUCE_SCATTER,
+                 FSDPRefType.INP, FSDPRefType.BUFFER, FSDPRefType.UNSHARDED_GRAD, *(gathered if zero == 3 else ()))
+    return {"params": params, "grads": (FSDPRefType.SHARDED_GRAD,), "optimizer": (FSDPRefType.OPT,),
+            "activations": transient}
+
+
+AXES = ("dp", "tp", "pp")
+
+
+@dataclass(kw_only=True, slots=True)
+class RankCheck:
+    """What one representative GPU did in one step, next to what the plan predicted for its pipeline rank."""
+
+    rank: int
+    """Global rank of the representative."""
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    comm_bytes: dict[str, int]
+    """Measured collective payload by axis (``dp``, ``tp``, ``pp``)."""
+    memory_bytes: dict[str, int]
+    """Measured: the most each category (`CATEGORIES`) held at any moment of the step; ``total``: the peak."""
+    predicted_comm_bytes: dict[str, float]
+    predicted_memory_bytes: dict[str, float]
+    """The plan's ``predicted.ranks[pp_rank].memory_bytes`` (``buffers`` included)."""
+    usable_bytes: float
+    """The cluster's usable memory per GPU (its size less the reserve)."""
+    slack_bytes: float = SLACK_BYTES
+    """Differences up to this many bytes agree whatever the fraction."""
+    seconds: float
+    """Wall time of this rank's check (build and step)."""
+
+    def rows(self) -> list[Row]:
+        """Every compared quantity of this rank: memory by category, the peak, traffic by axis."""
+        mem, pred = self.memory_bytes, self.predicted_memory_bytes
+        out = [Row(pp_rank=self.pp_rank, what=f"memory {c}", predicted=float(pred.get(c, 0.0)),
+                   measured=mem[c], slack=self.slack_bytes) for c in CATEGORIES]
+        # The peak against the plan's total less the communicator buffers, which the tracker cannot see.
+        out.append(Row(pp_rank=self.pp_rank, what="memory peak",
+                       predicted=float(pred.get("total", 0.0)) - float(pred.get("buffers", 0.0)),
+                       measured=mem["total"], slack=self.slack_bytes))
+        out += [Row(pp_rank=self.pp_rank, what=f"comm {axis}", predicted=float(self.predicted_comm_bytes.get(axis, 0)),
+                    measured=self.comm_bytes.get(axis, 0), slack=self.slack_bytes) for axis in AXES]
+        return out
+
+    @property
+    def needed_bytes(self) -> float:
+        """The measured peak plus the plan's communicator buffers: what the GPU must hold."""
+        return self.memory_bytes["total"] + float(self.predicted_memory_bytes.get("buffers", 0.0))
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.usable_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
+                "comm_bytes": dict(self.comm_bytes), "memory_bytes": dict(self.memory_bytes),
+                "predicted_comm_bytes": dict(self.predicted_comm_bytes),
+                "predicted_memory_bytes": dict(self.predicted_memory_bytes), "needed_bytes": self.needed_bytes,
+                "usable_bytes": self.usable_bytes, "slack_bytes": self.slack_bytes, "fits": self.fits, "seconds": self.seconds,
+                "rows": [r.to_dict() for r in self.rows()]}
+
+
+@dataclass(kw_only=True, slots=True)
+class Row:
+    """One compared quantity of one pipeline rank."""
+
+    pp_rank: int
+    what: str
+    """``memory CATEGORY``, ``memory peak`` or ``comm AXIS``."""
+    predicted: float
+    measured: float
+    slack: float = SLACK_BYTES
+    """Differences up to this many bytes agree whatever the fraction."""
+
+    @property
+    def error(self) -> float:
+        """(measured - predicted) / the larger of the two; 0 when both are 0."""
+        scale = max(abs(self.predicted), abs(self.measured))
+        return (self.measured - self.predicted) / scale if scale else 0.0
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.error) <= TOLERANCE or abs(self.measured - self.predicted) <= self.slack
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pp_rank": self.pp_rank, "what": self.what, "predicted": self.predicted, "measured": self.measured,
+                "error": self.error, "agrees": self.agrees}
+
+
+def representatives(par: Parallel) -> list[int]:
+    """Global ranks checked: one per pipeline rank, at dp and tp coordinate 0."""
+    return [par.rank_of(pp=r, dp=0, tp=0) for r in range(par.pp)]
+
+
+def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float = SLACK_BYTES, jobs: int = 1,
+                  progress: Callable[[int, int], None] | None = None,
+                  started: Callable[[int], None] | None = None) -> list[RankCheck]:
+    """Check every representative of the program in `out_dir` (`check_rank`), `jobs` of them at a time (each in a
+    process of its own when `jobs` > 1). `started(n)` is told how many there are; `progress(done, rank)` is called
+    when a check starts (done: how many finished) and with rank -1 at the end."""
+    if dist.is_initialized():
+        raise PartcError("partc check runs in a process of its own, outside torchrun")
+    if jobs < 1:
+        raise PartcError(f"--jobs must be at least 1, got {jobs}")
+    files = read_program(out_dir)
+    predicted_ranks(files)  # user errors before minutes of work
+    Cluster.from_dict(files.plan.cluster)
+    ranks = representatives(files.plan.parallel)
+    if started is not None:
+        started(len(ranks))
+    tell = progress or (lambda done, rank: None)
+    results: dict[int, RankCheck] = {}
+    if jobs == 1:
+        for rank in ranks:
+            tell(len(results), rank)
+            results[rank] = check_rank(files, rank, optimizer=optimizer, slack_bytes=slack_bytes)
+    else:
+        spawn = multiprocessing.get_context("spawn")  # a fresh process: no process group, no fake mode inherited
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(ranks)), mp_context=spawn) as pool:
+            running = {pool.submit(_check_in_worker, str(out_dir), rank, optimizer, slack_bytes): rank
+                       for rank in ranks}
+            tell(0, ranks[0])
+            for done in concurrent.futures.as_completed(running):
+                results[running[done]] = done.result()
+                tell(len(results), next((r for r in ranks if r not in results), -1))
+    tell(len(ranks), -1)
+    return [results[r] for r in ranks]
+
+
+def _check_in_worker(out_dir: str, rank: int, optimizer: str, slack_bytes: float) -> RankCheck:
+    torch.set_num_threads(1)
+    return check_rank(read_program(out_dir), rank, optimizer=optimizer, slack_bytes=slack_bytes)
+
+
+def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
+               slack_bytes: float = SLACK_BYTES) -> RankCheck:
+    """One step of global rank `rank` of the program on fake tensors and a fake process group (module docstring)."""
+    par = files.plan.parallel
+    start = time.perf_counter()
+    with _fake_world(par, rank):
+        world = init_world(par)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            prog = build(files, world, optimizer=OptimizerConfig(name=optimizer))
+            _answer_warmup_vote(prog)
+            _create_optimizer_states(prog)
+            (args, kwargs), targets = prog.batch(0)
+            tracker = _Tracker(prog, categories(par.zero))
+            with tracker:
+                prog.runner.forward_backward(args, kwargs, targets)
+                reshard(prog.runner.modules)
+                for opt in prog.optimizers:
+                    opt.step()
+            memory = tracker.categories()
+    mine = predicted_ranks(files)[world.pp_rank]
+    return RankCheck(rank=rank, pp_rank=world.pp_rank, dp_rank=world.dp_rank, tp_rank=world.tp_rank,
+                     comm_bytes={a: int(prog.runner.comm_bytes.get(a, 0)) for a in AXES},
+                     memory_bytes=memory, predicted_comm_bytes=mine["comm_bytes"],
+                     predicted_memory_bytes=mine["memory_bytes"],
+                     usable_bytes=float(Cluster.from_dict(files.plan.cluster).usable_memory_bytes),
+                     slack_bytes=slack_bytes, seconds=time.perf_counter() - start)
+
+
+def predicted_ranks(files: ProgramFiles) -> list[dict[str, dict[str, float]]]:
+    """The plan's ``predicted.ranks``: per pipeline rank, ``memory_bytes`` and ``comm_bytes`` (name -> bytes)."""
+    where = files.out_dir / "plan.json"
+    ranks = files.plan.predicted.get("ranks")
+    pp = files.plan.parallel.pp
+    if not isinstance(ranks, list) or len(ranks) != pp:
+        raise PartcError(f"{where}: predicted.ranks must list {pp} pipeline ranks; compile again")
+    out = []
+    for i, entry in enumerate(ranks):
+        got = {}
+        for key, names in (("memory_bytes", (*CATEGORIES, "buffers", "total")), ("comm_bytes", AXES)):
+            value = entry.get(key) if isinstance(entry, dict) else None
+            if not isinstance(value, dict) or not all(
+                    isinstance(value.get(n), (int, float)) and not isinstance(value.get(n), bool)
+                    and math.isfinite(value[n]) and value[n] >= 0 for n in names):
+                raise PartcError(f"{where}: predicted.ranks[{i}].{key} must give {', '.join(names)} as bytes "
+                                 f"(numbers >= 0); compile again")
+            got[key] = {n: float(value[n]) for n in names}
+        out.append(got)
+    return out
+
+
+@contextlib.contextmanager
+def _fake_world(par: Parallel, rank: int) -> Iterator[None]:
+    """This process as global rank `rank` of a fake process group of the plan's world size."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=par.world_size)
+    try:
+        yield
+    finally:
+        set_tp_group(None)
+        dist.destroy_process_group()
+
+
+def _answer_warmup_vote(prog: Program) -> None:
+    """The pipeline schedule's warm-up vote, answered for the absent neighbours (module docstring)."""
+    schedule = prog.runner.schedule
+
+    def vote(stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            assert not InferenceMode.needs_dynamic(stage._user_meta, has_backward), stage.stage_index
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote
+
+
+@torch.no_grad()
+def _create_optimizer_states(prog: Program) -> None:
+    """One optimizer step on zero gradients (the states every step after a run's first holds), gradients cleared."""
+    for opt in prog.optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+class _Tracker(FSDPMemTracker):
+    """FSDP2's memory tracker over every stage module and optimizer of this rank (the torch class takes one of each),
+    recording the most each category holds at any moment besides the peak of the total."""
+
+    def __init__(self, prog: Program, kinds: dict[str, tuple[str, ...]]):
+        super().__init__(prog.stages[0], None)
+        self.kinds = kinds
+        self._root_mod = nn.ModuleList(prog.stages)  # the parent class walks `.modules()` and `.buffers()` only
+        self._optms = list(prog.optimizers)
+        self.most: dict[str, int] = {}
+
+    def _instrument_optimizer(self) -> None:
+        # The states exist already (`_create_optimizer_states`) and are updated in place; what the optimizer step
+        # allocates besides (foreach AdamW's temporaries) is transient, so it is not marked as optimizer states.
+        for optm in self._optms:
+            self._track_optimizer_states(FSDPRefType.OPT, optm)
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod: nn.Module, orig: Callable) -> Callable:
+        # ZeRO 0 and 1 accumulate each micro-batch's gradient unsharded in fp32 until the last one (FSDP's
+        # ``unsharded_accumulated_grad``): the plan's gradients, which the torch tracker leaves as temporaries. They
+        # are recorded as sharded gradients, the kind the plan's ``grads`` take (`categories`), apart from the
+        # compute-dtype gradient of the unit (unsharded gradients), which the plan counts as working memory.
+        inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+
+        def post_backward(*args: Any, **kwargs: Any) -> None:
+            inner(*args, **kwargs)
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                grad = fsdp_param.unsharded_accumulated_grad
+                if grad is not None:
+                    self._update_and_maybe_create_winfos(grad, FSDPRefType.SHARDED_GRAD)
+
+        return post_backward
+
+    def _update_snap(self, *args: Any, **kwargs: Any) -> None:
+        super()._update_snap(*args, **kwargs)
+        for snap in self._curr_mem_snap.values():
+            for category, kinds in self.kinds.items():
+                nbytes = sum(snap.get(k, 0) for k in kinds)
+                if nbytes > self.most.get(category, 0):
+                    self.most[category] = nbytes
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # The peak of the device only: the torch class also updates every module's own peak after every op, which
+        # costs more than the op itself with thousands of modules (and no one reads them here).
+        for dev, snap in self._curr_mem_snap.items():
+            if snap[TRACKER_TOTAL] > self._peak_mem.get(dev, 0):
+                self._peak_mem[dev] = snap[TRACKER_TOTAL]
+                self._peak_mem_snap[dev] = dict(snap)
+
+    def categories(self) -> dict[str, int]:
+        """The plan's categories: the most each held at once; ``total``: the peak (one device)."""
+        out = {c: self.most.get(c, 0) for c in CATEGORIES}
+        out["total"] = max(self._peak_mem.values(), default=0)
+        return out

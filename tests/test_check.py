@@ -1,0 +1,194 @@
+"""`partc check` (`partc.runtime.check`): one step of every pipeline rank on fake tensors and a fake process group of
+the plan's world size, held against the plan, and against the same programs run for real on gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from helpers import EXAMPLES, run_jobs
+from partc._torch import FSDPRefType
+from partc.cli.main import main
+from partc.compile import compile_model
+from partc.parallel import Pins
+from partc.plan import read_plan
+from partc.runtime.check import TOLERANCE, Row, categories, check_program, representatives
+
+# name: (model, GPUs, pins, global batch): ZeRO 0, 1 and 3, tp, pp (1F1B and interleaved), selective recompute
+PLANS = {
+    "gpt_pp2_dp2_z1": ("gpt", 4, dict(tp=1, pp=2, dp=2, zero=1, micro_batch_size=1, schedule="1f1b"), 8),
+    "llama_pp2_tp2_z0_interleaved": ("llama", 4, dict(tp=2, pp=2, dp=1, zero=0, micro_batch_size=1,
+                                                       schedule="interleaved-1f1b"), 4),
+    "gpt_dp4_z3_selective": ("gpt", 4, dict(tp=1, pp=1, dp=4, zero=3, micro_batch_size=1, schedule="gpipe",
+                                            recompute="selective"), 8),
+}
+
+
+def compile_plan(name: str, tmp: Path) -> Path:
+    model, gpus, pins, gbs = PLANS[name]
+    compile_model(str(EXAMPLES / f"{model}.py"), gpus=gpus, pins=Pins(**pins), global_batch_size=gbs,
+                  out_dir=tmp / name)
+    return tmp / name
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("check")
+    return {name: compile_plan(name, tmp) for name in PLANS}
+
+
+@pytest.fixture(scope="module")
+def checked(plans):
+    """name -> `check_program`'s results (no slack: every byte counts)."""
+    torch.set_num_threads(1)
+    return {name: check_program(str(out), slack_bytes=0) for name, out in plans.items()}
+
+
+def _edit_plan(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    path = dst / "plan.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return dst
+
+
+# --- fast ----------------------------------------------------------------------------------------------------------
+
+def test_row_tolerance():
+    assert TOLERANCE == 0.10
+    assert Row(pp_rank=0, what="comm dp", predicted=100e6, measured=109e6).agrees
+    assert not Row(pp_rank=0, what="comm dp", predicted=100e6, measured=112e6).agrees
+    assert not Row(pp_rank=0, what="memory activations", predicted=10e6, measured=50e6).agrees
+    assert Row(pp_rank=0, what="memory grads", predicted=0, measured=2**19).agrees  # within the default 1 MiB
+    assert not Row(pp_rank=0, what="memory grads", predicted=0, measured=2**19, slack=0).agrees
+    assert Row(pp_rank=0, what="comm tp", predicted=0, measured=0, slack=0).agrees
+
+
+def test_categories_follow_the_plans_zero_table():
+    """Gathered parameters are the plan's params below ZeRO-3 and working memory (activations) at ZeRO-3; a unit's
+    compute-dtype gradient is working memory at every stage."""
+    for zero in range(4):
+        kinds = categories(zero)
+        every = [k for ks in kinds.values() for k in ks]
+        assert sorted(every) == sorted(FSDPRefType), zero  # every kind in exactly one category
+        assert (FSDPRefType.UNSHARDED_PARAM in kinds["params"]) == (zero < 3)
+        assert FSDPRefType.UNSHARDED_GRAD in kinds["activations"]
+
+
+# --- slow: partc check on small plans -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_check_agrees_with_the_plan(plans, checked):
+    """Every pipeline rank: traffic equal to the plan's, byte for byte; the model states (params, optimizer; grads
+    but at ZeRO-1, see below) within 1%; the peak within the tolerance; the CLI exits 0."""
+    for name, results in checked.items():
+        par = read_plan(plans[name] / "plan.json").parallel
+        assert [r.rank for r in results] == representatives(par)
+        assert [r.pp_rank for r in results] == list(range(par.pp))
+        for r in results:
+            assert r.comm_bytes == {k: int(v) for k, v in r.predicted_comm_bytes.items()}, (name, r.pp_rank)
+            assert sum(r.comm_bytes.values()) > 0
+            for c in ("params", "optimizer") + (("grads",) if par.zero != 1 else ()):
+                assert r.memory_bytes[c] == pytest.approx(r.predicted_memory_bytes[c], rel=0.01), (name, c)
+            peak = r.predicted_memory_bytes["total"] - r.predicted_memory_bytes["buffers"]
+            assert abs(r.memory_bytes["total"] - peak) <= TOLERANCE * peak * 2, (name, r.pp_rank)
+            assert r.fits
+    result = CliRunner().invoke(main, ["check", str(plans["llama_pp2_tp2_z0_interleaved"]), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["agrees"] and report["fits"] and len(report["ranks"]) == 2
+
+
+@pytest.mark.slow
+def test_zero1_gradients_never_all_at_once(checked):
+    """ZeRO-1 holds the fp32 accumulation (4 bytes a parameter) and its reduce-scattered shards (4/N), but FSDP frees
+    each unit's accumulation as it reduces it: the most gradients held at once is 4 bytes a parameter, not the
+    plan's 4 + 4/N (an over-prediction of the cost model, by 4/N of the gradients)."""
+    for r in checked["gpt_pp2_dp2_z1"]:
+        predicted = r.predicted_memory_bytes["grads"]  # 4 + 4/2 = 6 bytes a parameter
+        assert r.memory_bytes["grads"] == pytest.approx(predicted * 4 / 6, rel=0.01)
+
+
+@pytest.mark.slow
+def test_check_counts_what_the_real_run_sends(plans, checked, tmp_path):
+    """The same programs on 4 gloo ranks: each representative's measured traffic equals its real rank's in the
+    second step (the first also carries the schedule's 4-byte warm-up vote), axis by axis."""
+    torch.set_num_threads(1)
+    jobs = [{"out": str(out), "steps": 2, "result": str(tmp_path / f"{name}.pt"), "optimizer": "adamw",
+             "lr": 1e-3} for name, out in plans.items()]
+    run_jobs(4, jobs, tmp_path)
+    for name in plans:
+        real = torch.load(tmp_path / f"{name}.pt", weights_only=True)["comm"][1]
+        for r in checked[name]:
+            assert r.comm_bytes == {axis: real[r.rank].get(axis, 0) for axis in ("dp", "tp", "pp")}, (name, r.rank)
+
+
+@pytest.mark.slow
+def test_under_predicted_memory_exits_1_naming_the_row(plans, checked, tmp_path):
+    """pipeline rank 1's activations said to be a quarter of what they are: exit 1, that row named."""
+    name = "gpt_pp2_dp2_z1"
+    act = checked[name][1].memory_bytes["activations"]
+
+    def under(data):
+        mem = data["predicted"]["ranks"][1]["memory_bytes"]
+        mem["total"] -= mem["activations"] - act / 4
+        mem["activations"] = act / 4
+
+    out = _edit_plan(plans[name], tmp_path / "under", under)
+    result = CliRunner().invoke(main, ["check", str(out), "--slack-bytes", "0"])
+    assert result.exit_code == 1, result.output
+    assert "disagrees: pipeline rank 1 memory activations" in result.output
+    assert "disagrees: pipeline rank 0 memory activations" not in result.output
+    # untampered, the same row agrees
+    assert next(row for row in checked[name][1].rows() if row.what == "memory activations").agrees
+
+
+@pytest.mark.slow
+def test_plan_that_does_not_fit_exits_1(plans, tmp_path):
+    """A cluster whose GPU holds less than the communicators and the peak: exit 1, every rank does not fit."""
+    def small(data):
+        data["cluster"].update(memory_bytes=128 * 2**20, memory_reserve_bytes=0, memory_reserve_fraction=0.0)
+
+    out = _edit_plan(plans["gpt_dp4_z3_selective"], tmp_path / "small", small)
+    result = CliRunner().invoke(main, ["check", str(out), "--format", "json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert not report["fits"] and [r["fits"] for r in report["ranks"]] == [False]
+
+
+# --- user errors ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_user_errors_are_one_line(plans, tmp_path):
+    def no_ranks(data):
+        del data["predicted"]["ranks"]
+
+    def negative(data):
+        data["predicted"]["ranks"][0]["comm_bytes"]["dp"] = -1
+
+    for edit, pattern in ((no_ranks, "predicted.ranks must list 2 pipeline ranks"),
+                          (negative, r"predicted.ranks\[0\].comm_bytes must give dp, tp, pp")):
+        out = _edit_plan(plans["gpt_pp2_dp2_z1"], tmp_path / edit.__name__, edit)
+        result = CliRunner().invoke(main, ["check", str(out)])
+        assert result.exit_code == 2, result.output
+        lines = [l for l in result.output.splitlines() if l.startswith("error:")]
+        assert len(lines) == 1 and re.search(pattern, lines[0]), result.output
+    result = CliRunner().invoke(main, ["check", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "is not a directory" in result.output
+
+
+@pytest.mark.slow
+def test_jobs_check_ranks_in_processes_of_their_own(plans, checked):
+    """--jobs 2: the same measurements, each pipeline rank in a spawned process."""
+    name = "gpt_pp2_dp2_z1"
+    got = check_program(str(plans[name]), slack_bytes=0, jobs=2)
+    want = checked[name]
+    assert [(r.rank, r.comm_bytes, r.memory_bytes) for r in got] == \
+        [(r.rank, r.comm_bytes, r.memory_bytes) for r in want]
