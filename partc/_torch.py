@@ -28,8 +28,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout as set_pg_timeout
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["FSDPMemTracker", "FSDPRefType", "FakeStore", "InferenceMode", "TRACKER_TOTAL", "TorchDispatchMode",
-           "set_pg_timeout", "storage_key", "tree_flatten", "tree_map"]
+__all__ = ["TorchDispatchMode", "set_pg_timeout", "storage_key", "tree_flatten", "tree_map"]  # and _LAZY's names
 
 
 def storage_key(t: Tensor) -> int:
@@ -46,6 +45,7 @@ _LAZY = {
     "InferenceMode": ("torch.distributed.pipelining._utils", "InferenceMode"),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
 }
+__all__ += list(_LAZY)
 
 
 def __getattr__(name: str):
