@@ -59,7 +59,7 @@ def rebatch(ep: torch.export.ExportedProgram, model: nn.Module, args: tuple, kwa
     """A copy of `ep` (exported at one sample) for the meta inputs `args`, `kwargs` of b samples, or None when
     the sizes cannot be proven (then export at b). `ep` is left as it was."""
     try:
-        with torch.no_grad(), _SameShapes():
+        with torch.no_grad(), SameShapes():
             return _rebatch(ep, model, args, kwargs)
     except _Unproven:
         return None
@@ -103,6 +103,10 @@ def _rebatch(ep: torch.export.ExportedProgram, model: nn.Module, args: tuple, kw
     if b > 1:
         _replay(graph, {new: old for old, new in env.items()}, flat, b)  # 3.
         _check_outputs(ep, output, model, args, kwargs)                  # 4.
+    else:  # plain meta tensors for the values (the TP rewrite runs the graph again, `SameShapes` caches that)
+        for node in graph.nodes:
+            if "val" in node.meta and _plain(node.meta["val"], fake=True):
+                node.meta["val"] = _fresh(node.meta["val"])
     new = copy.copy(ep)
     new._graph_module = torch.fx.GraphModule(ep.graph_module, graph)
     return new
@@ -145,10 +149,11 @@ def _check_outputs(ep, output: torch.fx.Node, model: nn.Module, args: tuple, kwa
         raise _Unproven("the model's outputs at b samples have other shapes")
 
 
-class _SameShapes(TorchDispatchMode):
-    """Runs an op once per distinct (op, argument shapes, strides and dtypes, other arguments) and after that
-    hands out fresh tensors of the shapes it gave: the identical blocks of a large model run the same ops on the
-    same shapes, and meta tensors carry no data. Views and in-place ops (which return their input) always run."""
+class SameShapes(TorchDispatchMode):
+    """Runs an op on meta tensors once per distinct (op, argument shapes, strides and dtypes, other arguments)
+    and after that hands out fresh tensors of the shapes it gave: the identical blocks of a large model run the
+    same ops on the same shapes, and meta tensors carry no data. Views, in-place ops (which return their input)
+    and ops on tensor subclasses (the fake tensors of torch.export) always run."""
 
     def __init__(self):
         super().__init__()
@@ -156,7 +161,7 @@ class _SameShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.is_view or func._schema.is_mutable:
+        if func.is_view or func._schema.is_mutable or any(t is not torch.Tensor for t in types):
             return func(*args, **kwargs)
         try:
             key = (func, _key(args), _key(kwargs))
@@ -171,17 +176,23 @@ class _SameShapes(TorchDispatchMode):
         return out
 
 
-def _plain(out) -> bool:
-    """Meta tensors (or tuples of them) that a fresh tensor of the same shape and strides stands for."""
+def _plain(out, *, fake: bool = False) -> bool:
+    """Meta tensors (or tuples of them; with `fake`, fake ones too) that a fresh tensor of the same shape and
+    strides stands for."""
     if isinstance(out, (list, tuple)):
-        return all(_plain(x) for x in out)
-    return isinstance(out, torch.Tensor) and out.device.type == "meta" and out.storage_offset() == 0
+        return all(_plain(x, fake=fake) for x in out)
+    return isinstance(out, torch.Tensor) and (fake or type(out) is torch.Tensor) and out.device.type == "meta"
 
 
 def _fresh(out):
-    if isinstance(out, torch.Tensor):
+    """A new meta tensor of `out`'s shape, strides, offset and dtype (a tuple of them for a tuple)."""
+    if not isinstance(out, torch.Tensor):
+        return type(out)(_fresh(x) for x in out)
+    if not out.storage_offset():
         return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
-    return type(out)(_fresh(x) for x in out)
+    span = 1 + sum((n - 1) * s for n, s in zip(out.shape, out.stride())) if out.numel() else 0
+    base = torch.empty(out.storage_offset() + span, dtype=out.dtype, device="meta")
+    return base.as_strided(out.shape, out.stride(), out.storage_offset())
 
 
 def _key(a):
