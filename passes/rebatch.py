@@ -26,10 +26,9 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.export._tree_utils import reorder_kwargs
 from torch.export.graph_signature import InputKind, OutputKind
 
-from partc._torch import TorchDispatchMode
+from partc._torch import LazyGraphModule, TorchDispatchMode, reorder_kwargs
 
 aten = torch.ops.aten
 
@@ -108,7 +107,7 @@ def _rebatch(ep: torch.export.ExportedProgram, model: nn.Module, args: tuple, kw
             if "val" in node.meta and _plain(node.meta["val"], fake=True):
                 node.meta["val"] = _fresh(node.meta["val"])
     new = copy.copy(ep)
-    new._graph_module = torch.fx.GraphModule(ep.graph_module, graph)
+    new._graph_module = LazyGraphModule(ep.graph_module, graph)  # its Python code only if something asks
     return new
 
 
