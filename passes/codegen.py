@@ -43,7 +43,7 @@ from partc.passes import tp_rewrite
 from partc.passes.constants import constant_values, literal
 from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
 from partc.passes.measure import CORE_OPS, stack_fqns
-from partc.passes.rebatch import SameShapes
+from partc.passes.same_shapes import SameShapes
 from partc.passes.trace import Assignment, assign
 from partc.sharding import param_shard
 

@@ -28,7 +28,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from partc._torch import LazyGraphModule, TorchDispatchMode, reorder_kwargs
+from partc._torch import LazyGraphModule, reorder_kwargs
+from partc.passes.same_shapes import SameShapes, fresh, plain
 
 aten = torch.ops.aten
 
@@ -104,8 +105,8 @@ def _rebatch(ep: torch.export.ExportedProgram, model: nn.Module, args: tuple, kw
         _check_outputs(ep, output, model, args, kwargs)                  # 4.
     else:  # plain meta tensors for the values (the TP rewrite runs the graph again, `SameShapes` caches that)
         for node in graph.nodes:
-            if "val" in node.meta and _plain(node.meta["val"], fake=True):
-                node.meta["val"] = _fresh(node.meta["val"])
+            if "val" in node.meta and plain(node.meta["val"], fake=True):
+                node.meta["val"] = fresh(node.meta["val"])
     new = copy.copy(ep)
     new._graph_module = LazyGraphModule(ep.graph_module, graph)  # its Python code only if something asks
     return new
@@ -146,64 +147,6 @@ def _check_outputs(ep, output: torch.fx.Node, model: nn.Module, args: tuple, kwa
     if len(got) != len(want) or any(isinstance(g, torch.Tensor) != isinstance(w, torch.Tensor) or (
             isinstance(g, torch.Tensor) and g.shape != w.shape) for g, w in zip(got, want)):
         raise _Unproven("the model's outputs at b samples have other shapes")
-
-
-class SameShapes(TorchDispatchMode):
-    """Runs an op on meta tensors once per distinct (op, argument shapes, strides and dtypes, other arguments)
-    and after that hands out fresh tensors of the shapes it gave: the identical blocks of a large model run the
-    same ops on the same shapes, and meta tensors carry no data. Views, in-place ops (which return their input)
-    and ops on tensor subclasses (the fake tensors of torch.export) always run."""
-
-    def __init__(self):
-        super().__init__()
-        self.results: dict[tuple, object] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.is_view or func._schema.is_mutable or any(t is not torch.Tensor for t in types):
-            return func(*args, **kwargs)
-        try:
-            key = (func, _key(args), _key(kwargs))
-            out = self.results.get(key)
-        except TypeError:  # an unhashable argument
-            return func(*args, **kwargs)
-        if out is not None:
-            return _fresh(out)
-        out = func(*args, **kwargs)
-        if _plain(out):
-            self.results[key] = out
-        return out
-
-
-def _plain(out, *, fake: bool = False) -> bool:
-    """Meta tensors (or tuples of them; with `fake`, fake ones too) that a fresh tensor of the same shape and
-    strides stands for."""
-    if isinstance(out, (list, tuple)):
-        return all(_plain(x, fake=fake) for x in out)
-    return isinstance(out, torch.Tensor) and (fake or type(out) is torch.Tensor) and out.device.type == "meta"
-
-
-def _fresh(out):
-    """A new meta tensor of `out`'s shape, strides, offset and dtype (a tuple of them for a tuple)."""
-    if not isinstance(out, torch.Tensor):
-        return type(out)(_fresh(x) for x in out)
-    if not out.storage_offset():
-        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
-    span = 1 + sum((n - 1) * s for n, s in zip(out.shape, out.stride())) if out.numel() else 0
-    base = torch.empty(out.storage_offset() + span, dtype=out.dtype, device="meta")
-    return base.as_strided(out.shape, out.stride(), out.storage_offset())
-
-
-def _key(a):
-    if isinstance(a, torch.Tensor):
-        return ("T", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device.type)
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__, *(_key(x) for x in a))
-    if isinstance(a, dict):
-        return ("D", *((k, _key(v)) for k, v in a.items()))
-    if isinstance(a, float) and a != a:
-        raise TypeError("nan")  # never equal to itself: no key
-    return a
 
 
 @functools.cache

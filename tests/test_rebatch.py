@@ -117,3 +117,19 @@ def test_batch_of_a_hugging_face_mask_is_refused():
     pytest.importorskip("transformers")
     got, want = _both(EXAMPLES / "hf_gpt2.py", 2)
     assert got is None and want is not None
+
+
+def test_same_shapes_runs_an_op_once_per_distinct_call():
+    """SameShapes answers a repeated call with a fresh tensor of the same metadata; int and float scalars, views
+    and in-place ops are told apart."""
+    from partc.passes.same_shapes import SameShapes
+
+    x, i = torch.empty(4, 8, device="meta"), torch.empty(4, dtype=torch.long, device="meta")
+    with SameShapes() as cache:
+        a, b = torch.mm(x, x.t()), torch.mm(x, x.t())
+        assert a.shape == b.shape == (4, 4) and a is not b and a.untyped_storage()._cdata != b.untyped_storage()._cdata
+        assert (i + 1).dtype == torch.long and (i + 1.0).dtype == torch.float32
+        v = x.view(8, 4)
+        assert v.untyped_storage()._cdata == x.untyped_storage()._cdata  # a view is a view
+        assert x.add_(1) is x
+    assert any(key[0] is torch.ops.aten.mm.default for key in cache.results)
