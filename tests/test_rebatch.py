@@ -6,13 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXAMPLES, trace_file
+from helpers import EXAMPLES
 from partc import compile as compile_mod
-from partc.compile import compile_model
-from partc.model_file import build_on_meta
+from partc.compile import compile_model, meta_inputs
+from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import Pins
 from partc.passes.export import export_on_meta
 from partc.passes.rebatch import rebatch
+from partc.passes.trace import trace
+from partc.precision import compute_dtype
 
 
 def _nodes(ep) -> list[str]:
@@ -23,23 +25,29 @@ def _nodes(ep) -> list[str]:
     return [str((n.name, n.op, n.target, n.args, n.kwargs, val(n))) for n in ep.graph.nodes]
 
 
-def _both(path, b: int):
-    """(rebatched graph or None, graph of a fresh export) at b samples, and the traced graph's nodes before."""
-    spec, traced = trace_file(path)
-    before = _nodes(traced.exported)
+def _both(path, b: int, precision: str = "bf16"):
+    """(rebatched graph or None, graph of a fresh export) at b samples, both at the trace's `precision` (the model
+    as the trace cast it, inputs as compile_model makes them); the traced graph is left as it was."""
+    spec = load_model_file(str(path))
     model = build_on_meta(spec)
     with torch.device("meta"):
-        args, kwargs = spec.inputs(b)
+        args, kwargs = spec.inputs(1)
+    traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=str(path), precision=precision)
+    before = _nodes(traced.exported)
+    args, kwargs = meta_inputs(spec, b, precision)
     got = rebatch(traced.exported, model, args, kwargs)
     assert _nodes(traced.exported) == before  # the traced graph is left as it was
     return got, export_on_meta(model, args, kwargs)
 
 
-@pytest.mark.parametrize("case,b", [("gpt", 1), ("gpt", 2), ("gpt", 3), ("llama", 2), ("llama", 4)])
-def test_equals_a_fresh_export(case, b):
-    got, want = _both(EXAMPLES / f"{case}.py", b)
+@pytest.mark.parametrize("case,b,precision", [("gpt", 1, "bf16"), ("gpt", 2, "bf16"), ("gpt", 3, "bf16"),
+                                              ("llama", 2, "bf16"), ("llama", 4, "bf16"), ("gpt", 2, "fp32")])
+def test_equals_a_fresh_export(case, b, precision):
+    got, want = _both(EXAMPLES / f"{case}.py", b, precision)
     assert got is not None
     assert _nodes(got) == _nodes(want)
+    dtypes = {n.meta["val"].dtype for n in want.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert compute_dtype(precision) in dtypes
     assert got.graph is not want.graph
 
 
