@@ -232,6 +232,7 @@ def test_large_instance_is_optimal():
                             first_required=a, last_required=z)
     assert free.max_time < got.max_time
 
+
 def test_larger_instances_match_the_dense_dp():
     """The banded windows and the sparse tie-break give exactly what the dense DP gives, up to p = n (where brute
     force cannot go): identical blocks with ties everywhere, random times, memory limits that bind."""
