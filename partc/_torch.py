@@ -7,6 +7,8 @@
 - `storage_key`: which storage a tensor views (meta tensors have storages but no data pointer).
 - ``torch.nn.init._no_grad_trunc_normal_``: replaced while `partc.deferred_init` records a build (it does nothing
   on meta).
+- `LazyGraphModule`, `reorder_kwargs`: `partc.passes.rebatch` makes a graph module of its copy of the traced graph
+  without generating its Python code (nothing runs it), and flattens inputs in the exported program's order.
 - `set_pg_timeout`: ``init_device_mesh`` creates the mesh's groups with c10d's default timeout (30 min, NCCL 10),
   not the one given to ``init_process_group``; `partc.runtime.mesh` sets ``--collective-timeout`` on each.
 - `partc check` (`partc.runtime.check`): `FakeStore` (the fake process group's store), `FSDPMemTracker` with its kinds
@@ -25,10 +27,13 @@ import importlib
 
 from torch import Tensor
 from torch.distributed.distributed_c10d import _set_pg_timeout as set_pg_timeout
+from torch.export._tree_utils import reorder_kwargs
+from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["TorchDispatchMode", "set_pg_timeout", "storage_key", "tree_flatten", "tree_map"]  # and _LAZY's names
+__all__ = ["LazyGraphModule", "TorchDispatchMode", "reorder_kwargs", "set_pg_timeout", "storage_key", "tree_flatten",
+           "tree_map"]  # and _LAZY's names
 
 
 def storage_key(t: Tensor) -> int:

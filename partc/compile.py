@@ -30,6 +30,7 @@ from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
 from partc.passes.export import export_on_meta
+from partc.passes.rebatch import rebatch
 from partc.passes.trace import Traced, trace
 
 DEFAULT_BATCH_TOKENS = 2 * 1024 * 1024
@@ -143,7 +144,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
         if par.micro_batch_size < par.global_batch_size:
             warnings.append(batch_norm_note(norms, par))
 
-    # 5. The sharded program: the graph exported again at the micro-batch size, split by stages.
+    # 5. The sharded program: the traced graph at the micro-batch size, split by stages.
     t_codegen = time.perf_counter()
     if out_dir is not None:
         program = make_program(spec, model, traced, plan, path=path, entry=entry)
@@ -209,11 +210,13 @@ def init_warnings(init: InitRecord) -> list[str]:
 
 def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,
                  entry: str) -> GeneratedProgram:
+    """The program from the traced graph at the plan's micro-batch size: a copy (codegen rewrites it in place for
+    TP) with the batch rescaled (`rebatch`), or, where the rescaling cannot be proven, a second export."""
     b = plan.parallel.micro_batch_size
     ep = traced.exported
-    if b != 1 or plan.parallel.tp > 1:  # a fresh graph: codegen rewrites it in place for TP
+    if b != 1 or plan.parallel.tp > 1:
         args, kwargs = meta_inputs(spec, b, plan.parallel.precision)
-        ep = export_on_meta(model, args, kwargs, path=path)
+        ep = rebatch(traced.exported, model, args, kwargs) or export_on_meta(model, args, kwargs, path=path)
     return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers)
 
 

@@ -26,6 +26,7 @@ runtime (`partc.runtime`) imports and runs them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from partc.passes import tp_rewrite
 from partc.passes.constants import constant_values, literal
 from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
 from partc.passes.measure import CORE_OPS, stack_fqns
+from partc.passes.same_shapes import SameShapes
 from partc.passes.trace import Assignment, assign
 from partc.sharding import param_shard
 
@@ -113,7 +115,8 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     and write each stage as Python."""
     a = assign(ep, model)
     aliases = {n: names for names in a.by_id.values() for n in names}  # parameter FQN -> every name of its tensor
-    rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases)
+    with SameShapes():  # the rewrite runs each op on local shapes: once per distinct op and shapes
+        rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases)
     if plan.parallel.tp > 1:
         a = assign(ep, model)  # the rewrite added nodes
     io = _graph_io(ep)
@@ -322,7 +325,13 @@ def _manifest(ep: torch.export.ExportedProgram, a: Assignment, io: _GraphIO, rw:
 
 def _source_line(node: torch.fx.Node) -> str:
     """``file:line  code`` of the model's source for this node: its innermost frame of model code."""
-    frame = innermost(stack_trace_frames(node.meta.get("stack_trace")))
+    return _stack_source_line(node.meta.get("stack_trace"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stack_source_line(stack_trace: str | None) -> str:
+    """`_source_line` of a stack trace (the identical blocks of a model share theirs)."""
+    frame = innermost(stack_trace_frames(stack_trace))
     return "" if frame is None else f"{os.path.basename(frame.filename)}:{frame.lineno}  {frame.line}"
 
 

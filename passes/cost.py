@@ -219,13 +219,19 @@ def _param_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, uni
     return out
 
 
-def fsdp_groups(graph: ModelGraph, par: Parallel, tp: TPPlan | None, chunk: Sequence[int]
-                ) -> tuple[list[float], float, float, float]:
+def unit_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[dict[str, tuple]]:
+    """`_param_local_shapes` of every unit, in order (what `predict` and the search reuse across calls)."""
+    return [_param_local_shapes(graph, par, tp, u) for u in graph.units]
+
+
+def fsdp_groups(graph: ModelGraph, par: Parallel, tp: TPPlan | None, chunk: Sequence[int],
+                local_shapes: list[dict[str, tuple]] | None = None) -> tuple[list[float], float, float, float]:
     """FSDP's groups for one model chunk, as `partc.runtime.parallelize.apply_zero` makes them: (parameters of each
     unit with a group of its own, their padded elements, the padded elements of the chunk's root group, its
     parameters). A parameter shared by two units of the chunk (a tied embedding and head) puts both units in the
-    root group."""
-    shapes = [_param_local_shapes(graph, par, tp, graph.units[i]) for i in chunk]
+    root group. `local_shapes`: `unit_local_shapes`, when the caller has it."""
+    shapes = [local_shapes[i] if local_shapes is not None else _param_local_shapes(graph, par, tp, graph.units[i])
+              for i in chunk]
     owners: dict[str, int] = {}
     for j, s in enumerate(shapes):
         for key in s:
@@ -289,13 +295,15 @@ def in_flight(par: Parallel, rank: int) -> float:
 
 
 def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
-                      units_in_stage: Sequence[int] | Sequence[Unit]) -> float:
+                      units_in_stage: Sequence[int] | Sequence[Unit],
+                      shards: list[dict[str, int]] | None = None) -> float:
     """Transient working memory of a stage besides the saved activations, for one micro-batch:
     - full recompute: the backward of a block first rebuilds all its activations (as without recomputation):
       the largest recomputed unit's; selective: the largest recomputed attention core;
     - ZeRO's transient memory (`partc.passes.zero.working_bytes`): gathered units and one unit's gradients;
     - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole even when the head is
       colwise, since a loss-parallel head is not assumed).
+    `shards`: `unit_param_shards`, when the caller has it.
     """
     units = _unit_list(graph, units_in_stage)
     working = [0.0]
@@ -308,7 +316,9 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
             rebuilt -= _saved_bytes(par, tp, u, "selective")  # only the attention core is rebuilt
         working.append(rebuilt)
     extra = max(working)
-    extra += zero.working_bytes(par, (sum(_param_shards(graph, par, tp, u).values()) for u in units))
+    index = {u.fqn: i for i, u in enumerate(graph.units)} if shards is not None else {}
+    extra += zero.working_bytes(par, (sum((shards[index[u.fqn]] if shards is not None
+                                           else _param_shards(graph, par, tp, u)).values()) for u in units))
     last = graph.units[-1]
     if any(u.fqn == last.fqn for u in units) and last.layers:
         head = graph.layers[last.layers[-1]]
@@ -435,18 +445,19 @@ def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, i
     return total * par.micro_batch_size * par.num_microbatches
 
 
-def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
-                   bounds: Sequence[tuple[int, int]]) -> dict[int, float]:
+def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None, bounds: Sequence[tuple[int, int]],
+                   local_shapes: list[dict[str, tuple]] | None = None) -> dict[int, float]:
     """Pipeline rank -> bytes it all-reduces once a step for the weights it shares with other pipeline ranks (a tied
     embedding and head on the first and the last stage): the fp32 gradient of its shard (after TP, and FSDP's dp
-    shard, padded)."""
+    shard, padded). `local_shapes`: `unit_local_shapes`, when the caller has it."""
     if par.pp == 1 or not graph.tied:
         return {}
     rank_of_unit = {i: k % par.pp for k, (lo, hi) in enumerate(bounds) for i in range(lo, hi)}
     holders: dict[str, set[int]] = {}
     shapes: dict[str, tuple] = {}
-    for i, unit in enumerate(graph.units):
-        for key, shape in _param_local_shapes(graph, par, tp, unit).items():
+    local_shapes = local_shapes if local_shapes is not None else unit_local_shapes(graph, par, tp)
+    for i in range(len(graph.units)):
+        for key, shape in local_shapes[i].items():
             holders.setdefault(key, set()).add(rank_of_unit[i])
             shapes[key] = shape
     out: dict[int, float] = {}
@@ -482,7 +493,8 @@ def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, i
 
 def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
             bounds: list[tuple[int, int]], *, parts: list[UnitTime] | None = None,
-            acts: list[float] | None = None, shards: list[dict[str, int]] | None = None) -> Prediction:
+            acts: list[float] | None = None, shards: list[dict[str, int]] | None = None,
+            local_shapes: list[dict[str, tuple]] | None = None) -> Prediction:
     """Step time, throughput and memory of a plan. Pipeline (Narayanan et al.): every rank runs m micro-batches;
     the slowest rank, T_max seconds per micro-batch (compute + TP comm + p2p), sets the steady-state pace, and
     filling and draining the pipeline costs p - 1 more slots (an upper bound when stages are unbalanced):
@@ -490,8 +502,8 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         interleaved 1F1B: (m + (p - 1)/v) · T_max, T_max summing the v chunks of a rank: the ideal time is still
                           m · T_max, and the fill/drain slot is one chunk, T_max / v (bubble (1/v)·(p - 1)/m).
     Then the exposed DP gradient traffic and the optimizer step of the rank with the most parameters.
-    `parts`, `acts` and `shards` (`unit_time_parts`, `unit_activation_bytes`, `unit_param_shards` of the same
-    graph, par and tp) save recomputing them when the caller has them.
+    `parts`, `acts`, `shards` and `local_shapes` (`unit_time_parts`, `unit_activation_bytes`, `unit_param_shards`,
+    `unit_local_shapes` of the same graph, par and tp) save recomputing them when the caller has them.
     """
     check_bounds(graph, par, bounds)
     p, v, m, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.micro_batch_size
@@ -500,10 +512,11 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     parts = parts if parts is not None else unit_time_parts(graph, cluster, par, tp)
     acts = acts if acts is not None else unit_activation_bytes(graph, par, tp)
     shards = shards if shards is not None else unit_param_shards(graph, par, tp)
+    local_shapes = local_shapes if local_shapes is not None else unit_local_shapes(graph, par, tp)
     spans, cut = mesh_spans(cluster, par), graph.cut_bytes
 
     ranks, comps, dp_times, opt_times = [], [], [], []
-    shared = shared_weights(graph, par, tp, bounds)
+    shared = shared_weights(graph, par, tp, bounds, local_shapes)
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
         idx = [i for lo, hi in chunks for i in range(lo, hi)]
@@ -515,11 +528,12 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                                          _cut(graph.cut_grad_bytes or cut, hi - 1)))
                       for lo, hi in chunks)
         params = stage_param_count(graph, par, tp, idx, shards)
-        groups = [fsdp_groups(graph, par, tp, range(lo, hi)) for lo, hi in chunks]
+        groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) for lo, hi in chunks]
         own = [x for g in groups for x in g[0]]
         padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
         mem = model_state_bytes(params, par)
-        mem.activations = in_flight(par, r) * sum(acts[i] for i in idx) + stage_extra_bytes(graph, par, tp, idx)
+        mem.activations = (in_flight(par, r) * sum(acts[i] for i in idx)
+                           + stage_extra_bytes(graph, par, tp, idx, shards))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         comm = {"tp": tp_bytes(graph, par, tp, idx) + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
                 "dp": sum(zero.dp_bytes(par, params, *padded).values())}

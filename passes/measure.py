@@ -21,6 +21,7 @@ from partc.errors import PartcError
 from partc.frames import innermost, stack_trace_frames
 from partc.ir import Gemm
 from partc.passes.export import failure_hint
+from partc.passes.same_shapes import SameShapes
 
 aten = torch.ops.aten
 
@@ -211,7 +212,8 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
             finally:
                 recorder.node, recorder.core_bytes, recorder.fused_core = None, None, False
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+    # SameShapes below the recorder: the recorder sees every op; a repeated op (same shapes) is not run again.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), SameShapes(), recorder:
         interp = Interp(gm)
         interp.extra_traceback = False  # the PartcError of run_node is one line
         interp.run(*flat)

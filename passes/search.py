@@ -156,12 +156,15 @@ class _Costs:
     def shards(self, par: Parallel) -> list[dict[str, int]]:
         return self._get("shards", par, lambda: cost.unit_param_shards(self.graph, par, self.tp(par)))
 
+    def local_shapes(self, par: Parallel) -> list[dict[str, tuple]]:
+        return self._get("shards", par, lambda: cost.unit_local_shapes(self.graph, par, self.tp(par)), "shapes")
+
     def params(self, par: Parallel) -> list[int]:
         return self._get("shards", par, lambda: [sum(d.values()) for d in self.shards(par)], "params")
 
     def predict(self, par: Parallel, bounds: list[tuple[int, int]]) -> cost.Prediction:
         return cost.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
-                            acts=self.acts(par), shards=self.shards(par))
+                            acts=self.acts(par), shards=self.shards(par), local_shapes=self.local_shapes(par))
 
     def params_all(self, par: Parallel) -> int:
         """Parameters of the whole model on one GPU after TP sharding, a tied tensor counted once: no more than the
@@ -175,8 +178,9 @@ class _Costs:
     def extra(self, par: Parallel) -> tuple[float, float]:
         """Transient stage memory: (any stage, the last stage), bounded over all units."""
         units = list(range(len(self.graph.units)))
-        return self._get("extra", par, lambda: (cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units),
-                                                cost.stage_extra_bytes(self.graph, par, self.tp(par), units)))
+        return self._get("extra", par, lambda: (
+            cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units, self.shards(par)),
+            cost.stage_extra_bytes(self.graph, par, self.tp(par), units, self.shards(par))))
 
     def cut_time(self, par: Parallel) -> list[float]:
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)

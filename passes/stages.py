@@ -16,16 +16,18 @@ The first `first_required` units sit on stage 0, the last `last_required` on sta
 Why a DP and not "binary search T + greedy fill from the left": the greedy is exact only when a stage that fits
 still fits after units are removed from its front. Here it does not hold: moving a boundary moves which
 cut_time[i] both neighbours pay (cut times are not monotone in i), and extra_mem[k] is arbitrary per stage. The DP
-below is exact for any non-negative inputs and costs O(p * n^2) element operations, done as NumPy rows: about a
-millisecond per stage for n = 130.
+below is exact for any non-negative inputs. Stage k can only start in [k, k + w) and end in [k + 1, k + 1 + w),
+w = n - p + 1 (every other stage holds a unit), so it costs O(p * w^2) element operations, done as NumPy arrays
+over all stages at once where it can: a few milliseconds for n = 130 at any p.
 
-    1. matrices  T[s, e] = time_k(s, e) (stage independent), S[s, e], A[s, e] = memory sums (prefix differences)
+    1. matrices  T[s, e] = time_k(s, e) (stage independent), S[s, e], A[s, e] = memory sums (prefix differences),
+                 and each stage's w x w window of them
     2. min-max   best_k[e] = min_s max(best_{k-1}[s], T_k[s, e])   (T_k: T with inf where stage k's memory fails)
                  T* = min_{s <= n - last_required} max(best_{p-2}[s], T_{p-1}[s, n])
     3. ties      among partitions with every time_k <= T*, the most balanced one: minimal sum_k time_k^2 (a suffix
-                 DP, cost_k[s] = min_e T_k[s, e]^2 + cost_{k+1}[e]), then the earliest boundaries (the lexicographically
-                 smallest ends), so identical inputs give identical splits and early 1F1B stages, which hold the most
-                 micro-batches in flight, get the lighter share.
+                 DP, cost_k[s] = min_e T_k[s, e]^2 + cost_{k+1}[e], over the entries within T* only), then the
+                 earliest boundaries (the lexicographically smallest ends), so identical inputs give identical splits
+                 and early 1F1B stages, which hold the most micro-batches in flight, get the lighter share.
 """
 
 from __future__ import annotations
@@ -84,42 +86,64 @@ def partition_stages(time: Sequence[float], cut_time: Sequence[float], static_me
     static = ps[None, :] - ps[:, None]
     act = pa[None, :] - pa[:, None]
 
-    def stage_matrix(k: int) -> np.ndarray:
-        """T_k: stage times with inf where stage k would not fit in memory."""
-        fits = static + in_flight[k] * act + extra[k] <= mem_limit
-        tk = np.where(fits, times, INF)
-        if k == 0:
-            tk[1:, :] = INF  # stage 0 starts at unit 0 ...
-            tk[:, :a] = INF  # ... and ends at or after the first_required units
-        if k == p - 1:
-            tk[:, :n] = INF  # the last stage ends at n ...
-            tk[n - z + 1:, :] = INF  # ... and starts at or before the last_required units
-        return tk
+    # Stage k starts at s = k + i and ends at e = k + 1 + j, 0 <= i, j < w = n - p + 1: the k stages before it
+    # and the p - 1 - k after it hold a unit each. Its window of a matrix is the w x w block at (k, k + 1) (all
+    # stages at once: a strided view of shape (p, w, w)), and the end index j of stage k - 1 is the start index i
+    # of stage k.
+    w = n - p + 1
 
-    # 2. Min-max DP: best[e] = the best max time of stages 0..k covering units [0, e).
-    mats = [stage_matrix(k) for k in range(p)]
-    best = mats[0][0].copy()
+    def windows(mat: np.ndarray) -> np.ndarray:
+        s0, s1 = mat.strides
+        return np.lib.stride_tricks.as_strided(mat[:, 1:], shape=(p, w, w), strides=(s0 + s1, s0, s1),
+                                               writeable=False)
+
+    # T[k]: stage k's times, inf where it would not fit in memory (inputs are finite: nothing fails an infinite
+    # limit), where stage 0 does not start at unit 0 or ends before the first_required units, and where the last
+    # stage does not end at n or starts after the last_required units.
+    if mem_limit == INF:
+        mats = windows(times).copy()
+    else:
+        fits = (windows(static) + np.asarray(in_flight, dtype=float)[:, None, None] * windows(act)
+                + np.asarray(extra, dtype=float)[:, None, None] <= mem_limit)
+        mats = np.where(fits, windows(times), INF)
+    mats[0, 1:, :] = INF
+    mats[0, :, :max(a - 1, 0)] = INF  # e = 1 + j >= a
+    mats[p - 1, :, :w - 1] = INF
+    mats[p - 1, max(n - z - p + 2, 0):, :] = INF  # s = p - 1 + i <= n - z
+
+    # 2. Min-max DP: best[j] = the best max time of stages 0..k covering units [0, k + 1 + j).
+    best = mats[0, 0].copy()
     for k in range(1, p):
         best = np.maximum(best[:, None], mats[k]).min(axis=0)
-    t_star = float(best[n])
+    t_star = float(best[w - 1])
     if t_star == INF:
         return None
 
-    # 3. Ties: minimal sum of squared stage times among the T*-feasible splits, then the earliest ends.
-    squares = [np.where(m <= t_star, m * m, INF) for m in mats]
-    costs = [np.empty(0)] * p  # costs[k][s]: min sum of squares of stages k..p-1 covering [s, n)
-    costs[p - 1] = squares[p - 1][:, n].copy()
+    # 3. Ties: minimal sum of squared stage times among the T*-feasible splits, then the earliest ends. Only the
+    #    entries within T* take part (a few percent of the windows): they are listed by stage, start and end.
+    kk, ii, jj = np.nonzero(mats <= t_star)
+    times_e = mats[kk, ii, jj]
+    squares = times_e * times_e
+    at = np.searchsorted(kk, np.arange(p + 1))  # stage k's entries: at[k]:at[k + 1]
+    first = np.ones(len(kk), dtype=bool)  # the first entry of each (stage, start)
+    first[1:] = (ii[1:] != ii[:-1]) | (kk[1:] != kk[:-1])
+    costs = np.full((p, w), INF)  # costs[k][i]: min sum of squares of stages k..p-1 covering [k + i, n)
+    costs[p - 1][ii[at[p - 1]:]] = squares[at[p - 1]:]  # the last stage's one end: n
     for k in range(p - 2, -1, -1):
-        costs[k] = (squares[k] + costs[k + 1][None, :]).min(axis=1)
+        lo, hi = at[k], at[k + 1]
+        if hi > lo:
+            starts = np.flatnonzero(first[lo:hi])
+            costs[k][ii[lo:hi][starts]] = np.minimum.reduceat(squares[lo:hi] + costs[k + 1][jj[lo:hi]], starts)
     assert costs[0][0] < INF  # the split that reached T* satisfies every mask
-    bounds, s = [], 0
+    bounds, i = [], 0
     for k in range(p - 1):
-        row = squares[k][s] + costs[k + 1]
+        lo, hi = np.searchsorted(ii[at[k]:at[k + 1]], (i, i + 1)) + at[k]  # stage k's entries starting at i
+        row = squares[lo:hi] + costs[k + 1][jj[lo:hi]]
         target = row.min()
-        e = int(np.flatnonzero(row <= target + 1e-12 * abs(target))[0])  # earliest end among (near-)equal ones
-        bounds.append((s, e))
-        s = e
-    bounds.append((s, n))
+        j = int(jj[lo + np.flatnonzero(row <= target + 1e-12 * abs(target))[0]])  # earliest of (near-)equal ends
+        bounds.append((k + i, k + 1 + j))
+        i = j
+    bounds.append((p - 1 + i, n))
 
     stage_times = [float(times[s, e]) for s, e in bounds]
     stage_mem = [float(static[s, e] + in_flight[k] * act[s, e] + extra[k]) for k, (s, e) in enumerate(bounds)]

@@ -97,14 +97,14 @@ def _units_of(model: nn.Module) -> list[tuple[str, str]]:
     return units
 
 
-def _owner(fqn: str, names: list[str]) -> str | None:
+def _owner(fqn: str, names: set[str] | list[str]) -> str | None:
     """The longest name in `names` that is `fqn` or a prefix module of it (the root unit "" holds everything)."""
-    best = None
-    for n in names:
-        if n == "" or fqn == n or fqn.startswith(n + "."):
-            if best is None or len(n) > len(best):
-                best = n
-    return best
+    while True:
+        if fqn in names:
+            return fqn
+        if not fqn:
+            return None
+        fqn = fqn.rpartition(".")[0]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,6 +140,7 @@ def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
     layer_names = list(layer_mods)
     unit_list = _units_of(model)
     unit_names = [u for u, _ in unit_list]
+    unit_set = set(unit_names)
 
     # Attribute each node to its layer (deepest weight-bearing module on its stack) and unit.
     node_layer: dict[torch.fx.Node, str] = {}
@@ -151,7 +152,7 @@ def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
             node_layer[n] = layer
         unit = None
         for m in stack:
-            unit = _owner(m, unit_names)
+            unit = _owner(m, unit_set)
             if unit is not None:
                 break
         node_unit[n] = unit

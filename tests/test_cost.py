@@ -286,6 +286,24 @@ def test_predict_consistent():
     assert pred.to_dict()["memory_per_gpu"]["total"] == int(round(pred.memory_per_gpu.total))
 
 
+@pytest.mark.parametrize("zero_stage,bounds", [(3, [(0, 3), (3, 7)]), (1, [(0, 1), (1, 6), (6, 7)])])
+def test_predict_with_the_search_caches_equals_predict_without(zero_stage, bounds):
+    """The per-unit lists the search passes in (`unit_param_shards`, `unit_local_shapes`, ...) give the prediction
+    predict computes alone: tied embedding and head on different ranks, FSDP groups, TP."""
+    g = gpt(L=4, s=32, h=64, a=4, V=512)
+    tp = megatron_tp(g, s=32, h=64)
+    p_ = par(dp=2, tp=2, pp=len(bounds), zero=zero_stage, micro_batch_size=2, global_batch_size=32)
+    alone = cost.predict(g, A100, p_, tp, bounds)
+    cached = cost.predict(g, A100, p_, tp, bounds, parts=cost.unit_time_parts(g, A100, p_, tp),
+                          acts=cost.unit_activation_bytes(g, p_, tp), shards=cost.unit_param_shards(g, p_, tp),
+                          local_shapes=cost.unit_local_shapes(g, p_, tp))
+    assert cached.to_dict() == alone.to_dict()
+    assert alone.ranks[0].comm_bytes["pp"] > 0 and alone.ranks[-1].memory.activations > 0
+    units = list(range(bounds[0][0], bounds[0][1]))
+    assert (cost.stage_extra_bytes(g, p_, tp, units, cost.unit_param_shards(g, p_, tp))
+            == cost.stage_extra_bytes(g, p_, tp, units))
+
+
 def test_predict_single_gpu_no_comm():
     g = gpt()
     pred = cost.predict(g, A100, par(global_batch_size=4), None, [(0, len(g.units))])

@@ -5,7 +5,11 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
+
 from partc.passes.stages import partition_stages
+
+INF = float("inf")
 
 
 def brute_force(time, cut, static, act, p, in_flight, limit, extra, a, z):
@@ -24,6 +28,77 @@ def brute_force(time, cut, static, act, p, in_flight, limit, extra, a, z):
         if all(m <= limit for m in mems):
             found.append((max(times), sum(t * t for t in times), ends, bounds, times, mems))
     return sorted(found, key=lambda f: f[:3])
+
+
+def dense_reference(time, cut_time, static_mem, act_mem, *, num_stages, in_flight, mem_limit, extra_mem=None,
+                    first_required=0, last_required=0):
+    """The DP as first written: (n + 1) x (n + 1) matrices for every stage, dense tie-break (exact, slower)."""
+    n, p = len(time), num_stages
+    extra = [0.0] * p if extra_mem is None else list(extra_mem)
+    assert p >= 1, p
+    assert len(cut_time) == max(n - 1, 0) and len(static_mem) == n and len(act_mem) == n, "per-unit lists differ"
+    assert len(in_flight) == p and len(extra) == p, "per-stage lists must have num_stages entries"
+    assert 0 <= first_required <= n and 0 <= last_required <= n
+    if n == 0 or p > n:
+        return None
+    a, z = first_required, last_required
+    if p > 1 and a > n - z:  # stage 0 must end at or after a, the last stage start at or before n - z
+        return None
+
+    # 1. Matrices over (start s, end e), 0 <= s < e <= n; inf where e <= s.
+    pt = np.concatenate(([0.0], np.cumsum(np.asarray(time, dtype=float))))
+    ps = np.concatenate(([0.0], np.cumsum(np.asarray(static_mem, dtype=float))))
+    pa = np.concatenate(([0.0], np.cumsum(np.asarray(act_mem, dtype=float))))
+    cut = np.asarray(cut_time, dtype=float)
+    front = np.zeros(n + 1)  # front[s] = cut_time[s-1]: paid by a stage that starts at 0 < s < n
+    front[1:n] = cut
+    back = np.zeros(n + 1)  # back[e] = cut_time[e-1]: paid by a stage that ends at 0 < e < n
+    back[1:n] = cut
+    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+    times = np.where(valid, (pt[None, :] - pt[:, None]) + front[:, None] + back[None, :], INF)
+    static = ps[None, :] - ps[:, None]
+    act = pa[None, :] - pa[:, None]
+
+    def stage_matrix(k: int) -> np.ndarray:
+        """T_k: stage times with inf where stage k would not fit in memory."""
+        fits = static + in_flight[k] * act + extra[k] <= mem_limit
+        tk = np.where(fits, times, INF)
+        if k == 0:
+            tk[1:, :] = INF  # stage 0 starts at unit 0 ...
+            tk[:, :a] = INF  # ... and ends at or after the first_required units
+        if k == p - 1:
+            tk[:, :n] = INF  # the last stage ends at n ...
+            tk[n - z + 1:, :] = INF  # ... and starts at or before the last_required units
+        return tk
+
+    # 2. Min-max DP: best[e] = the best max time of stages 0..k covering units [0, e).
+    mats = [stage_matrix(k) for k in range(p)]
+    best = mats[0][0].copy()
+    for k in range(1, p):
+        best = np.maximum(best[:, None], mats[k]).min(axis=0)
+    t_star = float(best[n])
+    if t_star == INF:
+        return None
+
+    # 3. Ties: minimal sum of squared stage times among the T*-feasible splits, then the earliest ends.
+    squares = [np.where(m <= t_star, m * m, INF) for m in mats]
+    costs = [np.empty(0)] * p  # costs[k][s]: min sum of squares of stages k..p-1 covering [s, n)
+    costs[p - 1] = squares[p - 1][:, n].copy()
+    for k in range(p - 2, -1, -1):
+        costs[k] = (squares[k] + costs[k + 1][None, :]).min(axis=1)
+    assert costs[0][0] < INF  # the split that reached T* satisfies every mask
+    bounds, s = [], 0
+    for k in range(p - 1):
+        row = squares[k][s] + costs[k + 1]
+        target = row.min()
+        e = int(np.flatnonzero(row <= target + 1e-12 * abs(target))[0])  # earliest end among (near-)equal ones
+        bounds.append((s, e))
+        s = e
+    bounds.append((s, n))
+
+    stage_times = [float(times[s, e]) for s, e in bounds]
+    stage_mem = [float(static[s, e] + in_flight[k] * act[s, e] + extra[k]) for k, (s, e) in enumerate(bounds)]
+    return dict(bounds=bounds, max_time=max(stage_times), stage_times=stage_times, stage_mem=stage_mem)
 
 
 def test_random_small_instances_match_brute_force():
@@ -156,3 +231,33 @@ def test_large_instance_is_optimal():
     free = partition_stages(time, cut, static, act, num_stages=p, in_flight=in_flight, mem_limit=float("inf"),
                             first_required=a, last_required=z)
     assert free.max_time < got.max_time
+
+
+def test_larger_instances_match_the_dense_dp():
+    """The banded windows and the sparse tie-break give exactly what the dense DP gives, up to p = n (where brute
+    force cannot go): identical blocks with ties everywhere, random times, memory limits that bind."""
+    rng = random.Random(2)
+    found = 0
+    for _ in range(300):
+        n = rng.randint(2, 40)
+        p = rng.choice([1, 2, rng.randint(1, n), n - 1, n]) or 1
+        block = rng.choice([True, False])
+        time = [1.0 if block else rng.uniform(0.5, 2.0) for _ in range(n)]
+        time[0], time[-1] = rng.uniform(0.1, 1.0), rng.uniform(0.1, 1.0)
+        cut = [rng.choice([0.0, 0.01, 0.2]) for _ in range(n - 1)]
+        static = [rng.uniform(0.5, 1.5) for _ in range(n)]
+        act = [rng.uniform(0.0, 1.0) for _ in range(n)]
+        in_flight = [float(min(p - k, 4)) for k in range(p)]
+        extra = [rng.uniform(0, 1) for _ in range(p)]
+        limit = rng.choice([INF, rng.uniform(2, 3 * n / p + 3)])
+        a, z = rng.randint(0, 2), rng.randint(0, 2)
+        kw = dict(num_stages=p, in_flight=in_flight, mem_limit=limit, extra_mem=extra, first_required=min(a, n),
+                  last_required=min(z, n))
+        got, want = partition_stages(time, cut, static, act, **kw), dense_reference(time, cut, static, act, **kw)
+        if want is None:
+            assert got is None
+            continue
+        found += 1
+        assert (got.bounds, got.max_time, got.stage_times, got.stage_mem) == (
+            want["bounds"], want["max_time"], want["stage_times"], want["stage_mem"])
+    assert found > 150
