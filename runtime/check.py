@@ -176,8 +176,8 @@ def representatives(par: Parallel) -> list[int]:
 def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float = SLACK_BYTES, jobs: int = 1,
                   progress: Callable[[int, int], None] | None = None,
                   started: Callable[[int], None] | None = None) -> list[RankCheck]:
-    """Check every representative of the program in `out_dir` (`check_rank`), `jobs` of them at a time (each in a
-    process of its own when `jobs` > 1). `started(n)` is told how many there are; `progress(done, rank)` is called
+    """Check every representative of the program in `out_dir` (`check_rank`), `jobs` of them at a time, in processes
+    of their own. `started(n)` is told how many there are; `progress(done, rank)` is called
     when a check starts (done: how many finished) and with rank -1 at the end."""
     if dist.is_initialized():
         raise PartcError("partc check runs in a process of its own, outside torchrun")
@@ -191,19 +191,17 @@ def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float 
         started(len(ranks))
     tell = progress or (lambda done, rank: None)
     results: dict[int, RankCheck] = {}
-    if jobs == 1:
-        for rank in ranks:
-            tell(len(results), rank)
-            results[rank] = check_rank(files, rank, optimizer=optimizer, slack_bytes=slack_bytes)
-    else:
-        spawn = multiprocessing.get_context("spawn")  # a fresh process: no process group, no fake mode inherited
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(ranks)), mp_context=spawn) as pool:
-            running = {pool.submit(_check_in_worker, str(out_dir), rank, optimizer, slack_bytes): rank
-                       for rank in ranks}
-            tell(0, ranks[0])
-            for done in concurrent.futures.as_completed(running):
-                results[running[done]] = done.result()
-                tell(len(results), next((r for r in ranks if r not in results), -1))
+    # Always in processes of their own (one with jobs = 1): a fresh process inherits no process group and no fake
+    # mode, and the fake world's device meshes and groups do not outlive the check in the caller's process (a
+    # program loaded there afterwards would resolve stale process-group names).
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(ranks)), mp_context=spawn) as pool:
+        running = {pool.submit(_check_in_worker, str(out_dir), rank, optimizer, slack_bytes): rank
+                   for rank in ranks}
+        tell(0, ranks[0])
+        for done in concurrent.futures.as_completed(running):
+            results[running[done]] = done.result()
+            tell(len(results), next((r for r in ranks if r not in results), -1))
     tell(len(ranks), -1)
     return [results[r] for r in ranks]
 
