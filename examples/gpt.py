@@ -43,6 +43,7 @@ class GPTConfig:
 
 SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(),
+    "tiny-deep": GPTConfig(layers=8),  # enough units for 4 chunks on each of 2 pipeline ranks (tests)
     # Megatron-LM PTD-P, Table 1: heads, hidden, layers
     "1.7b": GPTConfig(vocab_size=51200, seq_len=2048, heads=24, hidden=2304, layers=24, tie_weights=True),
     "3.6b": GPTConfig(vocab_size=51200, seq_len=2048, heads=32, hidden=3072, layers=30, tie_weights=True),

@@ -16,8 +16,12 @@
   ``_instrument_optimizer``, ``_fsdp_param_group_post_backward`` are overridden there), and `InferenceMode` with the
   pipeline schedule's ``_warmup_p2p`` and the stage's ``_user_meta`` / ``_inference_mode`` (the warm-up vote it
   answers for absent neighbours).
+- `PipeAction`, `UNSHARD`, `RESHARD` (a lowered pipeline schedule's actions) and the hooks of ``PipelineStage``
+  (``_setup_forward_recv_info``, ``_setup_backward_recv_info``, ``args_recv_info``, ``grad_recv_info``) and of
+  ``ScheduleInterleaved1F1B`` (``_prepare_schedule_with_comms``, ``pipeline_order_with_comms``) that
+  `partc.runtime.schedule` overrides, so the pipeline holds the memory and traffic the plan charges.
 
-FSDP2, the pipelining schedules, ZeroRedundancyOptimizer and torch.distributed.checkpoint are used through
+FSDP2, the pipelining schedules otherwise, ZeroRedundancyOptimizer and torch.distributed.checkpoint are used through
 their public APIs only.
 """
 
@@ -42,13 +46,16 @@ def storage_key(t: Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-# `partc check`'s names, imported when first asked for (torch.distributed._tools alone takes seconds to import).
+# `partc check`'s and the pipeline's names, imported when first asked for (torch.distributed._tools alone takes seconds to import).
 _LAZY = {
     "FSDPMemTracker": ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker"),
     "FSDPRefType": ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPRefType"),
     "TRACKER_TOTAL": ("torch.distributed._tools.mem_tracker", "_TOTAL_KEY"),
     "InferenceMode": ("torch.distributed.pipelining._utils", "InferenceMode"),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    "PipeAction": ("torch.distributed.pipelining.schedules", "_Action"),
+    "UNSHARD": ("torch.distributed.pipelining.schedules", "UNSHARD"),
+    "RESHARD": ("torch.distributed.pipelining.schedules", "RESHARD"),
 }
 __all__ += list(_LAZY)
 

@@ -287,3 +287,9 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
         raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model allows: its {num_units} units "
                          f"split into at most {max_stages} stages, since the embeddings share the first stage and "
                          f"the final layers the last")
+    chunks = (pins.pp or 1) * (pins.virtual_stages or 1)
+    if pins.virtual_stages is not None and max_stages is not None and chunks > max_stages:
+        raise PartcError(f"--virtual-stages {pins.virtual_stages} asks for {chunks} model chunks over "
+                         f"{pins.pp or 1} pipeline rank(s), more than the model allows: its {num_units} units split "
+                         f"into at most {max_stages} chunks, since the embeddings share the first and the final "
+                         f"layers the last")

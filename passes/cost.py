@@ -32,7 +32,7 @@ from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT, param_shard
 from partc.passes.cost_types import Memory, Prediction, RankPrediction, TPPlan, UnitTime
 
-from . import hw, zero
+from . import hw, schedule, zero
 
 # HBM bytes of one Adam step per local parameter (memory-bound): read the fp32 master, gradient, momentum and
 # variance (16); write the master and the two moments (12). The compute copy comes from FSDP's next all-gather.
@@ -294,6 +294,22 @@ def in_flight(par: Parallel, rank: int) -> float:
     return min(warmup + 1, m * v) / v
 
 
+def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequence[tuple[int, int]],
+                     acts: Sequence[float]) -> float:
+    """What the micro-batches in flight on pipeline rank `rank` hold at its peak. One chunk a rank: `in_flight`
+    micro-batches of the chunk's saved activations. Interleaved: the peak of the schedule's own order
+    (`partc.passes.schedule`), each forward in flight holding its chunk's saved activations and the boundaries it
+    received and sent (1/t of each under tp, as they cross), a backward also the gradient it received."""
+    if par.chunks_per_rank == 1:
+        return in_flight(par, rank) * sum(acts[i] for lo, hi in chunks for i in range(lo, hi))
+    per = par.micro_batch_size / par.tp
+    last = len(graph.cut_bytes)
+    held = [sum(acts[lo:hi]) + per * (_cut(graph.cut_bytes, lo - 1) + _cut(graph.cut_bytes, hi - 1))
+            for lo, hi in chunks]
+    grad = [per * graph.grad_cut(hi - 1) if hi - 1 < last else 0.0 for lo, hi in chunks]
+    return schedule.peak_bytes(par.pp, par.chunks_per_rank, par.num_microbatches, rank, held, grad)
+
+
 def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
                       units_in_stage: Sequence[int] | Sequence[Unit],
                       shards: list[dict[str, int]] | None = None) -> float:
@@ -532,8 +548,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         own = [x for g in groups for x in g[0]]
         padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
         mem = model_state_bytes(params, par)
-        mem.activations = (in_flight(par, r) * sum(acts[i] for i in idx)
-                           + stage_extra_bytes(graph, par, tp, idx, shards))
+        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + stage_extra_bytes(graph, par, tp, idx, shards)
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         comm = {"tp": tp_bytes(graph, par, tp, idx) + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
                 "dp": sum(zero.dp_bytes(par, params, *padded).values())}

@@ -9,7 +9,7 @@ Model states per parameter on the GPU (Ψ after TP and PP, N = dp, c = 2 for bf1
     ZeRO    parameters                                  gradients (fp32)      optimizer (Adam)
     ======  ==========================================  ====================  ===================
     0       4 (fp32 master, replicated) + c (gathered)  4                     8
-    1       4/N (master, sharded) + c (gathered)        4 (accumulated) + 4/N 8/N
+    1       4/N (master, sharded) + c (gathered)        4 (accumulated)       8/N
     2       4/N + c (gathered for each micro-batch)     4/N                   8/N
     3       4/N (+ two units gathered at a time)        4/N                   8/N
     ======  ==========================================  ====================  ===================
@@ -53,7 +53,7 @@ def model_state_bytes(num_params: float, par: Parallel) -> tuple[float, float, f
     if par.zero == 0:
         return psi * (MASTER_BYTES + c), psi * MASTER_BYTES, psi * ADAM_BYTES
     if par.zero == 1:
-        return psi * (MASTER_BYTES / n + c), psi * MASTER_BYTES * (1 + 1 / n), psi * ADAM_BYTES / n
+        return psi * (MASTER_BYTES / n + c), psi * MASTER_BYTES, psi * ADAM_BYTES / n
     if par.zero == 2:
         return psi * (MASTER_BYTES / n + c), psi * MASTER_BYTES / n, psi * ADAM_BYTES / n
     return psi * MASTER_BYTES / n, psi * MASTER_BYTES / n, psi * ADAM_BYTES / n

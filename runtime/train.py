@@ -8,7 +8,8 @@ that into the plan's micro-batches.
 Pipeline. ``torch.distributed.pipelining``: one `PipelineStage` per local stage (stages r, r + pp, ... for
 interleaved 1F1B), with static shapes from `stage_shapes` (the stage files run once on meta at the micro-batch
 size), and `ScheduleGPipe`, `Schedule1F1B` or `ScheduleInterleaved1F1B` as the plan says, the loss on the last
-stage. With pp = 1 the same schedule runs one stage over the same micro-batches, so every plan computes the same
+stage. The stages and the interleaved schedule are `partc.runtime.schedule`'s: receive buffers held only while a
+micro-batch needs them, and each chunk gathered once a step, as the plan charges. With pp = 1 the same schedule runs one stage over the same micro-batches, so every plan computes the same
 numbers.
 
 Precision. The program runs at the plan's precision (`partc.precision`): FSDP's mixed-precision policy casts the
@@ -45,7 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
 from partc._torch import tree_map
@@ -56,6 +57,7 @@ from partc.runtime.comm import CommCounter
 from partc.runtime.mesh import World
 from partc.runtime.parallelize import reshard
 from partc.runtime.program import ProgramFiles
+from partc.runtime.schedule import GatherOnceInterleaved1F1B, PipeStage
 from partc.sharding import TPLayout
 
 
@@ -63,7 +65,7 @@ class NonFiniteError(PartcError):
     """The loss or a gradient is nan or infinite; the step was not applied."""
 
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": GatherOnceInterleaved1F1B}
 
 
 def global_batch(spec: ModelSpec, seed: int, step: int, batch_size: int) -> tuple[tuple, dict, Any]:
@@ -135,7 +137,7 @@ class PipelineRunner:
         local = [st for st in program.stages if st.rank == world.pp_rank]
         self.has_first = local[0].index == 0
         self.has_last = local[-1].index == program.num_stages - 1
-        self.stages = [PipelineStage(mod, st.index, program.num_stages, world.device,
+        self.stages = [PipeStage(mod, st.index, program.num_stages, world.device,
                                      input_args=shapes[st.index][0], output_args=shapes[st.index][1],
                                      group=world.pp_group)
                        for st, mod in zip(local, modules)]

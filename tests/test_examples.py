@@ -67,7 +67,7 @@ def test_gpt3_175b_on_meta():
 
 def test_unknown_size_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("PARTC_GPT_SIZE", "huge")
-    with pytest.raises(PartcError, match="PARTC_GPT_SIZE='huge' is not one of tiny, 1.7b"):
+    with pytest.raises(PartcError, match="PARTC_GPT_SIZE='huge' is not one of tiny, tiny-deep, 1.7b"):
         load_model_file(str(EXAMPLES / "gpt.py"))  # load calls example_inputs(1) on meta
 
 

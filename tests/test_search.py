@@ -294,7 +294,7 @@ def test_zero_memory_per_stage_equals_the_formulas(zero, tied_tiny):
         # partc.passes.zero's table: fp32 master weights (sharded from ZeRO-1), the bf16 copy the step gathers
         # (not kept by ZeRO-3), fp32 gradients (accumulated whole by ZeRO 0 and 1), Adam's moments.
         assert mem.params == pytest.approx((4 / (nd if zero >= 1 else 1) + (2 if zero < 3 else 0)) * psi)
-        assert mem.grads == pytest.approx((4 / nd + (4 if zero == 1 else 0) if zero >= 1 else 4) * psi)
+        assert mem.grads == pytest.approx((4 / nd if zero >= 2 else 4) * psi)
         assert mem.optimizer == pytest.approx(8 * psi / (nd if zero >= 1 else 1))
         assert mem.total == pytest.approx(mem.params + mem.grads + mem.optimizer + mem.activations + mem.buffers)
         assert mem.activations > 0

@@ -1,0 +1,104 @@
+"""torch.distributed.pipelining's stage and interleaved schedule, holding the memory and traffic the plan charges.
+
+Two behaviours of torch 2.13's pipelining differ from what `partc.passes.cost` charges (and from Megatron-LM, whose
+numbers the cost model is calibrated on); both were found by ``partc check`` on the default GPT-3 175B plan:
+
+- **Receive buffers.** `PipelineStage` allocates, when the schedule starts, one receive buffer per micro-batch for
+  the activations a stage receives and one for the gradients it receives, and keeps them (and each input's
+  gradient, left on the buffer by backward) for the whole run: 2·m boundaries per chunk, 8.9 GB on the first rank of
+  the 175B plan (m = 96). `PipeStage` allocates a micro-batch's buffer when its receive is posted and lets it go
+  after that micro-batch's backward, so a rank holds the received inputs of the micro-batches in flight (which the
+  plan counts with the saved activations, as the first layer saves its input) and a gradient buffer for the
+  micro-batch in backward.
+- **Gathered chunks.** Lowering an interleaved schedule, torch adds FSDP unshard/reshard actions that keep at most
+  three of a rank's chunks gathered (``_add_unshard_reshard(max_active_stages=3)``): with v > 3 chunks a rank gathers
+  a chunk again every time it comes back, 3.7x the plan's traffic at v = 6 under ZeRO 1. Under ZeRO 0 and 1 the plan
+  gathers each chunk once a step and keeps it (`partc.passes.zero`), so `GatherOnceInterleaved1F1B` gathers each
+  local chunk before its first action and releases them all at the end of the step. (ZeRO 2 and 3 stages are not
+  FSDP modules to the schedule, `partc.runtime.parallelize.SyncEveryStep`: FSDP's own hooks gather them.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+from partc._torch import RESHARD, UNSHARD, PipeAction
+
+
+class PipeStage(PipelineStage):
+    """`PipelineStage` whose receive buffers live from the receive to the micro-batch's backward (module docstring)."""
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        super()._setup_forward_recv_info(num_microbatches, has_backward)
+        for infos in self.args_recv_info.values():
+            _release(infos)
+
+    def _setup_backward_recv_info(self, num_microbatches: int) -> None:
+        super()._setup_backward_recv_info(num_microbatches)
+        for infos in self.grad_recv_info.values():
+            _release(infos)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        _allocate(self.args_recv_info[fwd_chunk_id], self.device)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        _allocate(self.grad_recv_info.get(bwd_chunk_id, ()), self.device)
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        # The input's gradient is in the stage's send cache (or already sent); the buffers are no longer read.
+        _release(self.args_recv_info.get(bwd_chunk_id, ()))
+        _release(self.grad_recv_info.get(bwd_chunk_id, ()))
+
+
+_LIKE = "_partc_like"
+"""Attribute of a torch ``_RecvInfo``: (shape, stride, dtype) of the buffer it had, while it has none."""
+
+
+def _release(infos: tuple) -> None:
+    for info in infos:
+        buf = info.buffer
+        if buf is not None and not info.is_root_arg:
+            setattr(info, _LIKE, (tuple(buf.shape), tuple(buf.stride()), buf.dtype))
+            info.buffer = None
+
+
+def _allocate(infos: tuple, device: torch.device) -> None:
+    for info in infos:
+        like = getattr(info, _LIKE, None)
+        if info.buffer is None and like is not None:
+            shape, stride, dtype = like
+            info.buffer = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+class GatherOnceInterleaved1F1B(ScheduleInterleaved1F1B):
+    """`ScheduleInterleaved1F1B` that gathers each local FSDP chunk once a step (module docstring)."""
+
+    def _prepare_schedule_with_comms(self, actions: dict, format: str = "compute_only") -> None:
+        super()._prepare_schedule_with_comms(actions, format)
+        for rank, order in self.pipeline_order_with_comms.items():
+            self.pipeline_order_with_comms[rank] = gather_once(order)
+
+
+def gather_once(order: list[PipeAction]) -> list[PipeAction]:
+    """A lowered schedule with its UNSHARD/RESHARD actions replaced: each stage unsharded right before its first
+    compute action, all resharded at the end."""
+    out: list[PipeAction] = []
+    gathered: list[int] = []
+    for action in order:
+        if action.computation_type in (UNSHARD, RESHARD):
+            continue
+        stages = [a.stage_index for a in action.sub_actions] if action.sub_actions else [action.stage_index]
+        if action.is_compute_op:
+            for s in stages:
+                if s not in gathered:
+                    gathered.append(s)
+                    out.append(PipeAction(s, UNSHARD, None))
+        out.append(action)
+    out.extend(PipeAction(s, RESHARD, None) for s in gathered)
+    return out
