@@ -13,28 +13,29 @@ this process, and prints per rank: seconds, the measured peak against the plan's
 Measured 2026-11-30 on the development machine (2 CPU cores shared with other jobs, so wall seconds run 2-5x the CPU
 seconds; torch 2.13 CPU), with `partc check OUT --format json` (GPT-3, every rank) and `check_rank` (LLaMA):
 
-GPT-3 175B / 512 A100 (default plan: dp 16, tp 4, pp 8, ZeRO-1, interleaved 1F1B v = 6, 64 micro-batches of 1):
-27.6 min wall, 11.2 min CPU for the 8 pipeline ranks (130-355 s wall a rank; rank 0 alone: 96 s CPU). Exit 1.
+GPT-3 175B / 512 A100 (default plan: dp 16, tp 4, pp 8, ZeRO-1, interleaved 1F1B v = 6, 64 micro-batches of 1),
+`partc check OUT --jobs 2 --format json` after the runtime's interleaved schedule gathers each chunk once a step and
+holds receive buffers only while used (`partc.runtime.schedule`): 5.7 min wall, 11.1 min CPU, 8 pipeline ranks
+(72-90 s wall a rank, two at a time). Exit 1: every traffic row and every model-state row now equals the plan's (to
+the byte, GB below), the activations do not.
 
-    pp  peak GB (plan)   activations   params        grads         dp comm GB      tp, pp comm   fits 80.5 GB usable
-    0   83.8 (70.7)      55.2 (31.4)   7.2 (12.6)    22.5 (23.9)   125.7 (33.7)    = plan        no  (85.1 needed)
-    1   81.9 (68.3)      54.1 (30.3)   6.8 (12.2)    21.7 (23.1)   121.4 (32.6)    = plan        no  (82.9)
-    2   80.4 (67.2)      52.6 (29.2)   6.8 (12.2)    21.7 (23.1)   121.4 (32.6)    = plan        no  (81.4)
-    3   78.8 (66.1)      51.4 (28.1)   6.8 (12.2)    21.7 (23.1)   121.4 (32.6)    = plan        yes (79.9)
-    4   77.3 (65.0)      49.6 (26.9)   6.8 (12.2)    21.7 (23.1)   117.8 (32.6)    = plan        yes (78.4)
-    5   75.8 (63.9)      48.1 (25.8)   6.8 (12.2)    21.7 (23.1)   117.8 (32.6)    = plan        yes (76.9)
-    6   74.3 (62.8)      46.6 (24.7)   6.8 (12.2)    21.7 (23.1)   117.8 (32.6)    = plan        yes (75.4)
-    7   73.6 (64.4)      44.9 (25.3)   7.1 (12.6)    22.4 (23.8)   120.9 (33.5)    = plan        yes (74.9)
+    pp  peak GB (plan)   activations (plan)   params   grads   optimizer   dp / tp / pp comm GB      fits
+    0   83.8 (71.8)      45.9 (32.6)          12.6 =   22.5 =  2.8 =       33.7 / 193.3 / 17.8  =    no
+    1   81.7 (69.4)      45.0 (31.6)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    no
+    2   80.1 (68.2)      43.4 (30.5)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    no
+    3   78.4 (67.1)      41.7 (29.3)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    yes
+    4   76.9 (65.9)      40.2 (28.1)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    yes
+    5   75.6 (64.8)      38.9 (27.0)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    yes
+    6   74.3 (63.6)      37.6 (25.8)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    yes
+    7   74.6 (65.0)      36.9 (25.9)          12.6 =   22.4 =  2.8 =       33.5 / 206.5 / 17.8  =    yes
 
-(optimizer states equal the plan's on every rank.) Two disagreements, both in the program as the runtime builds it:
-torch's ScheduleInterleaved1F1B (a ``_PipelineScheduleRuntime``) lowers the schedule with ``_add_unshard_reshard
-(max_active_stages=3)``: with v = 6 chunks a rank it reshards a chunk's FSDP groups when the chunk is not among the
-next three to run and gathers them again later (rank 0: 130 all-gathers over dp in the step for 14 FSDP groups;
-the 14 reduce-scatters are the plan's), so dp traffic is 3.6-3.7x the plan's and fewer gathered parameters are
-held at once; and the activations are 1.7-1.8x the plan's, of which the pipeline stages' receive buffers, allocated
-for every micro-batch of every chunk and kept (rank 0: 704 of 12 MiB, 8.9 GB, the bytes of its 704 ``irecv``s),
-are one part the cost model does not charge. With v = 2 (tests/test_check.py; also checked with 32 micro-batches)
-the traffic equals the plan's byte for byte; v = 3 to 5 was not tried.
+The activations are 1.4x the plan's at tp 4, and the same gap shows on a 1.7B GPT at tp 4, pp 4, 1F1B (+16% to +31%
+a rank) while at tp 1 (1F1B, and interleaved v = 1 to 6) every rank agrees within 6%: under tensor parallelism the
+program keeps about 5·s·b·h bytes a block and micro-batch more than the cost model's split of the traced saved
+tensors (Korthikanti et al.'s replicated and 1/t parts). Not yet found; until then the 175B default plan's first three
+pipeline ranks do not fit. Before this session's runtime changes the same check measured dp traffic 3.7x the
+plan's (torch's schedule kept 3 of 6 chunks gathered and gathered the others again) and 55.2 GB of activations on
+rank 0 (receive buffers for every micro-batch and chunk, kept).
 
 LLaMA-2 70B / 64 H100 (default plan: dp 64, ZeRO-3, pp 1, full recomputation, 2 micro-batches of 4): 195 s wall,
 57 s CPU, one pipeline rank. Agrees and fits: dp traffic 1103.6 GB = the plan's byte for byte (332 all-gathers,

@@ -208,7 +208,16 @@ def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float 
 
 def _check_in_worker(out_dir: str, rank: int, optimizer: str, slack_bytes: float) -> RankCheck:
     torch.set_num_threads(1)
-    return check_rank(read_program(out_dir), rank, optimizer=optimizer, slack_bytes=slack_bytes)
+    files = read_program(out_dir)
+    try:
+        return check_rank(files, rank, optimizer=optimizer, slack_bytes=slack_bytes)
+    except PartcError:
+        raise
+    except Exception as e:  # the program (the model's own code) failed on fake tensors: one line, not a traceback
+        what = (str(e).strip().splitlines() or [""])[0][:300]
+        raise PartcError(f"global rank {rank} could not be checked: its program failed on fake tensors with "
+                         f"{type(e).__name__}: {what} (partc check runs the program without data; `partc run` on "
+                         f"real ranks does not need this)") from None
 
 
 def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",

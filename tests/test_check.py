@@ -186,6 +186,24 @@ def test_user_errors_are_one_line(plans, tmp_path):
 
 
 @pytest.mark.slow
+def test_program_failing_on_fake_tensors_is_one_line(plans, tmp_path):
+    """A program that reads a value (here an edited stage file calling ``.item()``) cannot run without data: one
+    line naming the rank and the error, exit 2, no traceback."""
+    out = tmp_path / "edited"
+    shutil.copytree(plans["gpt_pp2_dp2_z1"], out)
+    stage = out / "program" / "stage_0.py"
+    code = stage.read_text()
+    line = "    arange = aten.arange.default(64, device=device, pin_memory=False)\n"
+    assert line in code
+    stage.write_text(code.replace(line, line + "    assert arange.sum().item() >= 0\n"))
+    result = CliRunner().invoke(main, ["check", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [l for l in result.output.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "global rank 0 could not be checked" in lines[0], result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
 def test_jobs_check_ranks_in_processes_of_their_own(plans, checked):
     """--jobs 2: the same measurements, each pipeline rank in a spawned process."""
     name = "gpt_pp2_dp2_z1"
