@@ -15,7 +15,8 @@
   `FSDPRefType` and `TRACKER_TOTAL` (its private hooks ``_update_snap``, ``_update_peak_stats``,
   ``_instrument_optimizer``, ``_fsdp_param_group_post_backward`` are overridden there), and `InferenceMode` with the
   pipeline schedule's ``_warmup_p2p`` and the stage's ``_user_meta`` / ``_inference_mode`` (the warm-up vote it
-  answers for absent neighbours).
+  answers for absent neighbours), and `mod_tracker_module` (the tracker's ``ModTracker`` module, whose
+  ``register_multi_grad_hook`` the check wraps to remove its hooks after each micro-batch's backward).
 - `PipeAction`, `UNSHARD`, `RESHARD` (a lowered pipeline schedule's actions) and the hooks of ``PipelineStage``
   (``_setup_forward_recv_info``, ``_setup_backward_recv_info``, ``args_recv_info``, ``grad_recv_info``) and of
   ``ScheduleInterleaved1F1B`` (``_prepare_schedule_with_comms``, ``pipeline_order_with_comms``) that
@@ -36,8 +37,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["LazyGraphModule", "TorchDispatchMode", "reorder_kwargs", "set_pg_timeout", "storage_key", "tree_flatten",
-           "tree_map"]  # and _LAZY's names
+__all__ = ["LazyGraphModule", "TorchDispatchMode", "mod_tracker_module", "reorder_kwargs", "set_pg_timeout",
+           "storage_key", "tree_flatten", "tree_map"]  # and _LAZY's names
 
 
 def storage_key(t: Tensor) -> int:
@@ -58,6 +59,11 @@ _LAZY = {
     "RESHARD": ("torch.distributed.pipelining.schedules", "RESHARD"),
 }
 __all__ += list(_LAZY)
+
+
+def mod_tracker_module():
+    """``torch.distributed._tools.mod_tracker`` (imported when first asked for)."""
+    return importlib.import_module("torch.distributed._tools.mod_tracker")
 
 
 def __getattr__(name: str):

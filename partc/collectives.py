@@ -66,7 +66,9 @@ def _chunk(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     n = dist.get_world_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {n} tensor-parallel ranks")
-    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+    # A copy, not a view: a view of the whole tensor keeps all of it alive (a pipeline stage holds what it sent
+    # forward until the micro-batch's backward, and should hold its 1/t part only).
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:

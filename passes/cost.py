@@ -296,16 +296,17 @@ def in_flight(par: Parallel, rank: int) -> float:
 
 def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequence[tuple[int, int]],
                      acts: Sequence[float]) -> float:
-    """What the micro-batches in flight on pipeline rank `rank` hold at its peak. One chunk a rank: `in_flight`
-    micro-batches of the chunk's saved activations. Interleaved: the peak of the schedule's own order
-    (`partc.passes.schedule`), each forward in flight holding its chunk's saved activations and the boundaries it
-    received and sent (1/t of each under tp, as they cross), a backward also the gradient it received."""
-    if par.chunks_per_rank == 1:
-        return in_flight(par, rank) * sum(acts[i] for lo, hi in chunks for i in range(lo, hi))
+    """What the micro-batches in flight on pipeline rank `rank` hold at its peak: each forward in flight holds its
+    chunk's saved activations and the boundaries it received and sent (1/t of each under tp, as they cross; the
+    pipeline stage keeps both until the micro-batch's backward). One chunk a rank: `in_flight` micro-batches of
+    that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
+    the gradient it received."""
     per = par.micro_batch_size / par.tp
     last = len(graph.cut_bytes)
     held = [sum(acts[lo:hi]) + per * (_cut(graph.cut_bytes, lo - 1) + _cut(graph.cut_bytes, hi - 1))
             for lo, hi in chunks]
+    if par.chunks_per_rank == 1:
+        return in_flight(par, rank) * held[0]
     grad = [per * graph.grad_cut(hi - 1) if hi - 1 < last else 0.0 for lo, hi in chunks]
     return schedule.peak_bytes(par.pp, par.chunks_per_rank, par.num_microbatches, rank, held, grad)
 
@@ -318,7 +319,7 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
       the largest recomputed unit's; selective: the largest recomputed attention core;
     - ZeRO's transient memory (`partc.passes.zero.working_bytes`): gathered units and one unit's gradients;
     - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole even when the head is
-      colwise, since a loss-parallel head is not assumed).
+      colwise, since a loss-parallel head is not assumed; then the gather's parts are one more copy at its peak).
     `shards`: `unit_param_shards`, when the caller has it.
     """
     units = _unit_list(graph, units_in_stage)
@@ -340,6 +341,9 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
         head = graph.layers[last.layers[-1]]
         logits = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size
         extra += LOSS_BYTES * logits
+        if par.tp > 1 and style_of(tp, head.fqn) == "colwise":
+            # the head's output gathered whole: the all-gather's parts, besides the concatenated logits
+            extra += compute_bytes(par.precision) * logits
     return extra
 
 

@@ -283,7 +283,11 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
         if layer.unit in units:
             units[layer.unit].layers.append(m)
             units[layer.unit].num_params += layer.num_params
-    sharded_nodes = set(shard.dims)
+    # Split under Megatron's plan: what a colwise layer's output reaches. A layer that a split region reaches on its
+    # last dim takes a split input (rowwise), so its own output is whole after its all-reduce (the dropout mask and
+    # residual after an attention or MLP output projection), though the analysis propagates from every Linear.
+    rowwise = {name for r in shard.regions.values() if r.valid for name, ok in r.reaches.items() if ok}
+    sharded_nodes = {n for n in shard.dims if any(src not in rowwise for src in shard.sources.get(n, ()))}
     for n in a.nodes:
         st = stats.get(n)
         u = a.node_unit[n]
@@ -304,10 +308,14 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
             unit.core_gemms.extend(st.gemms)
             unit.memory_bytes += st.memory_bytes
             unit.saved_bytes_core += sum(b for _, b, core in st.saved if core) - st.core_input_bytes
-        # TP leaves whole what is saved outside split regions: norm and residual inputs, inputs of colwise layers.
-        split_input = layer is not None and layer.kind == "linear" and any(x in sharded_nodes for x in n.args
-                                                                           if isinstance(x, torch.fx.Node))
-        if not (n in sharded_nodes or split_input):
+        # TP leaves whole what is saved outside split regions: norm and residual inputs, and the inputs of colwise
+        # layers. A linear layer saves its input, so whether it is whole depends on the input, not on the layer's
+        # output (a colwise layer's is split, its input is not: Korthikanti et al.'s QKV and first-MLP inputs).
+        if layer is not None and layer.kind == "linear":
+            whole = not any(x in sharded_nodes for x in n.args if isinstance(x, torch.fx.Node))
+        else:
+            whole = n not in sharded_nodes
+        if whole:
             unit.saved_bytes_replicated += saved
     for m, n in layer_out.items():
         if m in layers:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from partc._torch import TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPRefType, InferenceMode
+from partc._torch import TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPRefType, InferenceMode, mod_tracker_module
 from partc.cluster import Cluster
 from partc.collectives import set_tp_group
 from partc.errors import PartcError
@@ -230,11 +230,10 @@ def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
         with FakeTensorMode(allow_non_fake_inputs=True):
             prog = build(files, world, optimizer=OptimizerConfig(name=optimizer))
             _answer_warmup_vote(prog)
-            _release_tracked_inputs(prog)
             _create_optimizer_states(prog)
             (args, kwargs), targets = prog.batch(0)
             tracker = _Tracker(prog, categories(par.zero))
-            with tracker:
+            with tracker, _tracker_hooks_released(prog):
                 prog.runner.forward_backward(args, kwargs, targets)
                 reshard(prog.runner.modules)
                 for opt in prog.optimizers:
@@ -294,24 +293,54 @@ def _answer_warmup_vote(prog: Program) -> None:
     schedule._warmup_p2p = vote
 
 
-def _release_tracked_inputs(prog: Program) -> None:
-    """Let each received input go after its micro-batch's backward, as it does without the tracker. The tracker's
-    module hooks (``ModTracker``: ``register_multi_grad_hook`` on a module's inputs) put on a received input, a leaf,
-    a hook whose closure holds the input's gradient accumulator, which holds the input: a cycle through C++ that
-    Python's collector cannot see, so every received buffer stayed alive to the end of the step (measured: one
-    boundary per micro-batch and chunk more than a run without the tracker holds)."""
+@contextlib.contextmanager
+def _tracker_hooks_released(prog: Program) -> Iterator[None]:
+    """Let each micro-batch's autograd graph go after its backward, as it does without the tracker. The tracker's
+    module hooks (``ModTracker``: ``register_multi_grad_hook`` on the inputs and outputs of every module) put on
+    each such tensor a hook whose closure holds the tensor's gradient node: a cycle through C++ that Python's
+    collector cannot see, so the nodes stayed alive to the end of the step, and with them the leaves they end in,
+    the received inputs (measured: one boundary per micro-batch and chunk more than a run without the tracker
+    holds, the received 1/t part under tensor parallelism). Here the hooks registered during a micro-batch's
+    forward are removed after its backward, when they have fired."""
+    module = mod_tracker_module()
+    register = module.register_multi_grad_hook
+    handles: dict[tuple[int, int], list] = {}
+    current: list[tuple[int, int] | None] = [None]
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        handle = register(*args, **kwargs)
+        if current[0] is not None:
+            handles.setdefault(current[0], []).append(handle)
+        return handle
+
+    originals = []
     for stage in prog.runner.stages:
-        backward = stage.backward_one_chunk
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+        originals.append((stage, forward, backward))
+
+        def forward_one_chunk(fwd_chunk_id: int, *args: Any, _stage: Any = stage, _forward: Any = forward,
+                              **kwargs: Any) -> Any:
+            current[0] = (_stage.stage_index, fwd_chunk_id)
+            try:
+                return _forward(fwd_chunk_id, *args, **kwargs)
+            finally:
+                current[0] = None
 
         def backward_one_chunk(bwd_chunk_id: int, *args: Any, _stage: Any = stage, _backward: Any = backward,
-                               **kwargs: Any) -> None:
-            inputs = [info.buffer for info in _stage.args_recv_info.get(bwd_chunk_id, ()) if info.buffer is not None]
-            _backward(bwd_chunk_id, *args, **kwargs)
-            for t in inputs:
-                if t._backward_hooks:
-                    t._backward_hooks.clear()
+                               **kwargs: Any) -> Any:
+            out = _backward(bwd_chunk_id, *args, **kwargs)
+            for handle in handles.pop((_stage.stage_index, bwd_chunk_id), ()):
+                handle.remove()
+            return out
 
-        stage.backward_one_chunk = backward_one_chunk
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    module.register_multi_grad_hook = recorded
+    try:
+        yield
+    finally:
+        module.register_multi_grad_hook = register
+        for stage, forward, backward in originals:
+            stage.forward_one_chunk, stage.backward_one_chunk = forward, backward
 
 
 @torch.no_grad()

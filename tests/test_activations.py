@@ -301,7 +301,8 @@ def test_fused_attention_predicts_the_flash_kernel(recompute, b):
 
 @pytest.mark.parametrize("dropout", [0.1, 0.0])
 def test_gpt_block_against_korthikanti(dropout):
-    """Per transformer block, t = 1 (Korthikanti et al. 2022, calibration.md section 2):
+    """Per transformer block, t = 1 (Korthikanti et al. 2022, calibration.md section 2), and the part tensor
+    parallelism leaves whole:
         dropout on:  s·b·h·(34 + 5·a·s/h)    (1-byte masks)      selective: 34·s·b·h
         dropout off: s·b·h·(32 + 2·a·s/h)    (no masks: -2·sbh; attention -3·a·s²·b: its mask and output)
     Traced and measured at bf16: the formula exactly, + the fp32 LayerNorm statistics. The formula's Q, K, V are
@@ -322,6 +323,9 @@ def test_gpt_block_against_korthikanti(dropout):
         assert unit.saved_bytes == formula + ln_stats
         if dropout:
             assert unit.saved_bytes - unit.saved_bytes_core == 34 * sh + ln_stats
+        # What tensor parallelism leaves whole (Korthikanti et al.'s "10"): both LayerNorms' inputs (and statistics),
+        # the inputs of the colwise QKV and first MLP layers (4·sh), the two 1-byte dropout masks when on (2·sh).
+        assert unit.saved_bytes_replicated == (10 if dropout else 8) * sh + ln_stats
         torch.manual_seed(0)
         model = cast_parameters(case.build().train(), torch.bfloat16)
         torch.manual_seed(1)

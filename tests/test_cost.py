@@ -275,12 +275,14 @@ def test_predict_consistent():
     # Model FLOPs equal Megatron's 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) for this GPT (GEMMs only).
     mf = 72 * 32 * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
     assert pred.model_tflops_per_gpu * 1e12 * pred.step_time_s * p_.world_size == pytest.approx(mf)
-    # Stage memory: states of its (tied-dedup) params + in-flight activations + extras.
+    # Stage memory: states of its (tied-dedup) params + in-flight micro-batches (saved activations and the 1/t
+    # boundary the stage sends; the first stage receives none) + extras.
     acts = cost.unit_activation_bytes(g, p_, tp)
     st0 = pred.ranks[0]
     states = cost.model_state_bytes(st0.num_params, p_)
     extra = cost.stage_extra_bytes(g, p_, tp, [0, 1, 2])
-    assert st0.memory.total == pytest.approx(states.total + 2 * sum(acts[:3]) + extra + st0.memory.buffers)
+    sent = g.cut_bytes[2] * p_.micro_batch_size / p_.tp
+    assert st0.memory.total == pytest.approx(states.total + 2 * (sum(acts[:3]) + sent) + extra + st0.memory.buffers)
     assert pred.ranks[1].memory.activations >= g.layers["lm_head"].out_bytes / 2 * 2 * cost.LOSS_BYTES  # the loss
     assert st0.memory.buffers == 5 * A100.communicator_bytes  # world, tp, dp, pp, the tied embedding's group
     assert pred.to_dict()["memory_per_gpu"]["total"] == int(round(pred.memory_per_gpu.total))
