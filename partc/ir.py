@@ -103,7 +103,13 @@ class Unit:
     fused attention op saves, less its inputs that the replay needs; for attention written out as matmul /
     softmax / dropout, the tensors with a heads dimension and two sequence dimensions."""
     saved_bytes_replicated: int = 0
-    """The part of `saved_bytes` that TP does not divide (norm and residual inputs of the block)."""
+    """The part of `saved_bytes` that TP does not divide (Korthikanti et al.'s "10": norm inputs, the inputs of
+    colwise layers, what follows a rowwise layer such as its dropout mask)."""
+    op_saved_bytes: int = 0
+    """The part of `saved_bytes` that the ops outside layers save (norms, activations, dropout, attention)."""
+    op_saved_bytes_replicated: int = 0
+    """The part of `op_saved_bytes` that TP does not divide: the share of those ops' memory-bound work each GPU
+    does whole."""
     input_bytes: int = 0
     """Bytes of activations entering the unit: what full recomputation keeps per micro-batch."""
     memory_bytes: int = 0

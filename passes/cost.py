@@ -92,11 +92,11 @@ def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPla
     core = sum(hw.gemm_time(cluster, g, micro_batch_size=b, split="batch" if split else None, degree=t)
                for g in unit.core_gemms)
     # Non-layer ops (softmax, dropout, activation, residual): the IR has no per-op split, so the share one GPU
-    # handles is that of the saved bytes (elementwise ops read what they save): (rep + (saved - rep)/t) / saved.
+    # handles is that of what those ops save (elementwise ops read what they save): (rep + (saved - rep)/t) / saved.
     share = 1.0
-    if split and unit.saved_bytes > 0:
-        rep = unit.saved_bytes_replicated
-        share = (rep + (unit.saved_bytes - rep) / t) / unit.saved_bytes
+    if split and unit.op_saved_bytes > 0:
+        rep = unit.op_saved_bytes_replicated
+        share = (rep + (unit.op_saved_bytes - rep) / t) / unit.op_saved_bytes
     fwd += core + hw.memory_time(cluster, unit.memory_bytes * b * share)
     return fwd, core
 

@@ -317,6 +317,9 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
             whole = n not in sharded_nodes
         if whole:
             unit.saved_bytes_replicated += saved
+        if layer is None:
+            unit.op_saved_bytes += saved
+            unit.op_saved_bytes_replicated += saved if whole else 0
     for m, n in layer_out.items():
         if m in layers:
             layers[m].out_bytes = _val_bytes(n)
