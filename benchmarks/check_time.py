@@ -14,28 +14,27 @@ Measured 2026-11-30 on the development machine (2 CPU cores shared with other jo
 seconds; torch 2.13 CPU), with `partc check OUT --format json` (GPT-3, every rank) and `check_rank` (LLaMA):
 
 GPT-3 175B / 512 A100 (default plan: dp 16, tp 4, pp 8, ZeRO-1, interleaved 1F1B v = 6, 64 micro-batches of 1),
-`partc check OUT --jobs 2 --format json` after the runtime's interleaved schedule gathers each chunk once a step and
-holds receive buffers only while used (`partc.runtime.schedule`): 5.7 min wall, 11.1 min CPU, 8 pipeline ranks
-(72-90 s wall a rank, two at a time). Exit 1: every traffic row and every model-state row now equals the plan's (to
-the byte, GB below), the activations do not.
+`partc check OUT --jobs 2 --format json`: 5.8 min wall, 11.1 min CPU for the 8 pipeline ranks (79-85 s wall a rank,
+two at a time). **Exit 0: agrees and fits.** Every traffic row and every model-state row equals the plan's (GB):
 
-    pp  peak GB (plan)   activations (plan)   params   grads   optimizer   dp / tp / pp comm GB      fits
-    0   83.8 (71.8)      45.9 (32.6)          12.6 =   22.5 =  2.8 =       33.7 / 193.3 / 17.8  =    no
-    1   81.7 (69.4)      45.0 (31.6)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    no
-    2   80.1 (68.2)      43.4 (30.5)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    no
-    3   78.4 (67.1)      41.7 (29.3)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    yes
-    4   76.9 (65.9)      40.2 (28.1)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    yes
-    5   75.6 (64.8)      38.9 (27.0)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    yes
-    6   74.3 (63.6)      37.6 (25.8)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    yes
-    7   74.6 (65.0)      36.9 (25.9)          12.6 =   22.4 =  2.8 =       33.5 / 206.5 / 17.8  =    yes
+    pp  peak GB (plan)   activations (plan)   params   grads   optimizer   dp / tp / pp comm GB      needed of 80.5
+    0   78.7 (78.8)      41.8 (40.9)          12.6 =   22.5 =  2.8 =       33.7 / 193.3 / 17.8  =    80.1
+    1   76.2 (76.3)      40.5 (39.6)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    77.3
+    2   74.8 (74.9)      39.1 (38.2)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    75.8
+    3   73.3 (73.4)      37.6 (36.7)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    74.4
+    4   71.9 (71.9)      36.2 (35.2)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    72.9
+    5   70.4 (70.5)      34.7 (33.8)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    71.5
+    6   68.9 (69.0)      33.2 (32.3)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    70.0
+    7   70.0 (69.9)      32.3 (32.2)          12.6 =   22.4 =  2.8 =       33.5 / 206.5 / 17.8  =    71.4
 
-The activations are 1.4x the plan's at tp 4, and the same gap shows on a 1.7B GPT at tp 4, pp 4, 1F1B (+16% to +31%
-a rank) while at tp 1 (1F1B, and interleaved v = 1 to 6) every rank agrees within 6%: under tensor parallelism the
-program keeps about 5·s·b·h bytes a block and micro-batch more than the cost model's split of the traced saved
-tensors (Korthikanti et al.'s replicated and 1/t parts). Not yet found; until then the 175B default plan's first three
-pipeline ranks do not fit. Before this session's runtime changes the same check measured dp traffic 3.7x the
-plan's (torch's schedule kept 3 of 6 chunks gathered and gathered the others again) and 55.2 GB of activations on
-rank 0 (receive buffers for every micro-batch and chunk, kept).
+(worst row: activations +2.8%, rank 6; "needed" adds the plan's communicator buffers to the measured peak.) The first
+check of this plan (27.6 min wall) measured dp traffic 3.7x the plan's, activations 1.7-1.8x, three ranks not
+fitting. What closed the gap: the runtime's interleaved schedule gathers each chunk once a step (torch's keeps three
+of six gathered) and holds receive buffers only while used (`partc.runtime.schedule`); the cost model walks the
+schedule's own order for the in-flight peak (`partc.passes.schedule`), charges ZeRO-1's gradients at 4 bytes a
+parameter, keeps the inputs of colwise layers and what follows rowwise ones whole under tp (Korthikanti et al.'s
+"10"), and the last stage's logit gather; a scattered pipeline boundary is a copy of its 1/t part; and the check no
+longer counts what its memory tracker's own autograd hooks kept alive.
 
 LLaMA-2 70B / 64 H100 (default plan: dp 64, ZeRO-3, pp 1, full recomputation, 2 micro-batches of 4): 195 s wall,
 57 s CPU, one pipeline rank. Agrees and fits: dp traffic 1103.6 GB = the plan's byte for byte (332 all-gathers,
