@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from partc.collectives import set_tp_group
+from partc.deferred_init import InitRecord
 from partc.errors import PartcError
 from partc.model_file import ModelSpec, load_model_file
 from partc.runtime import checkpoint, checkpoint_dir
@@ -148,10 +149,19 @@ def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: fl
     return build(files, world, seed=seed, optimizer=opt_config, init_checkpoint=init_checkpoint)
 
 
+def meta_model(files: ProgramFiles) -> tuple[ModelSpec, nn.Module, InitRecord]:
+    """The model file as compiled, its model built on meta, and the record of how its construction sets each
+    tensor (step 2 of `load`)."""
+    spec = _load_spec(files)
+    return (spec, *build_model(spec))
+
+
 def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: OptimizerConfig | None = None,
-          init_checkpoint: str | Path | None = None) -> Program:
+          init_checkpoint: str | Path | None = None,
+          model: tuple[ModelSpec, nn.Module, InitRecord] | None = None) -> Program:
     """Steps 2-5 of `load` on a mesh already joined (`partc.runtime.check` builds it outside its fake tensor mode,
-    which device meshes do not run under)."""
+    which device meshes do not run under, and passes the `meta_model` it built outside that mode too: a model's
+    own construction may do what fake tensors refuse, as Hugging Face's does)."""
     par = files.plan.parallel
     opt_config = optimizer or OptimizerConfig()
     # The stage files find the tp group through `collectives`.
@@ -159,8 +169,7 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
 
     # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes
     #    (the stage files chained on meta, on this rank's shard shapes).
-    spec = _load_spec(files)
-    model, init = build_model(spec)
+    spec, model, init = model if model is not None else meta_model(files)
     canon = canonical_names(model, files.tied)
     layout = TPLayout.from_manifest(files.tp, world.tp_rank, canon)
     shapes = stage_shapes(files, model, spec, layout)

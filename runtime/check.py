@@ -54,7 +54,7 @@ from partc.cluster import Cluster
 from partc.collectives import set_tp_group
 from partc.errors import PartcError
 from partc.parallel import Parallel
-from partc.runtime.api import Program, build
+from partc.runtime.api import Program, build, meta_model
 from partc.runtime.mesh import init_world
 from partc.runtime.parallelize import OptimizerConfig, reshard
 from partc.runtime.program import ProgramFiles, read_program
@@ -225,10 +225,11 @@ def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
     """One step of global rank `rank` of the program on fake tensors and a fake process group (module docstring)."""
     par = files.plan.parallel
     start = time.perf_counter()
+    model = meta_model(files)  # outside the fake mode: a model's own construction may do what fake tensors refuse
     with _fake_world(par, rank):
         world = init_world(par)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            prog = build(files, world, optimizer=OptimizerConfig(name=optimizer))
+            prog = build(files, world, optimizer=OptimizerConfig(name=optimizer), model=model)
             _answer_warmup_vote(prog)
             _create_optimizer_states(prog)
             (args, kwargs), targets = prog.batch(0)
