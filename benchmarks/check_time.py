@@ -47,7 +47,10 @@ sequences of 1024 tokens), `partc check OUT --jobs 2 --format json`: 5.7 min wal
 Fits (74.5 and 70.0 of 80.2 GB needed); exit 1 by one row. Rank 0 agrees (params, grads, optimizer states and
 activations equal the plan's to 0.1 GB, dp traffic to the byte). Rank 1, the last stage: activations 35.0 GB against
 the plan's 31.4 (+10.5%, just over the tolerance), peak 69.2 against 65.5. On both, pp traffic 45.97 GB against the
-plan's 46.98 (-2.1%; the plain-PyTorch examples agree to the byte). Neither gap is found yet. Before this session a
+plan's 46.98 (-2.1%; the plain-PyTorch examples agree to the byte): the rotary tables (cos, sin: 1 x s x
+head_dim, broadcast over the batch) cross each pipeline boundary once a micro-batch, and the cost model, which traces
+one sample, charges them per sample, 4x at b = 4 (a tiny Hugging Face LLaMA, pp 2, v 3: to the byte at b = 1, -7.1%
+at b = 2). The last stage's activations are not explained yet. Before this session a
 Hugging Face model could not be checked at all: its construction failed under fake tensors (the check now builds the
 model on meta before entering the fake mode).
 """
