@@ -10,6 +10,7 @@ this process, and prints per rank: seconds, the measured peak against the plan's
     gpt3-175b    examples/gpt3_175b.py, 512 x a100-80g
     llama2-70b   PARTC_LLAMA_SIZE=llama2-70b examples/llama.py, 64 x h100-80g
     hf-llama3-8b benchmarks/models/hf_llama3_8b.py (Hugging Face transformers, from its config), 8 x h100-80g
+    gpt-1t       PARTC_GPT_SIZE=1008b examples/gpt.py (Megatron-LM's Table 1 1T GPT), 3072 x a100-80g
 
 Measured 2026-11-30 on the development machine (2 CPU cores shared with other jobs, so wall seconds run 2-5x the CPU
 seconds; torch 2.13 CPU), with `partc check OUT --format json` (GPT-3, every rank) and `check_rank` (LLaMA):
@@ -75,6 +76,7 @@ CASES = {
     "gpt3-175b": (EXAMPLES / "gpt3_175b.py", 512, "a100-80g", {}),
     "llama2-70b": (EXAMPLES / "llama.py", 64, "h100-80g", {"PARTC_LLAMA_SIZE": "llama2-70b"}),
     "hf-llama3-8b": (Path(__file__).resolve().parent / "models" / "hf_llama3_8b.py", 8, "h100-80g", {}),
+    "gpt-1t": (EXAMPLES / "gpt.py", 3072, "a100-80g", {"PARTC_GPT_SIZE": "1008b"}),
 }
 
 GiB = 1024**3

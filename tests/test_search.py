@@ -96,7 +96,7 @@ CASES = {
     "long-4": Case("long", 2, 4),
     "long-8": Case("long", 2, 8),
     "long-1-nofit": Case("long", 1, 1),                # nothing fits: both report the least memory any plan needs
-    "long-4-tight": Case("long", 1, 4),                # tp and pp needed to fit
+    "long-4-tight": Case("long", 1.2, 4),              # tp and pp needed to fit
     "long-8-tight": Case("long", 1, 8),
     "long-8-small-nodes": Case("long", 4, 8, gpus_per_node=2, inter_node_bandwidth=1e9),
     "wide-4": Case("wide", 2, 4, gbs=32),
