@@ -15,28 +15,24 @@ this process, and prints per rank: seconds, the measured peak against the plan's
 Measured 2026-11-30 on the development machine (2 CPU cores shared with other jobs, so wall seconds run 2-5x the CPU
 seconds; torch 2.13 CPU), with `partc check OUT --format json` (GPT-3, every rank) and `check_rank` (LLaMA):
 
-GPT-3 175B / 512 A100 (default plan: dp 16, tp 4, pp 8, ZeRO-1, interleaved 1F1B v = 6, 64 micro-batches of 1),
-`partc check OUT --jobs 2 --format json`: 5.8 min wall, 11.1 min CPU for the 8 pipeline ranks (79-85 s wall a rank,
-two at a time). **Exit 0: agrees and fits.** Every traffic row and every model-state row equals the plan's (GB):
+GPT-3 175B / 512 A100 (default plan: dp 8, tp 4, pp 16, ZeRO-1, interleaved 1F1B v = 3, 128 micro-batches of 1),
+`partc check OUT --jobs 2 --format json`: 12.9 min wall (shared with two benchmarks), 21.3 min CPU for the 16
+pipeline ranks (64-122 s wall a rank, two at a time). **Exit 0: agrees and fits.** Traffic equals the plan's byte for
+byte on every rank (dp 16.3-17.4, tp 193.3-219.6, pp 16.2-19.3 GB), and so do parameters, gradients and optimizer
+states (6.8 / 10.9 / 2.7 GB on a middle rank); activations within 0.2% on every rank (rank 0: 47.5 GB, plan 47.4);
+peak within 2.1% (rank 0: 68.2 GB, plan 69.2; needed with the communicators 69.5 of 80.5 GB usable).
 
-    pp  peak GB (plan)   activations (plan)   params   grads   optimizer   dp / tp / pp comm GB      needed of 80.5
-    0   78.7 (78.8)      41.8 (40.9)          12.6 =   22.5 =  2.8 =       33.7 / 193.3 / 17.8  =    80.1
-    1   76.2 (76.3)      40.5 (39.6)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    77.3
-    2   74.8 (74.9)      39.1 (38.2)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    75.8
-    3   73.3 (73.4)      37.6 (36.7)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    74.4
-    4   71.9 (71.9)      36.2 (35.2)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    72.9
-    5   70.4 (70.5)      34.7 (33.8)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    71.5
-    6   68.9 (69.0)      33.2 (32.3)          12.2 =   21.7 =  2.7 =       32.6 / 193.3 / 19.3  =    70.0
-    7   70.0 (69.9)      32.3 (32.2)          12.6 =   22.4 =  2.8 =       33.5 / 206.5 / 17.8  =    71.4
-
-(worst row: activations +2.8%, rank 6; "needed" adds the plan's communicator buffers to the measured peak.) The first
-check of this plan (27.6 min wall) measured dp traffic 3.7x the plan's, activations 1.7-1.8x, three ranks not
-fitting. What closed the gap: the runtime's interleaved schedule gathers each chunk once a step (torch's keeps three
-of six gathered) and holds receive buffers only while used (`partc.runtime.schedule`); the cost model walks the
-schedule's own order for the in-flight peak (`partc.passes.schedule`), charges ZeRO-1's gradients at 4 bytes a
-parameter, keeps the inputs of colwise layers and what follows rowwise ones whole under tp (Korthikanti et al.'s
-"10"), and the last stage's logit gather; a scattered pipeline boundary is a copy of its 1/t part; and the check no
-longer counts what its memory tracker's own autograd hooks kept alive.
+The previous default plan (dp 16, tp 4, pp 8, v = 6, 64 micro-batches) was checked three times this session. First
+(27.6 min wall): dp traffic 3.7x the plan's (torch's interleaved schedule kept 3 of the 6 chunks gathered and gathered
+the others again), activations 1.7-1.8x (receive buffers kept for every micro-batch and chunk, 8.9 GB on rank 0),
+three ranks not fitting. After the runtime's schedule (`partc.runtime.schedule`: each chunk gathered once a step,
+receive buffers only while used) and the cost model's walk of the schedule's order (`partc.passes.schedule`), ZeRO-1
+gradients at 4 bytes a parameter, and the check no longer counting what its tracker's hooks kept alive: traffic and
+model states equal to the byte, activations 1.4x (under tp 4). After tensor parallelism's whole tensors (the inputs
+of colwise layers and what follows rowwise ones: Korthikanti et al.'s "10"), the logit gather, and scattered
+boundaries held as copies of their 1/t part: agrees (activations within 2.8%) and fits (80.1 of 80.5 GB). Then the
+1T GPT's last stage showed ZeRO-1's fp32 reduction input (4 bytes a parameter of the largest unit, charged as 2);
+charged, that plan needs 0.8 GB more and no longer fits, so the search now picks the plan above.
 
 LLaMA-2 70B / 64 H100 (default plan: dp 64, ZeRO-3, pp 1, full recomputation, 2 micro-batches of 4): 195 s wall,
 57 s CPU, one pipeline rank. Agrees and fits: dp traffic 1103.6 GB = the plan's byte for byte (332 all-gathers,
@@ -54,6 +50,12 @@ one sample, charges them per sample, 4x at b = 4 (a tiny Hugging Face LLaMA, pp 
 at b = 2). The last stage's activations are not explained yet. Before this session a
 Hugging Face model could not be checked at all: its construction failed under fake tensors (the check now builds the
 model on meta before entering the fake mode).
+
+GPT 1T / 3072 A100 (default plan: dp 12, tp 8, pp 32, ZeRO-1, 1F1B, 256 micro-batches of 1), `--pp-ranks 0 31` (the
+first and the last of 32; all 32 take about an hour here): 58 s and 103 s a rank. Both agree and fit: traffic and
+model states equal to the byte; rank 0 activations 38.67 GiB (plan 38.44), peak -3.6%; rank 31 activations 7.35 GiB
+(plan 7.19), peak 33.96 (plan 33.90). Before ZeRO-1's fp32 reduction input was charged, rank 31's activations were
++27.1% (plan 5.36 GiB).
 """
 
 from __future__ import annotations
