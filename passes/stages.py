@@ -52,14 +52,13 @@ class StagePartition:
     """mem_k of each stage in bytes (model states + in-flight activations + extra)."""
 
 
-def partition_stages(time: Sequence[float], cut_time: Sequence[float], static_mem: Sequence[float],
-                     act_mem: Sequence[float], *, num_stages: int, in_flight: Sequence[float], mem_limit: float,
-                     extra_mem: Sequence[float] | None = None, first_required: int = 0,
-                     last_required: int = 0) -> StagePartition | None:
-    """Exact min-max split of n units into `num_stages` contiguous non-empty stages (see the module docstring).
-
-    Returns None when no split fits: more stages than units, the required ends overlap, or memory.
-    """
+def span_matrices(time: Sequence[float], cut_time: Sequence[float], static_mem: Sequence[float],
+                  act_mem: Sequence[float], *, num_stages: int, in_flight: Sequence[float],
+                  extra_mem: Sequence[float] | None = None, first_required: int = 0,
+                  last_required: int = 0) -> tuple[int, int, list[float], np.ndarray, np.ndarray, np.ndarray] | None:
+    """The inputs checked, and (n, p, extra, times, static, act): the time, model states and activations of a stage
+    spanning units [s, e), as (n + 1) x (n + 1) matrices; None when no split exists (more stages than units, the
+    required ends overlap)."""
     n, p = len(time), num_stages
     extra = [0.0] * p if extra_mem is None else list(extra_mem)
     assert p >= 1, p
@@ -85,6 +84,23 @@ def partition_stages(time: Sequence[float], cut_time: Sequence[float], static_me
     times = np.where(valid, (pt[None, :] - pt[:, None]) + front[:, None] + back[None, :], INF)
     static = ps[None, :] - ps[:, None]
     act = pa[None, :] - pa[:, None]
+    return n, p, extra, times, static, act
+
+
+def partition_stages(time: Sequence[float], cut_time: Sequence[float], static_mem: Sequence[float],
+                     act_mem: Sequence[float], *, num_stages: int, in_flight: Sequence[float], mem_limit: float,
+                     extra_mem: Sequence[float] | None = None, first_required: int = 0,
+                     last_required: int = 0) -> StagePartition | None:
+    """Exact min-max split of n units into `num_stages` contiguous non-empty stages (see the module docstring).
+
+    Returns None when no split fits: more stages than units, the required ends overlap, or memory.
+    """
+    mats = span_matrices(time, cut_time, static_mem, act_mem, num_stages=num_stages, in_flight=in_flight,
+                         extra_mem=extra_mem, first_required=first_required, last_required=last_required)
+    if mats is None:
+        return None
+    n, p, extra, times, static, act = mats
+    a, z = first_required, last_required
 
     # Stage k starts at s = k + i and ends at e = k + 1 + j, 0 <= i, j < w = n - p + 1: the k stages before it
     # and the p - 1 - k after it hold a unit each. Its window of a matrix is the w x w block at (k, k + 1) (all

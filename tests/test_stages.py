@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from partc.passes.stages import partition_stages
+from partc.passes.stages import partition_stages, span_matrices
 
 INF = float("inf")
 
@@ -33,31 +33,12 @@ def brute_force(time, cut, static, act, p, in_flight, limit, extra, a, z):
 def dense_reference(time, cut_time, static_mem, act_mem, *, num_stages, in_flight, mem_limit, extra_mem=None,
                     first_required=0, last_required=0):
     """The DP as first written: (n + 1) x (n + 1) matrices for every stage, dense tie-break (exact, slower)."""
-    n, p = len(time), num_stages
-    extra = [0.0] * p if extra_mem is None else list(extra_mem)
-    assert p >= 1, p
-    assert len(cut_time) == max(n - 1, 0) and len(static_mem) == n and len(act_mem) == n, "per-unit lists differ"
-    assert len(in_flight) == p and len(extra) == p, "per-stage lists must have num_stages entries"
-    assert 0 <= first_required <= n and 0 <= last_required <= n
-    if n == 0 or p > n:
+    mats = span_matrices(time, cut_time, static_mem, act_mem, num_stages=num_stages, in_flight=in_flight,
+                         extra_mem=extra_mem, first_required=first_required, last_required=last_required)
+    if mats is None:
         return None
+    n, p, extra, times, static, act = mats
     a, z = first_required, last_required
-    if p > 1 and a > n - z:  # stage 0 must end at or after a, the last stage start at or before n - z
-        return None
-
-    # 1. Matrices over (start s, end e), 0 <= s < e <= n; inf where e <= s.
-    pt = np.concatenate(([0.0], np.cumsum(np.asarray(time, dtype=float))))
-    ps = np.concatenate(([0.0], np.cumsum(np.asarray(static_mem, dtype=float))))
-    pa = np.concatenate(([0.0], np.cumsum(np.asarray(act_mem, dtype=float))))
-    cut = np.asarray(cut_time, dtype=float)
-    front = np.zeros(n + 1)  # front[s] = cut_time[s-1]: paid by a stage that starts at 0 < s < n
-    front[1:n] = cut
-    back = np.zeros(n + 1)  # back[e] = cut_time[e-1]: paid by a stage that ends at 0 < e < n
-    back[1:n] = cut
-    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
-    times = np.where(valid, (pt[None, :] - pt[:, None]) + front[:, None] + back[None, :], INF)
-    static = ps[None, :] - ps[:, None]
-    act = pa[None, :] - pa[:, None]
 
     def stage_matrix(k: int) -> np.ndarray:
         """T_k: stage times with inf where stage k would not fit in memory."""
