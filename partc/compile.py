@@ -348,5 +348,5 @@ def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path
                               for c in best.tp.collectives.get(u.fqn, [])]}
              for i, u in enumerate(graph.units)]
     data = {"parallel": par.to_dict(), "units": units, "prediction": best.prediction.to_dict(),
-            "cut_bytes_per_sample": graph.cut_bytes}
+            "cut_bytes_per_sample": graph.cut_bytes, "cut_fixed_bytes_per_micro_batch": graph.cut_fixed_bytes}
     (out / "costs.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

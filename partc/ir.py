@@ -144,10 +144,16 @@ class ModelGraph:
     layers: dict[str, Layer]
     edges: list[Edge]
     cut_bytes: list[int]
-    """cut_bytes[i]: bytes per sample that cross a pipeline boundary placed after units[i] (len(units) - 1)."""
+    """cut_bytes[i]: bytes per sample that cross a pipeline boundary placed after units[i] (len(units) - 1): the
+    tensors that carry the batch."""
     cut_grad_bytes: list[int] = field(default_factory=list)
     """The part of `cut_bytes` that needs a gradient (it depends on a parameter): what a pipeline sends back across
     the boundary. Empty: all of it."""
+    cut_fixed_bytes: list[int] = field(default_factory=list)
+    """cut_fixed_bytes[i]: bytes per micro-batch, whatever its size, that cross the boundary after units[i]: tensors
+    computed without a user input (rotary tables broadcast over the batch). Empty: none."""
+    cut_grad_fixed_bytes: list[int] = field(default_factory=list)
+    """The part of `cut_fixed_bytes` that needs a gradient. Empty: none."""
     cut_ok: list[bool] = field(default_factory=list)
     """cut_ok[i]: a pipeline boundary after units[i] can be realized, no op before it reads one after it (units
     whose ops read each other both ways stay in one stage); empty: every boundary can."""
@@ -160,9 +166,21 @@ class ModelGraph:
     info: dict[str, object] = field(default_factory=dict)
     """Free-form model facts for the plan's ``model`` section (hidden size, heads, vocab...)."""
 
-    def grad_cut(self, i: int) -> int:
-        """`cut_grad_bytes[i]`, or `cut_bytes[i]` when the graph does not say."""
-        return self.cut_grad_bytes[i] if self.cut_grad_bytes else self.cut_bytes[i]
+    def boundary_bytes(self, i: int, micro_batch_size: int) -> int:
+        """Bytes of one micro-batch across the pipeline boundary after units[i] (0 outside the model: before the
+        first unit, after the last)."""
+        if not 0 <= i < len(self.cut_bytes):
+            return 0
+        return self.cut_bytes[i] * micro_batch_size + (self.cut_fixed_bytes[i] if self.cut_fixed_bytes else 0)
+
+    def boundary_grad_bytes(self, i: int, micro_batch_size: int) -> int:
+        """The part of `boundary_bytes` that needs a gradient (all of it when the graph does not say)."""
+        if not 0 <= i < len(self.cut_bytes):
+            return 0
+        if not self.cut_grad_bytes:
+            return self.boundary_bytes(i, micro_batch_size)
+        return (self.cut_grad_bytes[i] * micro_batch_size
+                + (self.cut_grad_fixed_bytes[i] if self.cut_grad_fixed_bytes else 0))
 
     def unit(self, fqn: str) -> Unit:
         for u in self.units:

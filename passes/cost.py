@@ -301,13 +301,12 @@ def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequen
     pipeline stage keeps both until the micro-batch's backward). One chunk a rank: `in_flight` micro-batches of
     that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
     the gradient it received."""
-    per = par.micro_batch_size / par.tp
-    last = len(graph.cut_bytes)
-    held = [sum(acts[lo:hi]) + per * (_cut(graph.cut_bytes, lo - 1) + _cut(graph.cut_bytes, hi - 1))
+    b, t = par.micro_batch_size, par.tp
+    held = [sum(acts[lo:hi]) + (graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)) / t
             for lo, hi in chunks]
     if par.chunks_per_rank == 1:
         return in_flight(par, rank) * held[0]
-    grad = [per * graph.grad_cut(hi - 1) if hi - 1 < last else 0.0 for lo, hi in chunks]
+    grad = [graph.boundary_grad_bytes(hi - 1, b) / t for lo, hi in chunks]
     return schedule.peak_bytes(par.pp, par.chunks_per_rank, par.num_microbatches, rank, held, grad)
 
 
@@ -375,32 +374,33 @@ def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_n
     return (1.0 - cluster.dp_overlap) * total
 
 
-def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool,
-                   grad_bytes_per_sample: float | None = None) -> float:
-    """One boundary per micro-batch: the activation forward and its gradient backward (`grad_bytes_per_sample`:
-    what of it needs a gradient, all of it by default). Scatter/gather (Narayanan et al. 2021, section 4.1; the
-    program does it, `partc.collectives.scatter_to_next_stage`): the t ranks of a TP group hold the same boundary
-    tensor, so each sends only 1/t of it, over its own link, and the receiving group all-gathers it over NVLink:
+def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes: float, spans_nodes: bool,
+                   grad_bytes: float | None = None) -> float:
+    """One boundary of one micro-batch (`nbytes`, `ModelGraph.boundary_bytes`): the activation forward and its
+    gradient backward (`grad_bytes`: what of it needs a gradient, all of it by default). Scatter/gather
+    (Narayanan et al. 2021, section 4.1; the program does it, `partc.collectives.scatter_to_next_stage`): the t
+    ranks of a TP group hold the same boundary tensor, so each sends only 1/t of it, over its own link, and the
+    receiving group all-gathers it over NVLink:
         p2p(b·s·h/t) + all_gather(b·s·h over t ranks)     instead of p2p(b·s·h)."""
-    if par.pp <= 1 or nbytes_per_sample <= 0:
+    if par.pp <= 1 or nbytes <= 0:
         return 0.0
-    b, t = par.micro_batch_size, par.tp
-    grad = nbytes_per_sample if grad_bytes_per_sample is None else grad_bytes_per_sample
+    t = par.tp
+    grad = nbytes if grad_bytes is None else grad_bytes
     tp_spans = par.spans_nodes("tp", cluster.gpus_per_node)
     total = 0.0
-    for nbytes in (nbytes_per_sample * b, grad * b):
-        if nbytes > 0:
-            total += hw.collective_time(cluster, "p2p", nbytes / t, 2, spans_nodes=spans_nodes)
+    for size in (nbytes, grad):
+        if size > 0:
+            total += hw.collective_time(cluster, "p2p", size / t, 2, spans_nodes=spans_nodes)
             if t > 1:
-                total += hw.collective_time(cluster, "all_gather", nbytes, t, spans_nodes=tp_spans,
+                total += hw.collective_time(cluster, "all_gather", size, t, spans_nodes=tp_spans,
                                             ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
     return total
 
 
-def p2p_time(cluster: Cluster, par: Parallel, nbytes_per_sample: float, spans_nodes: bool) -> float:
-    """Pipeline traffic per micro-batch of one rank (Narayanan et al.: b·s·h per micro-batch between stages, v times
-    as much when interleaved): one send forward and one backward per chunk."""
-    return par.chunks_per_rank * p2p_round_trip(cluster, par, nbytes_per_sample, spans_nodes)
+def p2p_time(cluster: Cluster, par: Parallel, nbytes: float, spans_nodes: bool) -> float:
+    """Pipeline traffic per micro-batch of one rank, `nbytes` a boundary (Narayanan et al.: b·s·h per micro-batch
+    between stages, v times as much when interleaved): one send forward and one backward per chunk."""
+    return par.chunks_per_rank * p2p_round_trip(cluster, par, nbytes, spans_nodes)
 
 
 def optimizer_time(cluster: Cluster, par: Parallel, params_per_gpu: float) -> float:
@@ -434,23 +434,17 @@ def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequenc
     return total * par.micro_batch_size * par.num_microbatches
 
 
-def _cut(cut: Sequence[int], i: int) -> float:
-    """Bytes per sample across the boundary after unit i (0 outside the model)."""
-    return float(cut[i]) if 0 <= i < len(cut) else 0.0
-
-
 def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
     """Pipeline payload of one GPU in a step: per micro-batch and chunk, the boundary received and sent forward and
     the gradients sent and received backward (what needs one: `ModelGraph.cut_grad_bytes`), each its 1/t part
     (scatter/gather, `p2p_round_trip`)."""
     if par.pp == 1:
         return 0.0
-    total = 0.0
+    b, total = par.micro_batch_size, 0
     for lo, hi in chunks:
-        total += _cut(graph.cut_bytes, lo - 1) + _cut(graph.cut_bytes, hi - 1)
-        total += graph.grad_cut(lo - 1) if lo > 0 else 0.0
-        total += graph.grad_cut(hi - 1) if hi - 1 < len(graph.cut_bytes) else 0.0
-    return total * par.micro_batch_size * par.num_microbatches / par.tp
+        total += graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)
+        total += graph.boundary_grad_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
+    return total * par.num_microbatches / par.tp
 
 
 def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
@@ -458,11 +452,10 @@ def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, i
     whole boundary) of what the chunk receives forward and of the gradient of what it sends backward."""
     if par.pp == 1 or par.tp == 1:
         return 0.0
-    total = 0.0
+    b, total = par.micro_batch_size, 0
     for lo, hi in chunks:
-        total += _cut(graph.cut_bytes, lo - 1)
-        total += graph.grad_cut(hi - 1) if hi - 1 < len(graph.cut_bytes) else 0.0
-    return total * par.micro_batch_size * par.num_microbatches
+        total += graph.boundary_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
+    return float(total * par.num_microbatches)
 
 
 def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None, bounds: Sequence[tuple[int, int]],
@@ -533,7 +526,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     acts = acts if acts is not None else unit_activation_bytes(graph, par, tp)
     shards = shards if shards is not None else unit_param_shards(graph, par, tp)
     local_shapes = local_shapes if local_shapes is not None else unit_local_shapes(graph, par, tp)
-    spans, cut = mesh_spans(cluster, par), graph.cut_bytes
+    spans = mesh_spans(cluster, par)
 
     ranks, comps, dp_times, opt_times = [], [], [], []
     shared = shared_weights(graph, par, tp, bounds, local_shapes)
@@ -543,9 +536,9 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         compute = sum(parts[i].compute_s for i in idx)
         tp_comm = sum(parts[i].tp_comm_s for i in idx)
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
-        pp_comm = sum(p2p_round_trip(cluster, par, max(_cut(cut, lo - 1), _cut(cut, hi - 1)), spans["pp"],
-                                     max(_cut(graph.cut_grad_bytes or cut, lo - 1),
-                                         _cut(graph.cut_grad_bytes or cut, hi - 1)))
+        pp_comm = sum(p2p_round_trip(cluster, par,
+                                     max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)), spans["pp"],
+                                     max(graph.boundary_grad_bytes(lo - 1, b), graph.boundary_grad_bytes(hi - 1, b)))
                       for lo, hi in chunks)
         params = stage_param_count(graph, par, tp, idx, shards)
         groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) for lo, hi in chunks]

@@ -172,6 +172,19 @@ def _ints(value) -> list[int]:
     return []
 
 
+def sizes_hold_one(node: torch.fx.Node) -> bool:
+    """Whether `node` takes a size of 1 (an ``arange`` of length 1, a ``SymInt`` argument holding 1): traced at one
+    sample, that 1 may be the batch (Hugging Face's causal mask is expanded to the batch this way)."""
+    op = node.target
+    if op in ARANGES:
+        return 1 in _ints(node.args)
+    sym = _symint_args(op)
+    if not sym or op in BATCH_FREE:
+        return False
+    return 1 in [v for name, i in sym.items()
+                 for v in _ints(node.args[i] if i < len(node.args) else node.kwargs.get(name))]
+
+
 def _resize(node: torch.fx.Node, vals: dict, bdims: dict, b: int) -> None:
     """Rewrite `node`'s size arguments for b samples, or raise _Unproven."""
     op = node.target

@@ -186,8 +186,10 @@ class _Costs:
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
         graph = self.graph
         ok = graph.cut_ok or [True] * len(graph.cut_bytes)  # a cut the program cannot make costs inf
-        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, c, spans, graph.grad_cut(i))
-                                              if ok[i] else math.inf for i, c in enumerate(graph.cut_bytes)],
+        b = par.micro_batch_size
+        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, graph.boundary_bytes(i, b), spans,
+                                                                  graph.boundary_grad_bytes(i, b))
+                                              if ok[i] else math.inf for i in range(len(graph.cut_bytes))],
                           par.pp > 1, spans)
 
     def lower_bound(self, par: Parallel) -> float:

@@ -24,8 +24,9 @@ from torch import nn
 from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
 from partc.precision import cast_floating, cast_parameters, compute_dtype
+from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
 from partc.passes.export import export_on_meta, norms_on_any_batch
-from partc.passes.measure import NodeStats, activation_bytes, measure, stack_fqns
+from partc.passes.measure import NodeStats, measure, stack_fqns
 from partc.passes.shard import ShardAnalysis
 
 aten = torch.ops.aten
@@ -198,15 +199,16 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
-    cut_bytes, cut_grad_bytes = _cuts(ep, a, units, stats)  # 8. bytes across each pipeline cut; unit inputs
-    cut_ok = _realizable_cuts(a)                           #    and which cuts the program can make
+    cuts = pipeline_cuts(ep, a, units, stats)             # 8. bytes across each pipeline cut; unit inputs
+    cut_ok = realizable_cuts(a)                            #    and which cuts the program can make
     for u in units.values():
         u.signature = _signature(u, layers)                # 9. identical blocks share TP decisions
     ordered = [units[u] for u in a.unit_names]
     first_req, last_req = _required_ends(ordered)          # 10. embeddings first, head last
     return ModelGraph(name=name, num_params=sum(_numel(tuple(p.shape)) for p in _unique_params(model)),
                       seq_len=seq_len or 1, units=ordered, layers={m: layers[m] for m in a.ordered_layers},
-                      edges=edges, cut_bytes=cut_bytes, cut_grad_bytes=cut_grad_bytes, cut_ok=cut_ok, tied=tied,
+                      edges=edges, cut_bytes=cuts.per_sample, cut_grad_bytes=cuts.grad_per_sample,
+                      cut_fixed_bytes=cuts.fixed, cut_grad_fixed_bytes=cuts.grad_fixed, cut_ok=cut_ok, tied=tied,
                       first_unit_required=first_req,
                       last_unit_required=last_req, info=_model_info(layers, ordered, seq_len))
 
@@ -322,68 +324,8 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
             unit.op_saved_bytes_replicated += saved if whole else 0
     for m, n in layer_out.items():
         if m in layers:
-            layers[m].out_bytes = _val_bytes(n)
+            layers[m].out_bytes = val_bytes(n)
     return units
-
-
-def _cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[str, Unit],
-          stats: dict[torch.fx.Node, NodeStats]) -> tuple[list[int], list[int]]:
-    """(bytes per sample crossing a pipeline boundary after each unit (all but the last), the part of them that needs
-    a gradient); sets each unit's `input_bytes` (what enters it from elsewhere)."""
-    unit_index = {u: i for i, u in enumerate(a.unit_names)}
-    producer_pos: dict[torch.fx.Node, int] = {}
-    for n in ep.graph.nodes:
-        if n.op == "placeholder":
-            producer_pos[n] = -1
-        elif n.op == "call_function":
-            producer_pos[n] = unit_index.get(a.node_unit[n], -1)
-    param_nodes = {spec.arg.name for spec in ep.graph_signature.input_specs
-                   if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT}
-    diff = [0] * (len(a.unit_names) + 1)
-    grad_diff = [0] * (len(a.unit_names) + 1)
-    input_bytes: dict[str, int] = defaultdict(int)
-    for n, pu in producer_pos.items():
-        if n.op == "placeholder" and n.name in param_nodes:
-            continue
-        consumers = {unit_index[a.node_unit[u]] for u in n.users if u.op == "call_function" and a.node_unit.get(u)}
-        if not consumers:
-            continue
-        nbytes = _val_bytes(n)
-        for c in consumers:
-            if c != pu:
-                input_bytes[a.unit_names[c]] += nbytes
-        last = max(consumers)
-        start = max(pu, 0)
-        if last > start:
-            diff[start] += nbytes
-            diff[last] -= nbytes
-            if n in stats and stats[n].requires_grad:
-                grad_diff[start] += nbytes
-                grad_diff[last] -= nbytes
-    cut_bytes, cut_grad_bytes, running, grad_running = [], [], 0, 0
-    for i in range(len(a.unit_names) - 1):
-        running += diff[i]
-        grad_running += grad_diff[i]
-        cut_bytes.append(running)
-        cut_grad_bytes.append(grad_running)
-    for u, b in input_bytes.items():
-        units[u].input_bytes = b
-    return cut_bytes, cut_grad_bytes
-
-
-def _realizable_cuts(a: Assignment) -> list[bool]:
-    """For each boundary after a unit (all but the last): whether no op of a unit before it reads an op of a unit
-    after it (codegen's stages follow data flow)."""
-    pos = {u: i for i, u in enumerate(a.unit_names)}
-    ok = [True] * max(len(a.unit_names) - 1, 0)
-    for n in a.nodes:
-        if a.node_unit.get(n) is None:
-            continue
-        for x in n.all_input_nodes:
-            if a.node_unit.get(x) is not None and pos[a.node_unit[x]] > pos[a.node_unit[n]]:
-                for i in range(pos[a.node_unit[n]], pos[a.node_unit[x]]):
-                    ok[i] = False
-    return ok
 
 
 def _required_ends(units: list[Unit]) -> tuple[list[str], list[str]]:
@@ -471,12 +413,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _gcd(a: int, b: int) -> int:
     return math.gcd(a, b) if a and b else (a or b)
-
-
-def _val_bytes(n: torch.fx.Node) -> int:
-    val = n.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else [val]
-    return sum(activation_bytes(v) for v in vals if isinstance(v, torch.Tensor))
 
 
 @dataclass(kw_only=True, slots=True)

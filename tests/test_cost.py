@@ -237,9 +237,9 @@ def test_dp_comm_volumes():
 
 
 def test_p2p_and_fits():
-    n = 2 * 32 * 64
+    n = 2 * 2 * 32 * 64  # a micro-batch of 2 samples
     one = cost.p2p_time(A100, par(pp=2, micro_batch_size=2), n, False)
-    assert one == pytest.approx(2 * hw.collective_time(A100, "p2p", 2 * n, 2))
+    assert one == pytest.approx(2 * hw.collective_time(A100, "p2p", n, 2))
     il = par(pp=2, micro_batch_size=2, schedule="interleaved-1f1b", virtual_stages=3)
     assert cost.p2p_time(A100, il, n, False) == pytest.approx(3 * one)
     assert cost.p2p_time(A100, par(), n, False) == 0
@@ -407,10 +407,10 @@ def test_collectives_across_nodes_use_every_adapter():
 def test_p2p_scatter_gather():
     """With TP degree t each TP rank sends b·s·h/t to the next stage, which all-gathers it over NVLink (the program's
     `scatter_to_next_stage` / `gather_from_previous_stage`)."""
-    n = 2 * 2048 * 4096
+    n = 2 * 2 * 2048 * 4096  # a micro-batch of 2 samples
     p_ = par(tp=8, pp=4, micro_batch_size=2, global_batch_size=8)
-    want = 2 * (hw.collective_time(A100, "p2p", 2 * n / 8, 2, spans_nodes=True)
-                + hw.collective_time(A100, "all_gather", 2 * n, 8))
+    want = 2 * (hw.collective_time(A100, "p2p", n / 8, 2, spans_nodes=True)
+                + hw.collective_time(A100, "all_gather", n, 8))
     assert cost.p2p_time(A100, p_, n, True) == pytest.approx(want)
     assert cost.p2p_time(A100, p_, n, True) < cost.p2p_time(A100, dataclasses.replace(p_, tp=1), n, True)
     il = dataclasses.replace(p_, schedule="interleaved-1f1b", virtual_stages=2)

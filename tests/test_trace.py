@@ -129,7 +129,29 @@ def test_gpt_saved_and_cut_bytes(gpt):
     for i in range(names.index("blocks.0"), names.index(f"blocks.{cfg.layers - 1}")):
         assert graph.cut_bytes[i] == act, names[i]
     assert graph.cut_bytes[names.index("ln_f")] == act  # normalized hidden states into the head
-    assert graph.cut_bytes[1] >= act  # both embeddings' outputs into blocks.0
+    # both embeddings' outputs into blocks.0: the tokens' per sample, the positions' (1 x s x h, the same for every
+    # sample, broadcast in the add) once a micro-batch, with its gradient
+    assert graph.cut_bytes[1] == act and graph.cut_fixed_bytes[1] == graph.cut_grad_fixed_bytes[1] == act
+    assert sum(graph.cut_fixed_bytes) == act
+
+
+def test_what_does_not_carry_the_batch_crosses_once(tmp_path):
+    """Hugging Face LLaMA's rotary tables (cos, sin: 1 x s x head_dim, from the positions, no gradient) cross every
+    boundary between blocks once a micro-batch; the hidden states and the causal mask (expanded to the batch, a
+    size of 1 at one sample) per sample."""
+    from zoo_models import write_zoo_model
+
+    _, traced = trace_file(write_zoo_model(tmp_path, "llama"), seq_len=32)
+    graph = traced.graph
+    s, h, head = 32, 64, 16
+    table = s * head * ACTIVATION_BYTES
+    names = [u.fqn for u in graph.units]
+    for i in range(names.index("model.layers.0"), names.index("model.layers.3")):
+        assert graph.cut_fixed_bytes[i] == 2 * table, names[i]
+        assert graph.cut_grad_fixed_bytes[i] == 0
+        assert graph.cut_bytes[i] == s * h * ACTIVATION_BYTES + s * s  # hidden states, the boolean mask
+        assert graph.boundary_bytes(i, 4) == 4 * graph.cut_bytes[i] + 2 * table
+        assert graph.boundary_grad_bytes(i, 4) == 4 * s * h * ACTIVATION_BYTES
 
 
 def test_gpt_shard_regions_and_groups(gpt):
