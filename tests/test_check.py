@@ -13,8 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import EXAMPLES, run_jobs
-from zoo_models import write_zoo_model
+from helpers import EXAMPLES, run_jobs, write_hf_model
 from partc._torch import FSDPRefType
 from partc.cli.main import main
 from partc.compile import compile_model
@@ -272,7 +271,7 @@ def test_tensors_without_the_batch_cross_once_a_micro_batch(tmp_path):
     twice, and the pipeline traffic equals the program's to the byte (charging the tables per sample was 5% over)."""
     torch.set_num_threads(1)
     out = tmp_path / "llama"
-    compile_model(write_zoo_model(tmp_path, "llama"), gpus=2, global_batch_size=8, seq_len=32, out_dir=out,
+    compile_model(write_hf_model(tmp_path, "llama"), gpus=2, global_batch_size=8, seq_len=32, out_dir=out,
                   pins=Pins(tp=1, pp=2, dp=1, zero=0, micro_batch_size=2, schedule="1f1b"))
     for r in check_program(str(out), slack_bytes=0):
         assert r.comm_bytes["pp"] > 0

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from helpers import BRANCHY, EXAMPLES, trace_file
+from helpers import BRANCHY, EXAMPLES, trace_file, write_hf_model
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.ir import ACTIVATION_BYTES
@@ -139,14 +139,12 @@ def test_what_does_not_carry_the_batch_crosses_once(tmp_path):
     """Hugging Face LLaMA's rotary tables (cos, sin: 1 x s x head_dim, from the positions, no gradient) cross every
     boundary between blocks once a micro-batch; the hidden states and the causal mask (expanded to the batch, a
     size of 1 at one sample) per sample."""
-    from zoo_models import write_zoo_model
-
-    _, traced = trace_file(write_zoo_model(tmp_path, "llama"), seq_len=32)
+    _, traced = trace_file(write_hf_model(tmp_path, "llama"), seq_len=32)
     graph = traced.graph
     s, h, head = 32, 64, 16
     table = s * head * ACTIVATION_BYTES
     names = [u.fqn for u in graph.units]
-    for i in range(names.index("model.layers.0"), names.index("model.layers.3")):
+    for i in range(names.index("model.layers.0"), names.index("model.layers.1")):  # between blocks
         assert graph.cut_fixed_bytes[i] == 2 * table, names[i]
         assert graph.cut_grad_fixed_bytes[i] == 0
         assert graph.cut_bytes[i] == s * h * ACTIVATION_BYTES + s * s  # hidden states, the boolean mask

@@ -8,14 +8,6 @@ import textwrap
 from pathlib import Path
 
 ZOO = {
-    "llama": """
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        def model():  # rotary tables (1 x s x head_dim) and a causal mask (b x 1 x s x s) cross each stage boundary
-            return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                                max_position_embeddings=64))
-    """,
     "roberta": """
         from transformers import RobertaConfig, RobertaForMaskedLM
 
