@@ -31,7 +31,7 @@ def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "
         with norms_on_any_batch():
             where = _locate_failure(model, args, kwargs, e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        hint = failure_hint(e)
+        hint = _experts_hint(model) or failure_hint(e)
         raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
             from None
     device_neutral(ep)
@@ -162,6 +162,16 @@ def _locate_failure(model: nn.Module, args, kwargs, export_error: Exception) -> 
     if frame:
         parts.append(f"at {frame}")
     return (" " + " ".join(parts)) if parts else ""
+
+
+def _experts_hint(model: nn.Module) -> str:
+    """'; ...' for a Hugging Face mixture of experts set to its eager experts (a Python loop over the experts that
+    tokens were routed to: data-dependent, so no trace can hold it); '' otherwise."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager":
+        return ""
+    return ("; the model's experts_implementation='eager' loops over the experts its tokens were routed to, which "
+            "no trace can hold: set experts_implementation='grouped_mm' in its config (the default: one grouped GEMM over all experts)")
 
 
 def failure_hint(e: Exception) -> str:

@@ -51,6 +51,9 @@ CORE_OPS = (aten.scaled_dot_product_attention.default,)
 # recomputation drops only what the kernel alone keeps (the log-sum-exp): its inputs are needed for the replay and
 # its output is the next layer's input.
 LSE_BYTES = 4
+# GEMMs of a mixture of experts that `flop_registry` does not count (`grouped_gemm` prices them by their shapes), as
+# do ops of other namespaces (custom ops) that multiply like one.
+GROUPED_GEMM_OPS = (aten._grouped_mm, aten._scaled_grouped_mm)
 
 
 @dataclass(slots=True)
@@ -149,7 +152,7 @@ class _Recorder(TorchDispatchMode):
                                  dtype_bytes=self.core_bytes or a.element_size(), fused=self.fused_core))
         elif packet in flop_registry:
             st.conv_flops += float(flop_registry[packet](*args, **kwargs, out_val=out))
-        elif (packet is aten._grouped_mm or func.namespace not in ("aten", "prims")) and \
+        elif (packet in GROUPED_GEMM_OPS or func.namespace not in ("aten", "prims")) and \
                 (gemm := grouped_gemm(args, kwargs, out, self.core_bytes, self.fused_core)) is not None:
             st.gemms.append(gemm)
         elif packet is aten._to_copy and self.core_bytes is not None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from helpers import assert_close_losses, assert_close_states, run_jobs
 from partc.compile import compile_model
+from partc.errors import PartcError
 from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import Pins
 from partc.passes.export import export_on_meta
@@ -62,6 +63,18 @@ def test_flops_are_attention_router_and_k_of_n_experts(mixtral_file, precision):
         assert [(g.batch, g.m, g.n, g.k) for g in layer.gemms] == [(E, S * K // E, 2 * I, H), (E, S * K // E, H, I)]
         assert layer.num_params == E * 3 * H * I
     assert graph.unit("lm_head").fwd_flops == 2 * S * H * V
+
+
+def test_eager_experts_get_a_hint(tmp_path):
+    path = tmp_path / "eager.py"
+    path.write_text(textwrap.dedent(MIXTRAL).replace("max_position_embeddings=128)",
+                                                     "max_position_embeddings=128, experts_implementation='eager')"))
+    spec = load_model_file(str(path), seq_len=S)
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(1)
+    with pytest.raises(PartcError, match="experts_implementation='eager' loops over the experts .* set "
+                                         "experts_implementation='grouped_mm' in its config"):
+        trace(build_on_meta(spec), args, kwargs, name=spec.name, seq_len=S)
 
 
 class IntHistogram(nn.Module):
