@@ -19,19 +19,53 @@ from torch import nn
 from partc.errors import PartcError
 from partc.frames import exception_frames, innermost
 
+aten = torch.ops.aten
+
 
 def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "") -> torch.export.ExportedProgram:
     """Export `model` (already on meta) with meta example inputs. Errors name the module and source line."""
     try:
         with _quiet_export(), norms_on_any_batch():
-            return torch.export.export(model, args, kwargs, strict=False)
+            ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - anything export raises is a model the tracer cannot handle
         with norms_on_any_batch():
             where = _locate_failure(model, args, kwargs, e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        hint = failure_hint(e)
+        hint = _experts_hint(model) or failure_hint(e)
         raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
             from None
+    device_neutral(ep)
+    return ep
+
+
+def device_neutral(ep: torch.export.ExportedProgram) -> None:
+    """Rewrite, in place, the ops of `ep` that are valid on the tracing device only, so that the program runs on
+    any device. A model may branch on its tensors' device type, and the trace, on meta, takes the branch for
+    neither CPU nor CUDA: Hugging Face's MoE experts count tokens per expert with `torch.histc` on int32 off CPU
+    and MPS (CUDA's deterministic kernel takes integers, CPU's takes floating point only). An integer `histc`
+    becomes one on float32 (exact for counts below 2**24), its result cast back to the input's dtype: what the
+    model runs on CPU, and valid on CUDA too."""
+    graph = ep.graph
+    changed = False
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not aten.histc.default:
+            continue
+        x, val = n.args[0], n.meta.get("val")
+        if not isinstance(x, torch.fx.Node) or val is None or val.is_floating_point():
+            continue
+        with graph.inserting_before(n):
+            as_float = graph.call_function(aten.to.dtype, (x, torch.float32))
+        as_float.meta.update(n.meta, val=x.meta["val"].to(torch.float32))
+        n.replace_input_with(x, as_float)
+        with graph.inserting_after(n):
+            back = graph.call_function(aten.to.dtype, (n, val.dtype))
+        n.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+        back.meta.update(n.meta)
+        n.meta["val"] = val.to(torch.float32)
+        changed = True
+    if changed:
+        graph.lint()
+        ep.graph_module.recompile()
 
 
 # When torch.export meets data-dependent code it logs warnings and prints the partial graph to stderr; the one-line
@@ -128,6 +162,16 @@ def _locate_failure(model: nn.Module, args, kwargs, export_error: Exception) -> 
     if frame:
         parts.append(f"at {frame}")
     return (" " + " ".join(parts)) if parts else ""
+
+
+def _experts_hint(model: nn.Module) -> str:
+    """'; ...' for a Hugging Face mixture of experts set to its eager experts (a Python loop over the experts that
+    tokens were routed to: data-dependent, so no trace can hold it); '' otherwise."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager":
+        return ""
+    return ("; the model's experts_implementation='eager' loops over the experts its tokens were routed to, which "
+            "no trace can hold: set experts_implementation='grouped_mm' in its config (the default: one grouped GEMM over all experts)")
 
 
 def failure_hint(e: Exception) -> str:

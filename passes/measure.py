@@ -51,6 +51,9 @@ CORE_OPS = (aten.scaled_dot_product_attention.default,)
 # recomputation drops only what the kernel alone keeps (the log-sum-exp): its inputs are needed for the replay and
 # its output is the next layer's input.
 LSE_BYTES = 4
+# GEMMs of a mixture of experts that `flop_registry` does not count (`grouped_gemm` prices them by their shapes), as
+# do ops of other namespaces (custom ops) that multiply like one.
+GROUPED_GEMM_OPS = (aten._grouped_mm, aten._scaled_grouped_mm)
 
 
 @dataclass(slots=True)
@@ -71,6 +74,42 @@ def activation_bytes(t: torch.Tensor, numel: int | None = None) -> int:
     """Bytes of `t` (or `numel` of its elements): the model is traced at the plan's precision, so its size."""
     numel = t.numel() if numel is None else numel
     return numel * t.element_size()
+
+
+def grouped_gemm(args: tuple, kwargs: dict, out, core_bytes: int | None = None, fused: bool = False) -> Gemm | None:
+    """A GEMM-like op that `flop_registry` does not know, priced by its operand shapes: `aten._grouped_mm` (what
+    a mixture of experts runs: `torch.nn.functional.grouped_mm`) and an op of another namespace that multiplies
+    like one (Hugging Face's `transformers::grouped_mm_fallback`, a custom op that loops over experts). None when
+    the shapes are not those of a product (the op's traffic is then counted as any other op's).
+
+    Shapes of a grouped product (rows sorted by group, `offs` the groups' cumulative row counts):
+    ``(S, K) @ (G, K, N) -> (S, N)``: each of the S rows runs through its one group's weight, 2 S K N FLOPs
+    whatever the split. In a top-k-of-n MoE the rows are the S = tokens x k (token, expert) pairs, so every token
+    pays for exactly k experts, while all n experts' weights are read. How the rows split among the G groups
+    depends on the routing, which a meta trace cannot know: it is taken as uniform (S / G rows per group, the
+    expected k/n share of the tokens per expert), which sets the per-expert GEMM shape the cost model prices.
+    ``(G, M, K) @ (G, K, N) -> (G, M, N)`` is a batched product; ``(M, K) @ (K, N) -> (M, N)`` (an op of another
+    namespace) a plain one."""
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or len(tensors) < 2:
+        return None
+    a, b = tensors[0], tensors[1]
+    if not (a.is_floating_point() and b.is_floating_point()):
+        return None
+    dtype_bytes = core_bytes or a.element_size()
+    if a.dim() == 2 and b.dim() == 3 and a.shape[1] == b.shape[1] and tuple(out.shape) == (a.shape[0], b.shape[2]):
+        rows, groups = a.shape[0], b.shape[0]
+        batch, m = (groups, rows // groups) if rows % groups == 0 else (1, rows)
+        return Gemm(batch=batch, m=m, n=b.shape[2], k=a.shape[1], batch_scales=False, dtype_bytes=dtype_bytes,
+                    fused=fused)
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1] \
+            and tuple(out.shape) == (a.shape[0], a.shape[1], b.shape[2]):
+        return Gemm(batch=a.shape[0], m=a.shape[1], n=b.shape[2], k=a.shape[2], batch_scales=False,
+                    dtype_bytes=dtype_bytes, fused=fused)
+    if a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and tuple(out.shape) == (a.shape[0], b.shape[1]):
+        return Gemm(batch=1, m=a.shape[0], n=b.shape[1], k=a.shape[1], batch_scales=False, dtype_bytes=dtype_bytes,
+                    fused=fused)
+    return None
 
 
 class _Recorder(TorchDispatchMode):
@@ -113,6 +152,9 @@ class _Recorder(TorchDispatchMode):
                                  dtype_bytes=self.core_bytes or a.element_size(), fused=self.fused_core))
         elif packet in flop_registry:
             st.conv_flops += float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif (packet in GROUPED_GEMM_OPS or func.namespace not in ("aten", "prims")) and \
+                (gemm := grouped_gemm(args, kwargs, out, self.core_bytes, self.fused_core)) is not None:
+            st.gemms.append(gemm)
         elif packet is aten._to_copy and self.core_bytes is not None:
             pass  # the math kernel's upcast of 16-bit inputs to fp32 and back: counted at input precision, as fused
         elif not func.is_view and packet not in NO_TRAFFIC_OPS and not self.fused_core:
