@@ -27,7 +27,7 @@ from partc.plan import Plan, Stage, read_plan
 from partc.passes import cost
 from partc.model_file import ModelSpec, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
-from partc.passes.tp import evaluate_tp
+from partc.passes.tp import TPSolution, evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
 from partc.passes.export import export_on_meta
 from partc.passes.rebatch import rebatch
@@ -138,6 +138,9 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     if plan_in is not None:
         plan.alternatives = []
     warnings = init_warnings(init)
+    unsplit = tp_unsplit_note(graph, best.tp, best.parallel.tp)
+    if unsplit:
+        warnings.append(unsplit)
     if norms.layers:
         par = best.parallel
         plan.model["batch_norm"] = {"layers": len(norms.layers), "statistics_over_samples": par.micro_batch_size}
@@ -192,6 +195,17 @@ def batch_norm_note(norms: BatchNorms, par) -> str:
             f"micro-batch of {par.micro_batch_size} samples{where}, not over the global batch of "
             f"{par.global_batch_size}: the loss differs from one process's on the whole batch (partc does not "
             f"offer SyncBatchNorm)")
+
+
+def tp_unsplit_note(graph: ModelGraph, sol: TPSolution, tp: int) -> str | None:
+    """One line when tensor parallelism at degree `tp` > 1 splits no layer at all, with the first reason."""
+    if tp == 1 or any(s != "replicate" for s in sol.styles.values()):
+        return None
+    linear = [f for f in sol.why if graph.layers[f].kind in ("linear", "embedding")]
+    first = (linear or list(sol.why) or [None])[0]
+    example = f" ({first}: {sol.why[first]})" if first else ""
+    return f"tp {tp} splits no layer of the model: each GPU of a tp group holds and computes all of it{example}; " \
+           f"tp_why in plan.json says why for each layer"
 
 
 def init_warnings(init: InitRecord) -> list[str]:
@@ -318,7 +332,7 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
                              "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
                              "mfu": c.prediction.mfu})
     return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
-                predicted=_predicted(pred, par.global_batch_size), alternatives=alternatives)
+                predicted=_predicted(pred, par.global_batch_size), alternatives=alternatives, tp_why=dict(best.tp.why))
 
 
 def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path) -> None:

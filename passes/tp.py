@@ -40,7 +40,7 @@ itself. Identical sources are merged with a multiplicity, so 128 blocks solve as
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
@@ -81,6 +81,9 @@ class TPSolution:
     """Seconds per micro-batch: compute of all layers (forward + backward) + all collectives."""
     unit_time_s: dict[str, float]
     """The same per unit: its layers' compute + its collectives."""
+    why: dict[str, str] = field(default_factory=dict)
+    """At tp > 1: layer FQN -> why it is kept whole, or why its style is not Megatron's (`explain`); layers split
+    as Megatron splits them, and norms, are not listed."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,9 +103,12 @@ def _group_error(layer: Layer, style: str, tp: int) -> str | None:
     if layer.kind == "embedding":
         size, what = (layer.out_features, "vocabulary") if style == "rowwise" else (layer.in_features, "embedding dim")
     elif style == "colwise":
-        size, what = layer.col_groups or layer.out_features, "col_groups"
+        size = layer.col_groups or layer.out_features
+        what = "output features" if size == layer.out_features else "features per fused piece" \
+            if layer.fused > 1 and size * layer.fused == layer.out_features else "heads"
     else:
-        size, what = layer.row_groups or layer.in_features, "row_groups"
+        size = layer.row_groups or layer.in_features
+        what = "input features" if size == layer.in_features else "input heads"
     if size <= 0 or size % tp:
         return f"layer {layer.fqn}: {style} needs its {what} ({size}) divisible by tp={tp}"
     return None
@@ -224,7 +230,62 @@ def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str]) -
     return f"gather sharded input gradients of rowwise {who} for {style} {src.fqn}"
 
 
-# 2. Evaluation of a complete style map
+# 2. Why a layer is kept whole (or off Megatron's pattern)
+
+
+def megatron_styles(graph: ModelGraph) -> dict[str, str]:
+    """Layer FQN -> its style in Megatron's pattern, for the layers the pattern names: a Linear whose split output
+    reaches another Linear still split is colwise, a Linear reached that way rowwise, an Embedding rowwise (the
+    vocabulary)."""
+    out = {f: "rowwise" for f, layer in graph.layers.items() if layer.kind == "embedding"}
+    for e in graph.edges:
+        if e.shard_ok and e.src != e.dst:
+            out.setdefault(e.src, "colwise")
+            out[e.dst] = "rowwise"
+    return out
+
+
+def _style_reason(layer: Layer, style: str, tp: int) -> str | None:
+    """`style_error` without the layer's name (one reason serves many layers)."""
+    err = style_error(layer, style, tp)
+    return err and err.removeprefix(f"layer {layer.fqn}: ")
+
+
+def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[str] | frozenset = frozenset(),
+            by: str = "the solver") -> dict[str, str]:
+    """Layer FQN -> why the style map keeps it whole at degree `tp` or gives it another style than Megatron's
+    (`megatron_styles`): divisibility (heads or features by tp), a pattern the shard analysis cannot split (the
+    op named), the kind of layer, a style `given` by the user, or cost (`by` chose it as the faster). Empty at
+    tp 1."""
+    if tp == 1:
+        return {}
+    pattern = megatron_styles(graph)
+    why = {}
+    for fqn, layer in graph.layers.items():
+        style, want = styles[fqn], pattern.get(fqn)
+        if layer.kind not in ("linear", "embedding"):
+            if layer.kind == "other":
+                why[fqn] = f"kind: a {layer.type} layer is always whole (tensor parallelism splits Linear and " \
+                           f"Embedding layers)"
+            continue
+        if style == want or (want is None and style != "replicate"):
+            continue
+        tried = [want] if want else (["colwise", "rowwise"] if layer.kind == "linear" else ["rowwise", "colwise"])
+        errors = [_style_reason(layer, s, tp) for s in tried]
+        if all(errors):
+            why[fqn] = "divisibility: " + "; ".join(errors)
+        elif fqn in given:
+            why[fqn] = f"given: {style} was set by hand"
+        elif layer.split_stop and "colwise" in tried and style == "replicate":
+            why[fqn] = f"pattern: a colwise split of its output must be gathered ({layer.split_stop}), which " \
+                       f"costs more than the split saves"
+        else:
+            told = "Megatron's " + want if want else "a split"
+            why[fqn] = f"cost: {by} found {style} faster here than {told}"
+    return why
+
+
+# 3. Evaluation of a complete style map
 
 
 def _spans_nodes(cluster: Cluster, tp: int) -> bool:
@@ -232,7 +293,8 @@ def _spans_nodes(cluster: Cluster, tp: int) -> bool:
     return group_spans_nodes(tp, 1, cluster.gpus_per_node)
 
 
-def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster, b: int) -> TPSolution:
+def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster, b: int, *,
+              given: set[str] | frozenset = frozenset(), by: str = "the solver") -> TPSolution:
     unit_time = {u.fqn: 0.0 for u in graph.units}
     collectives: dict[str, list[Collective]] = {u.fqn: [] for u in graph.units}
     for fqn, layer in graph.layers.items():
@@ -249,7 +311,7 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
                 unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + hw.collective_time(
                     cluster, kind, src.nbytes * b, tp, spans_nodes=_spans_nodes(cluster, tp))
     return TPSolution(styles=dict(styles), collectives=collectives, time_s=float(sum(unit_time.values())),
-                      unit_time_s=unit_time)
+                      unit_time_s=unit_time, why=explain(graph, tp, styles, given=given, by=by))
 
 
 def _check_degree(tp: int, b: int) -> None:
@@ -279,10 +341,10 @@ def evaluate_tp(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clu
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise PartcError(f"TP styles miss layer {missing[0]}{more}")
-    return _evaluate(graph, tp, styles, cluster, micro_batch_size)
+    return _evaluate(graph, tp, styles, cluster, micro_batch_size, by="the plan")
 
 
-# 3. The CP-SAT model
+# 4. The CP-SAT model
 
 
 def representatives(graph: ModelGraph) -> dict[str, str]:
@@ -431,4 +493,5 @@ def solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int
         choice = {f: pins.get(f, "replicate") for f in graph.layers}
     else:
         choice, _ = _solve_classes(graph, tp, cluster, micro_batch_size, rep, pins)
-    return _evaluate(graph, tp, {f: choice[rep[f]] for f in graph.layers}, cluster, micro_batch_size)
+    given = {f for f in graph.layers if rep[f] in pins}
+    return _evaluate(graph, tp, {f: choice[rep[f]] for f in graph.layers}, cluster, micro_batch_size, given=given)

@@ -227,6 +227,35 @@ def test_summary_and_json_output(tmp_path):
     assert result.stdout == (tmp_path / "t" / "plan.json").read_text()
 
 
+ODD_MLP = """
+    import torch
+    from torch import nn
+
+    def model():
+        return nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))
+
+    def example_inputs(batch_size):
+        return (torch.randn(batch_size, 7),)
+"""
+
+
+def test_tp_that_splits_nothing_says_why(tmp_path):
+    """--tp 2 on a model whose features (7 -> 5 -> 3) no layer can split: one warning line, the summary's table
+    and plan.json's tp_why name each layer and the divisibility that keeps it whole."""
+    path = tmp_path / "odd.py"
+    path.write_text(textwrap.dedent(ODD_MLP))
+    result = CliRunner().invoke(main, ["compile", str(path), "--gpus", "2", "--tp", "2", "-o", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    warnings = [l for l in result.stderr.splitlines() if l.startswith("warning: tp 2")]
+    assert len(warnings) == 1 and "splits no layer" in warnings[0], result.stderr
+    assert "divisibility: colwise needs its output features (5) divisible by tp=2" in warnings[0]
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert set(plan["tp"].values()) == {"replicate"}
+    assert plan["tp_why"] == {"0": "divisibility: colwise needs its output features (5) divisible by tp=2",
+                              "2": "divisibility: rowwise needs its input features (5) divisible by tp=2"}
+    assert "Layers not split as Megatron-LM splits them (tp=2)" in result.stdout
+
+
 def test_compress_modules():
     assert compress_modules(["pos", "tok", "blocks.0", "blocks.1", "blocks.2", "ln_f"]) == "pos, tok, blocks.0-2, ln_f"
     assert compress_modules(["blocks.3", "blocks.5"]) == "blocks.3, blocks.5"

@@ -96,6 +96,24 @@ def test_indivisible_heads_are_not_split():
     assert "colwise" in allowed_styles(graph.layers["blocks.0.attn.qkv"], 5)  # 25 heads split 5 ways
 
 
+def test_why_layers_are_kept_whole():
+    """Every layer off Megatron's pattern at tp > 1 says why: divisibility (with the sizes), a pin, cost; layers
+    on the pattern and tp 1 say nothing."""
+    graph = gpt_graph(dim=400, heads=25)
+    sol = solve_tp(graph, 4, NO_LATENCY, 1, pinned={"blocks.1.mlp.fc1": "replicate"})
+    why = sol.why
+    assert why["blocks.0.attn.qkv"] == ("divisibility: colwise needs its heads (25) divisible by tp=4")
+    assert why["blocks.0.attn.proj"] == "divisibility: rowwise needs its input heads (25) divisible by tp=4"
+    assert why["blocks.1.mlp.fc1"] == "given: replicate was set by hand"  # pinned in one block: both blocks
+    assert why["blocks.0.mlp.fc1"] == "given: replicate was set by hand"
+    assert not any(k.startswith(("blocks.0.ln", "blocks.1.ln")) for k in why)  # norms are whole by nature
+    assert solve_tp(graph, 1, NO_LATENCY, 1).why == {}
+    megatron = solve_tp(gpt_graph(), 2, NO_LATENCY, 1)
+    assert not any(k.startswith("blocks.") for k in megatron.why), megatron.why
+    plan = evaluate_tp(graph, 4, {f: "replicate" for f in graph.layers}, NO_LATENCY, 1)
+    assert plan.why["blocks.0.mlp.fc1"] == "cost: the plan found replicate faster here than Megatron's colwise"
+
+
 def one_line_error(fn) -> str:
     with pytest.raises(PartcError) as info:
         fn()
