@@ -90,6 +90,49 @@ ZOO = {
                                                              depths=[1, 1], layer_type="basic", num_labels=10,
                                                              image_size=8))
     """,
+    "phi3": """
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        def model():  # q, k and v of one size: qkv[..., :h], qkv[..., h:2h], qkv[..., 2h:]
+            return Phi3ForCausalLM(Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                              max_position_embeddings=128, pad_token_id=0, resid_pdrop=0.0,
+                                              embd_pdrop=0.0, attention_dropout=0.0))
+    """,
+    "phi3_gqa": """
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        def model():  # 4 query heads, 2 KV heads: slices of different sizes
+            return Phi3ForCausalLM(Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=128, pad_token_id=0, resid_pdrop=0.0,
+                                              embd_pdrop=0.0, attention_dropout=0.0))
+    """,
+    "fused_slices": """
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):  # a fused projection sliced in 2 (narrow) and in 3 places, read whole too
+            def __init__(self):
+                super().__init__()
+                self.up = nn.Linear(16, 48)
+                self.mix = nn.Linear(16, 48)
+                self.down = nn.Linear(16, 16)
+                self.out = nn.Linear(48, 4)
+
+            def forward(self, x):
+                a = self.up(x)
+                h = a[..., :16] * torch.sigmoid(a[..., 16:32]) + a[..., -16:]
+                m = self.mix(torch.relu(self.down(h)))
+                m = m.narrow(-1, 0, 24) * m.narrow(-1, 24, 24)
+                return self.out(torch.cat([m, m], -1) + a.softmax(-1))
+
+        def model():
+            return Net()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 16),)
+    """,
 }
 """Model files; those that define only ``model()`` get inputs partc synthesizes."""
 
