@@ -105,7 +105,8 @@ def _group_error(layer: Layer, style: str, tp: int) -> str | None:
     elif style == "colwise":
         size = layer.col_groups or layer.out_features
         what = "output features" if size == layer.out_features else "features per fused piece" \
-            if layer.fused > 1 and size * layer.fused == layer.out_features else "heads"
+            if layer.fused > 1 and size * layer.fused == layer.out_features else \
+            "heads (or fused pieces)"
     else:
         size = layer.row_groups or layer.in_features
         what = "input features" if size == layer.in_features else "input heads"
@@ -122,6 +123,9 @@ def style_error(layer: Layer, style: str, tp: int) -> str | None:
         return None
     if layer.kind not in ("linear", "embedding"):
         return f"layer {layer.fqn} ({layer.type}, {layer.kind}) can only be replicate, not {style}"
+    if layer.kind == "linear" and not layer.gemms:
+        return f"layer {layer.fqn}: the model never calls it; its parent uses its weight directly " \
+               f"(nn.MultiheadAttention's out_proj), so it can only be replicate, not {style}"
     return _group_error(layer, style, tp)
 
 
@@ -235,13 +239,19 @@ def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str]) -
 
 def megatron_styles(graph: ModelGraph) -> dict[str, str]:
     """Layer FQN -> its style in Megatron's pattern, for the layers the pattern names: a Linear whose split output
-    reaches another Linear still split is colwise, a Linear reached that way rowwise, an Embedding rowwise (the
-    vocabulary)."""
+    reaches another Linear of its unit still split is colwise, and those it reaches rowwise (in execution order,
+    a layer in one pair); an Embedding rowwise (the vocabulary)."""
     out = {f: "rowwise" for f, layer in graph.layers.items() if layer.kind == "embedding"}
-    for e in graph.edges:
-        if e.shard_ok and e.src != e.dst:
-            out.setdefault(e.src, "colwise")
-            out[e.dst] = "rowwise"
+    pairs = {}
+    for e in graph.edges:  # pairs inside one unit (qkv -> proj, fc1 -> fc2), not a block's output -> the head
+        if e.shard_ok and e.src != e.dst and graph.layers[e.src].unit == graph.layers[e.dst].unit:
+            pairs.setdefault(e.src, []).append(e.dst)
+    for f in graph.layers:  # in execution order, each layer in one pair
+        if f in pairs and f not in out:
+            partners = [d for d in pairs[f] if d not in out]
+            if partners:
+                out[f] = "colwise"
+                out.update(dict.fromkeys(partners, "rowwise"))
     return out
 
 
@@ -269,6 +279,10 @@ def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[st
                            f"Embedding layers)"
             continue
         if style == want or (want is None and style != "replicate"):
+            continue
+        if layer.kind == "linear" and not layer.gemms:
+            why[fqn] = "kind: the model never calls it, its parent uses its weight directly (nn.MultiheadAttention's " \
+                       "out_proj): the TP rewrite splits a layer's own ops"
             continue
         tried = [want] if want else (["colwise", "rowwise"] if layer.kind == "linear" else ["rowwise", "colwise"])
         errors = [_style_reason(layer, s, tp) for s in tried]

@@ -251,8 +251,11 @@ def test_tp_that_splits_nothing_says_why(tmp_path):
     assert "divisibility: colwise needs its output features (5) divisible by tp=2" in warnings[0]
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())
     assert set(plan["tp"].values()) == {"replicate"}
-    assert plan["tp_why"] == {"0": "divisibility: colwise needs its output features (5) divisible by tp=2",
-                              "2": "divisibility: rowwise needs its input features (5) divisible by tp=2"}
+    assert plan["tp_why"] == {
+        "0": "divisibility: colwise needs its output features (5) divisible by tp=2; rowwise needs its input "
+             "features (7) divisible by tp=2",
+        "2": "divisibility: colwise needs its output features (3) divisible by tp=2; rowwise needs its input "
+             "features (5) divisible by tp=2"}
     assert "Layers not split as Megatron-LM splits them (tp=2)" in result.stdout
 
 

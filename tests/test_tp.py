@@ -102,7 +102,7 @@ def test_why_layers_are_kept_whole():
     graph = gpt_graph(dim=400, heads=25)
     sol = solve_tp(graph, 4, NO_LATENCY, 1, pinned={"blocks.1.mlp.fc1": "replicate"})
     why = sol.why
-    assert why["blocks.0.attn.qkv"] == ("divisibility: colwise needs its heads (25) divisible by tp=4")
+    assert why["blocks.0.attn.qkv"] == ("divisibility: colwise needs its heads (or fused pieces) (25) divisible by tp=4")
     assert why["blocks.0.attn.proj"] == "divisibility: rowwise needs its input heads (25) divisible by tp=4"
     assert why["blocks.1.mlp.fc1"] == "given: replicate was set by hand"  # pinned in one block: both blocks
     assert why["blocks.0.mlp.fc1"] == "given: replicate was set by hand"

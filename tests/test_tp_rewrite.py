@@ -248,3 +248,35 @@ def test_fused_pieces_read_whole_are_put_back_in_order(tmp_path):
     assert "put the 3 pieces of" in text
     r = run_tp(path, tmp_path / "out", 2)
     assert r["logits"] < 1e-5 and r["grads"] < 1e-5
+
+
+def _hand_set(path: str, out: Path, styles: dict[str, str]) -> None:
+    """Compile at tp 2, set `styles` (by name suffix) in plan.json by hand, compile that plan."""
+    compile_model(path, gpus=2, pins=Pins(tp=2, pp=1, micro_batch_size=2, precision="fp32"), global_batch_size=2,
+                  out_dir=out)
+    plan = json.loads((out / "plan.json").read_text())
+    plan["tp"].update({f: style for f in plan["tp"] for k, style in styles.items() if f.endswith(k)})
+    (out / "edited.json").write_text(json.dumps(plan))
+    compile_model(path, gpus=2, from_plan=str(out / "edited.json"), out_dir=out)
+
+
+@pytest.mark.slow
+def test_unsplittable_attention_is_kept_whole_with_a_reason(tmp_path):
+    """timm's qkv.reshape(B, N, 3, H, D) (the split lands on the 3, then unbind) and nn.MultiheadAttention (packed
+    in_proj_weight; out_proj's weight used by its parent): the solver keeps them whole and the plan says why; a
+    hand-set split is refused in one line, never a crash on local shards."""
+    timm, mha = write_zoo_model(tmp_path, "timm_vit"), write_zoo_model(tmp_path, "mha")
+    res = compile_model(timm, gpus=2, pins=Pins(tp=2, pp=1), global_batch_size=2, out_dir=tmp_path / "timm")
+    assert res.plan.tp["blocks.0.attn.qkv"] == "replicate"
+    assert res.plan.tp_why["blocks.0.attn.qkv"].startswith("pattern: a colwise split of its output must be gathered "
+                                                           "(aten.unbind.int: unbind along the split dimension)")
+    with pytest.raises(PartcError, match=r"^layer blocks\.0\.attn\.qkv: colwise needs its heads \(or fused pieces\) "
+                                         r"\(3\) divisible by tp=2$"):
+        _hand_set(timm, tmp_path / "timm_hand", {"attn.qkv": "colwise", "attn.proj": "rowwise"})
+    res = compile_model(mha, gpus=2, pins=Pins(tp=2, pp=1), global_batch_size=2, out_dir=tmp_path / "mha")
+    assert res.plan.tp["blocks.0.attn.out_proj"] == "replicate"
+    assert res.plan.tp_why["blocks.0.attn"].startswith("kind: a MultiheadAttention layer is always whole")
+    assert res.plan.tp_why["blocks.0.attn.out_proj"].startswith("kind: the model never calls it")
+    for style in ("rowwise", "colwise"):
+        with pytest.raises(PartcError, match=r"^layer blocks\.0\.attn\.out_proj: the model never calls it"):
+            _hand_set(mha, tmp_path / f"mha_{style}", {"attn.out_proj": style})

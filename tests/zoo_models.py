@@ -133,6 +133,90 @@ ZOO = {
         def example_inputs(batch_size):
             return (torch.randn(batch_size, 16),)
     """,
+    "timm_vit": """
+        import torch
+        from torch import nn
+
+        class Attention(nn.Module):  # timm's vision_transformer.Attention: qkv viewed as (3, heads, head_dim)
+            def __init__(self, dim, heads):
+                super().__init__()
+                self.heads = heads
+                self.qkv = nn.Linear(dim, dim * 3)
+                self.proj = nn.Linear(dim, dim)
+
+            def forward(self, x):
+                B, N, C = x.shape
+                qkv = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+                q, k, v = qkv.unbind(0)
+                x = nn.functional.scaled_dot_product_attention(q, k, v)
+                return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+        class Block(nn.Module):
+            def __init__(self, dim, heads):
+                super().__init__()
+                self.norm1 = nn.LayerNorm(dim)
+                self.attn = Attention(dim, heads)
+                self.norm2 = nn.LayerNorm(dim)
+                self.fc1 = nn.Linear(dim, 4 * dim)
+                self.fc2 = nn.Linear(4 * dim, dim)
+
+            def forward(self, x):
+                x = x + self.attn(self.norm1(x))
+                return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+
+        class ViT(nn.Module):
+            def __init__(self, dim=64, heads=4, depth=2):
+                super().__init__()
+                self.patch = nn.Linear(48, dim)
+                self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(depth)])
+                self.head = nn.Linear(dim, 10)
+
+            def forward(self, x):
+                x = self.patch(x)
+                for b in self.blocks:
+                    x = b(x)
+                return self.head(x.mean(1))
+
+        def model():
+            return ViT()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 16, 48),)
+    """,
+    "mha": """
+        import torch
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self, dim=64, heads=4):
+                super().__init__()
+                self.norm = nn.LayerNorm(dim)
+                self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)  # packed in_proj_weight
+                self.fc1 = nn.Linear(dim, 4 * dim)
+                self.fc2 = nn.Linear(4 * dim, dim)
+
+            def forward(self, x):
+                h = self.norm(x)
+                x = x + self.attn(h, h, h, need_weights=False)[0]
+                return x + self.fc2(torch.relu(self.fc1(x)))
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList([Block(), Block()])
+                self.head = nn.Linear(64, 10)
+
+            def forward(self, x):
+                for b in self.blocks:
+                    x = b(x)
+                return self.head(x)
+
+        def model():
+            return Net()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 16, 64),)
+    """,
 }
 """Model files; those that define only ``model()`` get inputs partc synthesizes."""
 
