@@ -414,32 +414,93 @@ def _and(model: cp_model.CpModel, lits: list):
     return _neg(_or(model, [_neg(x) for x in lits]))
 
 
+def _components(choices: dict[str, list[str]], groups: list[list[str]]) -> dict[str, str]:
+    """Representative -> the first representative of its component: representatives with a choice are joined when
+    one group (a source and its consumers, or a tied pair) names them, since they then share a cost term."""
+    parent = {r: r for r in choices}
+
+    def find(r: str) -> str:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for group in groups:
+        open_ = [find(r) for r in group if len(choices[r]) > 1]
+        for r in open_[1:]:
+            parent[r] = open_[0]
+    return {r: find(r) for r in choices}
+
+
 def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
-                   pins: dict[str, str]) -> tuple[dict[str, str], int]:
-    """(representative layer FQN -> style, the model's time in ns), minimizing the time of the whole model."""
-    model = cp_model.CpModel()
+                   pins: dict[str, str], progress=None) -> tuple[dict[str, str], int]:
+    """(representative layer FQN -> style, the model's time in ns), minimizing the time of the whole model.
 
-    # 1. Variables: x[r][style] per representative layer and allowed style; collective indicators (defined by
-    #    boolean constraints as they are created) per distinct source, with the number of layers it stands for.
-    x: dict[str, dict[str, object]] = {}
-    for r in dict.fromkeys(rep.values()):
-        styles = [pins[r]] if r in pins else allowed_styles(graph.layers[r], tp)
-        x[r] = {s: model.new_bool_var(f"{r}={s}") for s in styles}
-
-    def lit(layer: str, style: str):
-        return x[rep[layer]].get(style, False)
-
+    The time is a sum of terms, each over the styles of one source layer and its consumers (or of a tied pair), so
+    the model falls apart into independent components (mostly one unit's layers: units meet at norms, which have
+    no choice); each is solved on its own, and components of the same shape and costs (near-identical blocks that
+    differ in a layer without a choice, or in shapes that leave the costs equal) once. `progress(done, total)` is
+    called after each component."""
+    choices = {r: [pins[r]] if r in pins else allowed_styles(graph.layers[r], tp) for r in dict.fromkeys(rep.values())}
     distinct = Counter()
     for src in _sources(graph):
         consumers = tuple(sorted({(rep[c], ok) for c, ok in src.consumers.items()}))
         distinct[(rep[src.layer], src.nbytes, consumers, src.loss)] += 1
+    tied = [(sa, sb, rep[a], rep[b]) for sa, sb, a, b in _tied_conflicts(graph, tp)]
+    comp = _components(choices, [[r, *(c for c, _ in cons)] for r, _, cons, _ in distinct] +
+                       [[a, b] for _, _, a, b in tied])
+    members: dict[str, list[str]] = {}
+    for r in choices:
+        members.setdefault(comp[r], []).append(r)
+
+    def owner(reps) -> str | None:
+        """The component of a term over `reps` (None: no representative in it has a choice)."""
+        return next((comp[r] for r in reps if len(choices[r]) > 1), None)
+
+    terms: dict[str | None, dict] = {c: {"sources": [], "tied": [], "layers": []} for c in [None, *members]}
+    for key, count in distinct.items():
+        terms[owner([key[0], *(c for c, _ in key[2])])]["sources"].append((key, count))
+    for t in tied:
+        terms[owner(t[2:])]["tied"].append(t)
+    for fqn in graph.layers:
+        terms[owner([rep[fqn]])]["layers"].append(fqn)
+
+    total_ns, choice, solved = 0, {r: c[0] for r, c in choices.items() if len(c) == 1}, {}
+    open_comps = [c for c in members if len(choices[c]) > 1 or terms[c]["sources"] or terms[c]["layers"]]
+    for i, c in enumerate([None, *open_comps]):
+        reps = [r for r in members.get(c, []) if len(choices[r]) > 1]
+        picked, ns, key = _solve_component(graph, tp, cluster, b, rep, choices, reps, terms[c], solved)
+        choice.update(picked)
+        total_ns += ns
+        if progress is not None and c is not None:
+            progress(i, len(open_comps))
+    return choice, total_ns
+
+
+def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
+                     choices: dict[str, list[str]], reps: list[str], terms: dict, solved: dict):
+    """(style of each representative in `reps`, time in ns of `terms`, cache key) by CP-SAT; representatives outside
+    `reps` have one choice. `solved`: cache key -> (styles in `reps` order, ns) of components solved before."""
+    model = cp_model.CpModel()
+
+    # 1. Variables: x[r][style] per representative layer with a choice (a constant for the others); collective
+    #    indicators (defined by boolean constraints as they are created) per distinct source, with the number of
+    #    layers it stands for.
+    x: dict[str, dict[str, object]] = {r: {s: model.new_bool_var(f"{r}={s}") for s in choices[r]} for r in reps}
+
+    def styles_of(r: str) -> dict[str, object]:
+        return x[r] if r in x else {choices[r][0]: True}
+
+    def lit(layer: str, style: str):
+        return styles_of(rep[layer]).get(style, False)
+
     indicators: list[tuple[int, object]] = []  # (cost in ns for all layers it stands for, literal)
     spans = _spans_nodes(cluster, tp)
-    for (r, nbytes, consumers, loss), count in distinct.items():
+    for (r, nbytes, consumers, loss), count in terms["sources"]:
         lits: dict[str, list] = {f: [] for f in FACTS}
         lits["need_r"].append(loss)
         for c, ok in consumers:
-            styles = x[rep[c]]
+            styles = styles_of(c)
             for fact in FACTS:
                 makes = [s for s in styles if fact in _consumer_facts(*_needs(graph.layers[c], s), ok)]
                 lits[fact] += [True] if len(makes) == len(styles) else [styles[s] for s in makes]
@@ -454,9 +515,14 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
 
     # 2. Objective: time in ns, then fewer collective indicators, then fewer split layers (deterministic ties).
     compute: Counter = Counter()
-    for fqn, layer in graph.layers.items():
-        for style in x[rep[fqn]]:
-            compute[(rep[fqn], style)] += round(NS * _compute_s(cluster, layer, style, tp, b))
+    for fqn in terms["layers"]:
+        for style in styles_of(rep[fqn]):
+            compute[(rep[fqn], style)] += round(NS * _compute_s(cluster, graph.layers[fqn], style, tp, b))
+    const_ns = sum(ns for ns, y in indicators if y is True) + sum(c for (r, _), c in compute.items() if r not in x)
+    indicators = [(ns, y) for ns, y in indicators if y is not True]
+    compute = {k: c for k, c in compute.items() if k[0] in x}
+    if not x:
+        return {}, const_ns, None
     split_lits = [v for r in x for s, v in x[r].items() if s != "replicate"]
     w_coll = len(split_lits) + 1
     w_time = w_coll * (len(indicators) + 1)
@@ -466,26 +532,35 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
         raise PartcError(f"the predicted times on cluster {cluster.name!r} are too large to optimize ({total_ns / NS:.3g} "
                          f"s per micro-batch at tp {tp}); check the cluster's rates (FLOP/s and bytes/s)")
     time_ns = sum(ns * v for ns, v in indicators) + sum(c * x[r][s] for (r, s), c in compute.items())
+
+    # 3. Constraints: one style per representative layer; a tied parameter (GPT-2's wte and lm_head) is one tensor,
+    #    so the layers holding it must split it alike (embedding rowwise with head colwise: both split the
+    #    vocabulary).
+    for r in x:
+        model.add_exactly_one(list(x[r].values()))
+    for a_style, b_style, a, b in terms["tied"]:
+        la, lb = styles_of(a).get(a_style, False), styles_of(b).get(b_style, False)
+        if la is False or lb is False:
+            continue
+        model.add_bool_or([_neg(la), _neg(lb)])
+
+    # 4. Components of the same shape and costs (the model's proto up to variable names) are solved once.
     model.minimize(w_time * time_ns + w_coll * sum(v for _, v in indicators) + sum(split_lits))
-
-    # 3. Constraints: one style per representative layer (pins left one choice); a tied parameter (GPT-2's wte
-    #    and lm_head) is one tensor, so the layers holding it must split it alike (embedding rowwise with head
-    #    colwise: both split the vocabulary).
-    for r, styles in x.items():
-        model.add_exactly_one(list(styles.values()))
-    for a_style, b_style, a, b in _tied_conflicts(graph, tp):
-        la, lb = lit(a, a_style), lit(b, b_style)
-        if not isinstance(la, bool) and not isinstance(lb, bool):
-            model.add_bool_or([la.Not(), lb.Not()])
-
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = SEED
-    solver.parameters.max_deterministic_time = 60.0
-    status = solver.solve(model)
-    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), solver.status_name(status)
-    choice = {r: next(s for s, v in styles.items() if solver.boolean_value(v)) for r, styles in x.items()}
-    return choice, solver.value(time_ns)
+    proto = model.proto
+    for v in proto.variables:
+        v.name = ""
+    key = str(proto)  # text format
+    if key not in solved:
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        solver.parameters.random_seed = SEED
+        solver.parameters.max_deterministic_time = 60.0
+        status = solver.solve(model)
+        assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), solver.status_name(status)
+        picked = [next(s for s, v in x[r].items() if solver.boolean_value(v)) for r in x]
+        solved[key] = (picked, solver.value(time_ns))
+    picked, ns = solved[key]
+    return dict(zip(x, picked)), const_ns + ns, key
 
 
 def solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int,
