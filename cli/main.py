@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from partc.cluster import PRESETS, Cluster
@@ -106,10 +107,11 @@ def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_si
     # The model's code runs inside (import, model(), example_inputs, its forward while traced): what it prints goes
     # to stderr, so stdout holds partc's output alone (--format json: the plan, nothing else).
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), phase_progress() as on_phase:
             result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
                                    global_batch_size=global_batch_size, seq_len=seq_len, pins=pins,
-                                   from_plan=from_plan, out_dir=out_dir, dump_dir=dump_dir, force=force)
+                                   from_plan=from_plan, out_dir=out_dir, dump_dir=dump_dir, force=force,
+                                   on_phase=on_phase)
     except SystemExit as e:  # the model's forward called sys.exit() while traced
         raise PartcError(f"the model's code called sys.exit({e.code!r}) during partc compile") from None
     if fmt == "json":
@@ -118,6 +120,26 @@ def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_si
         print_summary(result, Path(out_dir) / "plan.json")
     for line in result.warnings:
         click.echo(f"warning: {one_line(line)}", err=True)
+
+
+@contextlib.contextmanager
+def phase_progress():
+    """A progress bar over `partc.compile.PHASES` on stderr while partc compile works, when stderr is a terminal
+    (never in a pipe or a log); yields the `on_phase` callback."""
+    from partc.compile import PHASES
+
+    if not sys.stderr.isatty():
+        yield None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
+        task = bar.add_task(PHASES[0], total=len(PHASES))
+
+        def on_phase(i: int, what: str) -> None:
+            bar.update(task, completed=i, description=what, refresh=True)
+
+        yield on_phase
 
 
 def compress_modules(modules: list[str]) -> str:

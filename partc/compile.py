@@ -13,6 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -63,6 +64,10 @@ def meta_inputs(spec: ModelSpec, batch_size: int, precision: str) -> tuple[tuple
     return cast_floating((args, kwargs), compute_dtype(precision))
 
 
+PHASES = ("loading the model", "tracing", "searching plans", "writing the plan and the program")
+"""The phases of `compile_model`, in order (`on_phase`)."""
+
+
 def default_global_batch(gpus: int, seq_len: int | None) -> int:
     """Samples of the default global batch; `seq_len` None for a model without token inputs."""
     samples = -(-DEFAULT_BATCH_TOKENS // seq_len) if seq_len else DEFAULT_BATCH_SAMPLES
@@ -73,9 +78,11 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                   gpus_per_node: int | None = None, global_batch_size: int | None = None,
                   seq_len: int | None = None, pins: Pins | None = None, from_plan: str | None = None,
                   out_dir: str | Path | None = None, dump_dir: str | Path | None = None,
-                  force: bool = False) -> CompileResult:
+                  force: bool = False, on_phase: Callable[[int, str], None] | None = None) -> CompileResult:
     """Plan the model of the file at `path`; with `out_dir`, write the plan and the program there (`partc.output`:
-    `force` replaces an earlier output whose files were changed since partc wrote them)."""
+    `force` replaces an earlier output whose files were changed since partc wrote them). `on_phase(i, what)` is
+    called as phase i of `PHASES` starts (a progress display)."""
+    on_phase = on_phase or (lambda i, what: None)
     t0 = time.perf_counter()
     check_gpus(gpus)
     clus = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
@@ -98,12 +105,14 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     pins = pins or Pins()
     precision = plan_in.parallel.precision if plan_in is not None else pins.precision or "bf16"
     pins = dataclasses.replace(pins, precision=precision)
+    on_phase(0, PHASES[0])
     spec = load_model_file(path, entry=entry, seq_len=seq_len)
     model, init = record(spec.build)
     with torch.device("meta"):
         args, kwargs = spec.inputs(1)
 
     # 2. Trace (torch.export on meta, at the plan's precision) and build the layer graph.
+    on_phase(1, PHASES[1])
     traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=path, precision=precision,
                    fused_attention=clus.fused_attention)
     graph = traced.graph
@@ -115,6 +124,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     # 3. Search, or re-predict a plan read from disk. A BatchNorm that sees one value per channel in a sample
     #    needs micro-batches of two samples or more (its statistics of one value are undefined).
     norms = batch_norms(model, traced)
+    on_phase(2, PHASES[2])
     if plan_in is None:
         gbs = global_batch_size or default_global_batch(gpus, spec.seq_len)
         result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
@@ -134,6 +144,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     t_solve = time.perf_counter()
 
     # 4. The plan.
+    on_phase(3, PHASES[3])
     plan = make_plan(graph, clus, best, result, path=path, entry=entry, tokens=spec.seq_len is not None)
     if plan_in is not None:
         plan.alternatives = []

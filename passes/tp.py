@@ -433,14 +433,14 @@ def _components(choices: dict[str, list[str]], groups: list[list[str]]) -> dict[
 
 
 def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
-                   pins: dict[str, str], progress=None) -> tuple[dict[str, str], int]:
+                   pins: dict[str, str]) -> tuple[dict[str, str], int]:
     """(representative layer FQN -> style, the model's time in ns), minimizing the time of the whole model.
 
     The time is a sum of terms, each over the styles of one source layer and its consumers (or of a tied pair), so
     the model falls apart into independent components (mostly one unit's layers: units meet at norms, which have
-    no choice); each is solved on its own, and components of the same shape and costs (near-identical blocks that
-    differ in a layer without a choice, or in shapes that leave the costs equal) once. `progress(done, total)` is
-    called after each component."""
+    no choice); each is solved on its own, and components of the same shape and costs once (blocks of different
+    signatures whose layers with a choice match: a block with one more norm or bias table, a stage of another
+    width whose costs come out equal)."""
     choices = {r: [pins[r]] if r in pins else allowed_styles(graph.layers[r], tp) for r in dict.fromkeys(rep.values())}
     distinct = Counter()
     for src in _sources(graph):
@@ -466,20 +466,17 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
         terms[owner([rep[fqn]])]["layers"].append(fqn)
 
     total_ns, choice, solved = 0, {r: c[0] for r, c in choices.items() if len(c) == 1}, {}
-    open_comps = [c for c in members if len(choices[c]) > 1 or terms[c]["sources"] or terms[c]["layers"]]
-    for i, c in enumerate([None, *open_comps]):
+    for c in [None, *(c for c in members if len(choices[c]) > 1)]:  # None: the terms without a choice
         reps = [r for r in members.get(c, []) if len(choices[r]) > 1]
-        picked, ns, key = _solve_component(graph, tp, cluster, b, rep, choices, reps, terms[c], solved)
+        picked, ns = _solve_component(graph, tp, cluster, b, rep, choices, reps, terms[c], solved)
         choice.update(picked)
         total_ns += ns
-        if progress is not None and c is not None:
-            progress(i, len(open_comps))
     return choice, total_ns
 
 
 def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
                      choices: dict[str, list[str]], reps: list[str], terms: dict, solved: dict):
-    """(style of each representative in `reps`, time in ns of `terms`, cache key) by CP-SAT; representatives outside
+    """(style of each representative in `reps`, time in ns of `terms`) by CP-SAT; representatives outside
     `reps` have one choice. `solved`: cache key -> (styles in `reps` order, ns) of components solved before."""
     model = cp_model.CpModel()
 
@@ -522,7 +519,7 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
     indicators = [(ns, y) for ns, y in indicators if y is not True]
     compute = {k: c for k, c in compute.items() if k[0] in x}
     if not x:
-        return {}, const_ns, None
+        return {}, const_ns
     split_lits = [v for r in x for s, v in x[r].items() if s != "replicate"]
     w_coll = len(split_lits) + 1
     w_time = w_coll * (len(indicators) + 1)
@@ -560,7 +557,7 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
         picked = [next(s for s, v in x[r].items() if solver.boolean_value(v)) for r in x]
         solved[key] = (picked, solver.value(time_ns))
     picked, ns = solved[key]
-    return dict(zip(x, picked)), const_ns + ns, key
+    return dict(zip(x, picked)), const_ns + ns
 
 
 def solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int,

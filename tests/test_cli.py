@@ -4,6 +4,7 @@ Most cases run in-process with click's CliRunner; the data-dependent model runs 
 torch's own logging and prints (which CliRunner cannot capture) would show up on stderr.
 """
 
+import io
 import json
 import os
 import re
@@ -15,7 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import BRANCHY, EXAMPLES, ROOT, GiB
-from partc.cli.main import compress_modules, main
+from partc.cli.main import compress_modules, main, phase_progress
+from partc.compile import PHASES
 
 GPT = str(EXAMPLES / "gpt.py")
 
@@ -257,6 +259,24 @@ def test_tp_that_splits_nothing_says_why(tmp_path):
         "2": "divisibility: colwise needs its output features (3) divisible by tp=2; rowwise needs its input "
              "features (5) divisible by tp=2"}
     assert "Layers not split as Megatron-LM splits them (tp=2)" in result.stdout
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    """The phases of partc compile show as a progress bar on stderr when it is a terminal, and not at all in a pipe
+    or a log (CliRunner's stderr, a file)."""
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with phase_progress() as on_phase:
+            assert (on_phase is not None) == shown
+            for i, what in enumerate(PHASES):
+                if on_phase:
+                    on_phase(i, what)
+        text = stream.getvalue()
+        assert all((what in text) == shown for what in PHASES), text
 
 
 def test_compress_modules():

@@ -252,3 +252,23 @@ def test_model_time_equals_evaluation():
     # Every (collective, phase) pair the program can contain occurs (a reduce-scatter never does: the rewrite
     # all-reduces partial sums and splits locally, and the solver charges exactly that).
     assert set(kinds) == {(k, ph) for k in ("all_reduce", "all_gather") for ph in ("fwd", "bwd")}, kinds
+
+
+def test_blocks_of_different_signatures_share_solves(monkeypatch):
+    """The solve falls apart into components (units meet at norms): blocks whose signatures differ but whose layers
+    with a choice match are solved once, to the same optimum as one model of identical blocks."""
+    from ortools.sat.python import cp_model
+    calls = []
+    real = cp_model.CpSolver.solve
+    monkeypatch.setattr(cp_model.CpSolver, "solve", lambda self, m, *a, **k: calls.append(1) or real(self, m, *a, **k))
+    shared = solve_tp(gpt_graph(num_blocks=8), 4, NO_LATENCY, 1)
+    shared_calls = len(calls)
+    graph = gpt_graph(num_blocks=8)
+    for i, u in enumerate(graph.units):
+        u.signature = f"{u.signature}:{i}"  # every block its own class (as T5's block 0 or Swin's stages)
+    assert len(set(representatives(graph).values())) == len(graph.layers)
+    calls.clear()
+    apart = solve_tp(graph, 4, NO_LATENCY, 1)
+    assert apart.styles == shared.styles and apart.time_s == pytest.approx(shared.time_s)
+    assert_megatron_blocks(apart, 8)
+    assert len(calls) == shared_calls  # the 7 blocks after the first are the same component as the first
