@@ -9,7 +9,9 @@ Linear layer through the exported ATen graph and records, for each op, whether i
 The result answers three questions for the planner:
 - can a colwise layer feed a rowwise layer with no collective (`Region.reaches[layer] is True`);
 - how many independent groups (attention heads) the split must respect (`Region.groups`);
-- is the output split into fused pieces (a fused QKV projection: `Region.fused`).
+- is the output split into fused pieces (a fused QKV projection: `Region.fused`), by a split or by slices of equal
+  pieces (Phi-3's ``qkv[..., :h]``, ``qkv[..., h:2h]``, ``qkv[..., 2h:]``); slices of different sizes (q, k and v
+  under grouped-query attention) make the region invalid.
 An op it does not know makes the region invalid: the planner then gathers instead of guessing.
 """
 

@@ -6,7 +6,9 @@ layer's style (Megatron-LM, Shoeybi et al. 2019):
 
     colwise   Linear weight [out, in] split on out (HF Conv1D [in, out] on out); input R through `copy_to_tp`
               (identity forward, all-reduce backward); output S(last). A fused projection (GPT-2's c_attn) is split
-              per piece, so every rank gets its own heads of q, of k and of v.
+              per piece, so every rank gets its own heads of q, of k and of v: the split or the slices that take
+              one piece (Phi-3's qkv[..., h:2h] -> [h/t:2h/t]) find it in the local part, and a reader of the
+              whole output gets the gathered parts put back in piece order.
     rowwise   weight split on in; input S(last); output P, then `reduce_from_tp` (all-reduce forward, identity
               backward) and the bias added once.
     Embedding rowwise: vocabulary rows split, masked lookup then `reduce_from_tp`; colwise: embedding dim split.
@@ -310,7 +312,10 @@ class _Rewriter:
                 (node.args[1] if len(node.args) > 1 else 0) % glob.dim() == out_dim:
             # One of equal pieces, and the source split in as many (checked in `_generic`): the same piece of the
             # local part.
-            start, length = slice_piece(node, node.args[0].meta["val"].shape[out_dim])
+            piece = slice_piece(node, node.args[0].meta["val"].shape[out_dim])
+            if piece is None:  # the whole dim (x[..., :] with bounds that are not plain ints): nothing to rewrite
+                return
+            start, length = piece
             if t is aten.narrow.default:
                 node.args = (*node.args[:2], start // self.t, length // self.t)
             else:
