@@ -262,11 +262,11 @@ def _style_reason(layer: Layer, style: str, tp: int) -> str | None:
 
 
 def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[str] | frozenset = frozenset(),
-            by: str = "the solver") -> dict[str, str]:
+            solved: bool = True) -> dict[str, str]:
     """Layer FQN -> why the style map keeps it whole at degree `tp` or gives it another style than Megatron's
     (`megatron_styles`): divisibility (heads or features by tp), a pattern the shard analysis cannot split (the
-    op named), the kind of layer, a style `given` by the user, or cost (`by` chose it as the faster). Empty at
-    tp 1."""
+    op named), the kind of layer, a style `given` by the user, or cost (the solver chose it as the faster; with
+    `solved` False the styles are a plan's, read from a file). Empty at tp 1."""
     if tp == 1:
         return {}
     pattern = megatron_styles(graph)
@@ -295,7 +295,8 @@ def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[st
                        f"costs more than the split saves"
         else:
             told = "Megatron's " + want if want else "a split"
-            why[fqn] = f"cost: {by} found {style} faster here than {told}"
+            why[fqn] = f"cost: the solver found {style} faster here than {told}" if solved else \
+                f"given: the plan sets {style} here, not {told}"
     return why
 
 
@@ -308,7 +309,7 @@ def _spans_nodes(cluster: Cluster, tp: int) -> bool:
 
 
 def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster, b: int, *,
-              given: set[str] | frozenset = frozenset(), by: str = "the solver") -> TPSolution:
+              given: set[str] | frozenset = frozenset(), solved: bool = True) -> TPSolution:
     unit_time = {u.fqn: 0.0 for u in graph.units}
     collectives: dict[str, list[Collective]] = {u.fqn: [] for u in graph.units}
     for fqn, layer in graph.layers.items():
@@ -325,7 +326,7 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
                 unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + hw.collective_time(
                     cluster, kind, src.nbytes * b, tp, spans_nodes=_spans_nodes(cluster, tp))
     return TPSolution(styles=dict(styles), collectives=collectives, time_s=float(sum(unit_time.values())),
-                      unit_time_s=unit_time, why=explain(graph, tp, styles, given=given, by=by))
+                      unit_time_s=unit_time, why=explain(graph, tp, styles, given=given, solved=solved))
 
 
 def _check_degree(tp: int, b: int) -> None:
@@ -355,7 +356,7 @@ def evaluate_tp(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clu
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise PartcError(f"TP styles miss layer {missing[0]}{more}")
-    return _evaluate(graph, tp, styles, cluster, micro_batch_size, by="the plan")
+    return _evaluate(graph, tp, styles, cluster, micro_batch_size, solved=False)
 
 
 # 4. The CP-SAT model

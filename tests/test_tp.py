@@ -111,7 +111,7 @@ def test_why_layers_are_kept_whole():
     megatron = solve_tp(gpt_graph(), 2, NO_LATENCY, 1)
     assert not any(k.startswith("blocks.") for k in megatron.why), megatron.why
     plan = evaluate_tp(graph, 4, {f: "replicate" for f in graph.layers}, NO_LATENCY, 1)
-    assert plan.why["blocks.0.mlp.fc1"] == "cost: the plan found replicate faster here than Megatron's colwise"
+    assert plan.why["blocks.0.mlp.fc1"] == "given: the plan sets replicate here, not Megatron's colwise"
 
 
 def one_line_error(fn) -> str:
