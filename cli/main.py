@@ -167,20 +167,20 @@ TP_WHY_ROWS = 12
 """Rows of the summary's table of layers tensor parallelism keeps whole (the rest: plan.json's tp_why)."""
 
 
-def tp_why_table(why: dict[str, str], tp: int) -> Table:
+def tp_why_table(why: dict[str, str], styles: dict[str, str], tp: int) -> Table:
     """Layers kept whole (or off Megatron's pattern) at degree `tp`, one row per layer name (block indices as
-    ``*``) and reason."""
-    groups: dict[tuple[str, str], int] = {}
+    ``*``), style and reason."""
+    groups: dict[tuple[str, str, str], int] = {}
     for fqn, reason in why.items():
-        key = (re.sub(r"\.\d+(?=\.|$)", ".*", fqn), reason)
+        key = (re.sub(r"\.\d+(?=\.|$)", ".*", fqn), styles[fqn], reason)
         groups[key] = groups.get(key, 0) + 1
     t = Table(title=f"Layers not split as Megatron-LM splits them (tp={tp})", title_justify="left")
-    for col in ("layers", "count", "why"):
+    for col in ("layers", "count", "style", "why"):
         t.add_column(col, justify="right" if col == "count" else "left")
-    for (name, reason), n in list(groups.items())[:TP_WHY_ROWS]:
-        t.add_row(escape(name), str(n), escape(reason))
+    for (name, style, reason), n in list(groups.items())[:TP_WHY_ROWS]:
+        t.add_row(escape(name), str(n), style, escape(reason))
     if len(groups) > TP_WHY_ROWS:
-        t.add_row(f"and {len(groups) - TP_WHY_ROWS} more", "", "see tp_why in plan.json")
+        t.add_row(f"and {len(groups) - TP_WHY_ROWS} more", "", "", "see tp_why in plan.json")
     return t
 
 
@@ -216,7 +216,7 @@ def print_summary(result, plan_path: Path) -> None:
     console.print(t)
 
     if plan["tp_why"]:
-        console.print(tp_why_table(plan["tp_why"], par["tp"]))
+        console.print(tp_why_table(plan["tp_why"], plan["tp"], par["tp"]))
 
     s = Table(title="Stages (per pipeline rank)", title_justify="left")
     for col in ("rank", "modules", "time/micro-batch", "memory"):

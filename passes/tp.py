@@ -239,16 +239,16 @@ def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str]) -
 
 def megatron_styles(graph: ModelGraph) -> dict[str, str]:
     """Layer FQN -> its style in Megatron's pattern, for the layers the pattern names: a Linear whose split output
-    reaches another Linear of its unit still split is colwise, and those it reaches rowwise (in execution order,
-    a layer in one pair); an Embedding rowwise (the vocabulary)."""
+    reaches another Linear of its unit still split is colwise, and those it reaches rowwise (in execution order: a
+    layer already rowwise is not colwise too); an Embedding rowwise (the vocabulary)."""
     out = {f: "rowwise" for f, layer in graph.layers.items() if layer.kind == "embedding"}
     pairs = {}
     for e in graph.edges:  # pairs inside one unit (qkv -> proj, fc1 -> fc2), not a block's output -> the head
         if e.shard_ok and e.src != e.dst and graph.layers[e.src].unit == graph.layers[e.dst].unit:
             pairs.setdefault(e.src, []).append(e.dst)
-    for f in graph.layers:  # in execution order, each layer in one pair
+    for f in graph.layers:  # in execution order; q, k and v all pair with o
         if f in pairs and f not in out:
-            partners = [d for d in pairs[f] if d not in out]
+            partners = [d for d in pairs[f] if out.get(d, "rowwise") == "rowwise"]
             if partners:
                 out[f] = "colwise"
                 out.update(dict.fromkeys(partners, "rowwise"))

@@ -12,7 +12,8 @@ from ir_fixtures import MEGATRON, embedding, gpt_graph, linear, norm
 from partc.cluster import PRESETS, Cluster
 from partc.errors import PartcError
 from partc.ir import Edge, ModelGraph, Unit
-from partc.passes.tp import _conversions, _facts, _solve_classes, allowed_styles, evaluate_tp, representatives, solve_tp
+from partc.passes.tp import (_conversions, _facts, _solve_classes, allowed_styles, evaluate_tp, megatron_styles,
+                             representatives, solve_tp)
 
 A100 = PRESETS["a100-80g"]
 # The fixture's model is tiny (h = 256): on a real NVLink the 5 us ring-step latency outweighs its GEMMs. Without
@@ -272,3 +273,14 @@ def test_blocks_of_different_signatures_share_solves(monkeypatch):
     assert apart.styles == shared.styles and apart.time_s == pytest.approx(shared.time_s)
     assert_megatron_blocks(apart, 8)
     assert len(calls) == shared_calls  # the 7 blocks after the first are the same component as the first
+
+
+def test_megatron_styles_of_a_traced_llama(traced_example):
+    """Megatron's pattern read off the traced data flow: q, k and v (GQA) all colwise into one rowwise o, gate and up
+    into down; the vocabulary split of the embedding; norms and the head unnamed."""
+    _, traced = traced_example("llama")
+    want = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+            "mlp.gate": "colwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
+    got = megatron_styles(traced.graph)
+    blocks = sum(u.kind == "block" for u in traced.graph.units)
+    assert got == {"tok": "rowwise", **{f"blocks.{i}.{k}": v for i in range(blocks) for k, v in want.items()}}
