@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from partc.cluster import PRESETS, Cluster
@@ -106,10 +107,11 @@ def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_si
     # The model's code runs inside (import, model(), example_inputs, its forward while traced): what it prints goes
     # to stderr, so stdout holds partc's output alone (--format json: the plan, nothing else).
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), phase_progress() as on_phase:
             result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
                                    global_batch_size=global_batch_size, seq_len=seq_len, pins=pins,
-                                   from_plan=from_plan, out_dir=out_dir, dump_dir=dump_dir, force=force)
+                                   from_plan=from_plan, out_dir=out_dir, dump_dir=dump_dir, force=force,
+                                   on_phase=on_phase)
     except SystemExit as e:  # the model's forward called sys.exit() while traced
         raise PartcError(f"the model's code called sys.exit({e.code!r}) during partc compile") from None
     if fmt == "json":
@@ -118,6 +120,26 @@ def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_si
         print_summary(result, Path(out_dir) / "plan.json")
     for line in result.warnings:
         click.echo(f"warning: {one_line(line)}", err=True)
+
+
+@contextlib.contextmanager
+def phase_progress():
+    """A progress bar over `partc.compile.PHASES` on stderr while partc compile works, when stderr is a terminal
+    (never in a pipe or a log); yields the `on_phase` callback."""
+    from partc.compile import PHASES
+
+    if not sys.stderr.isatty():
+        yield None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
+        task = bar.add_task(PHASES[0], total=len(PHASES))
+
+        def on_phase(i: int, what: str) -> None:
+            bar.update(task, completed=i, description=what, refresh=True)
+
+        yield on_phase
 
 
 def compress_modules(modules: list[str]) -> str:
@@ -139,6 +161,27 @@ def compress_modules(modules: list[str]) -> str:
     if run:
         out.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
     return ", ".join(out)
+
+
+TP_WHY_ROWS = 12
+"""Rows of the summary's table of layers tensor parallelism keeps whole (the rest: plan.json's tp_why)."""
+
+
+def tp_why_table(why: dict[str, str], styles: dict[str, str], tp: int) -> Table:
+    """Layers kept whole (or off Megatron's pattern) at degree `tp`, one row per layer name (block indices as
+    ``*``), style and reason."""
+    groups: dict[tuple[str, str, str], int] = {}
+    for fqn, reason in why.items():
+        key = (re.sub(r"\.\d+(?=\.|$)", ".*", fqn), styles[fqn], reason)
+        groups[key] = groups.get(key, 0) + 1
+    t = Table(title=f"Layers not split as Megatron-LM splits them (tp={tp})", title_justify="left")
+    for col in ("layers", "count", "style", "why"):
+        t.add_column(col, justify="right" if col == "count" else "left")
+    for (name, style, reason), n in list(groups.items())[:TP_WHY_ROWS]:
+        t.add_row(escape(name), str(n), style, escape(reason))
+    if len(groups) > TP_WHY_ROWS:
+        t.add_row(f"and {len(groups) - TP_WHY_ROWS} more", "", "", "see tp_why in plan.json")
+    return t
 
 
 def print_summary(result, plan_path: Path) -> None:
@@ -171,6 +214,9 @@ def print_summary(result, plan_path: Path) -> None:
               f"{mem['optimizer'] / GiB:.1f} + activations {mem['activations'] / GiB:.1f} = "
               f"{mem['total'] / GiB:.1f} GiB of {usable:.1f} GiB usable")
     console.print(t)
+
+    if plan["tp_why"]:
+        console.print(tp_why_table(plan["tp_why"], plan["tp"], par["tp"]))
 
     s = Table(title="Stages (per pipeline rank)", title_justify="left")
     for col in ("rank", "modules", "time/micro-batch", "memory"):

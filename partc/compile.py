@@ -13,6 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -27,7 +28,7 @@ from partc.plan import Plan, Stage, read_plan
 from partc.passes import cost
 from partc.model_file import ModelSpec, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
-from partc.passes.tp import evaluate_tp
+from partc.passes.tp import TPSolution, evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
 from partc.passes.export import export_on_meta
 from partc.passes.rebatch import rebatch
@@ -63,6 +64,10 @@ def meta_inputs(spec: ModelSpec, batch_size: int, precision: str) -> tuple[tuple
     return cast_floating((args, kwargs), compute_dtype(precision))
 
 
+PHASES = ("loading the model", "tracing", "searching plans", "writing the plan and the program")
+"""The phases of `compile_model`, in order (`on_phase`)."""
+
+
 def default_global_batch(gpus: int, seq_len: int | None) -> int:
     """Samples of the default global batch; `seq_len` None for a model without token inputs."""
     samples = -(-DEFAULT_BATCH_TOKENS // seq_len) if seq_len else DEFAULT_BATCH_SAMPLES
@@ -73,9 +78,11 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                   gpus_per_node: int | None = None, global_batch_size: int | None = None,
                   seq_len: int | None = None, pins: Pins | None = None, from_plan: str | None = None,
                   out_dir: str | Path | None = None, dump_dir: str | Path | None = None,
-                  force: bool = False) -> CompileResult:
+                  force: bool = False, on_phase: Callable[[int, str], None] | None = None) -> CompileResult:
     """Plan the model of the file at `path`; with `out_dir`, write the plan and the program there (`partc.output`:
-    `force` replaces an earlier output whose files were changed since partc wrote them)."""
+    `force` replaces an earlier output whose files were changed since partc wrote them). `on_phase(i, what)` is
+    called as phase i of `PHASES` starts (a progress display)."""
+    on_phase = on_phase or (lambda i, what: None)
     t0 = time.perf_counter()
     check_gpus(gpus)
     clus = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
@@ -98,12 +105,14 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     pins = pins or Pins()
     precision = plan_in.parallel.precision if plan_in is not None else pins.precision or "bf16"
     pins = dataclasses.replace(pins, precision=precision)
+    on_phase(0, PHASES[0])
     spec = load_model_file(path, entry=entry, seq_len=seq_len)
     model, init = record(spec.build)
     with torch.device("meta"):
         args, kwargs = spec.inputs(1)
 
     # 2. Trace (torch.export on meta, at the plan's precision) and build the layer graph.
+    on_phase(1, PHASES[1])
     traced = trace(model, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=path, precision=precision,
                    fused_attention=clus.fused_attention)
     graph = traced.graph
@@ -115,6 +124,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     # 3. Search, or re-predict a plan read from disk. A BatchNorm that sees one value per channel in a sample
     #    needs micro-batches of two samples or more (its statistics of one value are undefined).
     norms = batch_norms(model, traced)
+    on_phase(2, PHASES[2])
     if plan_in is None:
         gbs = global_batch_size or default_global_batch(gpus, spec.seq_len)
         result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
@@ -134,10 +144,14 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     t_solve = time.perf_counter()
 
     # 4. The plan.
+    on_phase(3, PHASES[3])
     plan = make_plan(graph, clus, best, result, path=path, entry=entry, tokens=spec.seq_len is not None)
     if plan_in is not None:
         plan.alternatives = []
     warnings = init_warnings(init)
+    unsplit = tp_unsplit_note(graph, best.tp, best.parallel.tp)
+    if unsplit:
+        warnings.append(unsplit)
     if norms.layers:
         par = best.parallel
         plan.model["batch_norm"] = {"layers": len(norms.layers), "statistics_over_samples": par.micro_batch_size}
@@ -192,6 +206,17 @@ def batch_norm_note(norms: BatchNorms, par) -> str:
             f"micro-batch of {par.micro_batch_size} samples{where}, not over the global batch of "
             f"{par.global_batch_size}: the loss differs from one process's on the whole batch (partc does not "
             f"offer SyncBatchNorm)")
+
+
+def tp_unsplit_note(graph: ModelGraph, sol: TPSolution, tp: int) -> str | None:
+    """One line when tensor parallelism at degree `tp` > 1 splits no layer at all, with the first reason."""
+    if tp == 1 or any(s != "replicate" for s in sol.styles.values()):
+        return None
+    linear = [f for f in sol.why if graph.layers[f].kind in ("linear", "embedding")]
+    first = (linear or list(sol.why) or [None])[0]
+    example = f" ({first}: {sol.why[first]})" if first else ""
+    return f"tp {tp} splits no layer of the model: each GPU of a tp group holds and computes all of it{example}; " \
+           f"tp_why in plan.json says why for each layer"
 
 
 def init_warnings(init: InitRecord) -> list[str]:
@@ -318,7 +343,7 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
                              "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
                              "mfu": c.prediction.mfu})
     return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
-                predicted=_predicted(pred, par.global_batch_size), alternatives=alternatives)
+                predicted=_predicted(pred, par.global_batch_size), alternatives=alternatives, tp_why=dict(best.tp.why))
 
 
 def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path) -> None:

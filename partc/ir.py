@@ -70,6 +70,10 @@ class Layer:
     """A rowwise split must divide this: heads when the input was reshaped from heads, else `in_features`."""
     fused: int = 1
     """How many tensors the output is split into along features (3 for a fused QKV projection)."""
+    split_stop: str = ""
+    """Linear layers: the first op past which the shard analysis cannot carry a colwise split of the output
+    (``aten.unbind.int (unbind): unbind along the split dimension``), where a colwise output gets gathered; empty
+    when the split reaches the next layers (or the layer is not a Linear)."""
     gemms: list[Gemm] = field(default_factory=list)
     fwd_flops: float = 0.0
     out_bytes: int = 0

@@ -40,6 +40,9 @@ class Plan:
     stages: list[Stage]
     predicted: dict = field(default_factory=dict)
     alternatives: list[dict] = field(default_factory=list)
+    tp_why: dict[str, str] = field(default_factory=dict)
+    """At tp > 1: layer FQN -> why the plan keeps it whole or off Megatron's pattern (`partc.passes.tp.explain`);
+    written for people, recomputed (not read) by ``--from-plan``."""
 
     def to_dict(self) -> dict:
         return {
@@ -52,6 +55,7 @@ class Plan:
                        for s in self.stages],
             "predicted": self.predicted,
             "alternatives": self.alternatives,
+            "tp_why": dict(self.tp_why),
         }
 
     def to_json(self) -> str:

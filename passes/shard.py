@@ -9,7 +9,9 @@ Linear layer through the exported ATen graph and records, for each op, whether i
 The result answers three questions for the planner:
 - can a colwise layer feed a rowwise layer with no collective (`Region.reaches[layer] is True`);
 - how many independent groups (attention heads) the split must respect (`Region.groups`);
-- is the output split into fused pieces (a fused QKV projection: `Region.fused`).
+- is the output split into fused pieces (a fused QKV projection: `Region.fused`), by a split or by slices of equal
+  pieces (Phi-3's ``qkv[..., :h]``, ``qkv[..., h:2h]``, ``qkv[..., 2h:]``); slices of different sizes (q, k and v
+  under grouped-query attention) make the region invalid.
 An op it does not know makes the region invalid: the planner then gathers instead of guessing.
 """
 
@@ -101,11 +103,14 @@ class Region:
 
     valid: bool = True
     reason: str = ""
-    """The first op that cannot be proven per-shard (empty when valid)."""
+    """The first op that cannot be proven per-shard and why, without node names (layers of identical blocks
+    read alike; empty when valid)."""
     groups: int = 0
     """gcd of the group counts the split must respect (heads); 0 when no view splits the features."""
     fused: int = 1
     """Pieces the output is split into along features right after the layer (3 for fused QKV)."""
+    pieces: dict = field(default_factory=dict)
+    """Node -> how many equal pieces it cuts the split dimension into (a split, or a slice of one piece)."""
     reaches: dict[str, bool] = field(default_factory=dict)
     """Layer FQN -> True when the split tensor arrives there on its last dim (a rowwise input)."""
     nodes: set = field(default_factory=set)
@@ -125,7 +130,7 @@ class ShardAnalysis:
             shape = _shape(out)
             if shape is None:
                 self.regions[name].valid = False
-                self.regions[name].reason = f"{out.name} has no tensor shape"
+                self.regions[name].reason = "its output has no tensor shape"
                 continue
             self.dims[out] = len(shape) - 1
             self.sources[out] = {name}
@@ -156,18 +161,31 @@ class ShardAnalysis:
                 r.nodes.add(node)
                 if why and r.valid:
                     r.valid = False
-                    r.reason = f"{node.target} ({node.name}): {why}"
+                    r.reason = f"{node.target}: {why}"
                 if groups:
                     r.groups = math.gcd(r.groups, groups) if r.groups else groups
                 if fused > 1:
-                    r.fused = max(r.fused, fused)
+                    r.pieces[node] = fused
             if why:
                 self.bad[node] = why
                 continue
             if out_dim is not None:
                 self.dims[node] = out_dim
                 self.sources[node] = srcs
-        # 2. A split tensor that reaches the graph output (logits, loss) is not per-shard.
+        # 2. Pieces: the weight is split in `fused` pieces, each over the ranks, so that every op taking one piece
+        #    (a split, or slices as Phi-3 takes q, k and v) finds it in this rank's part. Pieces of different sizes
+        #    (q, k and v under grouped-query attention) admit no such layout: one piece, gathered at the first.
+        for r in self.regions.values():
+            counts = sorted(set(r.pieces.values()))
+            if len(counts) > 1:
+                node = next(n for n, c in r.pieces.items() if c != counts[-1])
+                if r.valid:
+                    r.valid = False
+                    r.reason = f"{node.target}: pieces of different sizes along the split dimension (1/" \
+                               f"{' and 1/'.join(map(str, counts))} of it)"
+            elif counts:
+                r.fused = counts[0]
+        # 3. A split tensor that reaches the graph output (logits, loss) is not per-shard.
         for node in graph.nodes:
             if node.op == "output":
                 for a in node.all_input_nodes:
@@ -176,7 +194,7 @@ class ShardAnalysis:
                             r = self.regions[s]
                             if r.valid:
                                 r.valid = False
-                                r.reason = f"{a.name} reaches the model output"
+                                r.reason = "the split tensor reaches the model output"
 
 
 def shard_rule(node: Node, dims: dict, ins: list[Node]):
@@ -242,7 +260,10 @@ def shard_rule(node: Node, dims: dict, ins: list[Node]):
     if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default):
         d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
         if d == dim and not (t is aten.slice.Tensor and out_shape[d] == in_shape[d]):
-            return None, 0, 1, "slice of the split dimension"
+            piece = slice_piece(node, in_shape[d])
+            if piece is None:
+                return None, 0, 1, "slice of the split dimension that is not one of equal pieces"
+            return dim, 0, in_shape[d] // piece[1], ""
         return (dim - 1 if t is aten.select.int and d < dim else dim), 0, 1, ""
     if t is aten.cat.default:
         d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
@@ -269,6 +290,26 @@ def shard_rule(node: Node, dims: dict, ins: list[Node]):
     if t in _MATMUL or t in _SDPA:
         return _batched(node, dims, t)
     return None, 0, 1, "op not known to be per-shard"
+
+def slice_piece(node: Node, size: int) -> tuple[int, int] | None:
+    """(start, length) of a slice or narrow of a dim of `size` that takes one of equal pieces (``qkv[..., h:2h]``),
+    else None."""
+    if node.target is aten.narrow.default:
+        start, length, step = node.args[2], node.args[3], 1
+    elif node.target is aten.slice.Tensor:
+        args = list(node.args) + [None] * (5 - len(node.args))
+        start, end, step = args[2] or 0, args[3], args[4] or 1
+        if not all(isinstance(v, int) for v in (start, step)) or not isinstance(end, (int, type(None))):
+            return None
+        start = min(max(start + size if start < 0 else start, 0), size)
+        end = size if end is None else min(max(end + size if end < 0 else end, 0), size)
+        length = end - start
+    else:
+        return None
+    if not all(isinstance(v, int) for v in (start, length)) or step != 1 or length <= 0:
+        return None
+    return (start, length) if size % length == 0 and start % length == 0 else None
+
 
 def _batched(node: Node, dims: dict, t):
     """matmul / bmm / attention: the split must be a batch dim shared by the operands."""

@@ -40,7 +40,7 @@ itself. Identical sources are merged with a multiplicity, so 128 blocks solve as
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
@@ -81,6 +81,9 @@ class TPSolution:
     """Seconds per micro-batch: compute of all layers (forward + backward) + all collectives."""
     unit_time_s: dict[str, float]
     """The same per unit: its layers' compute + its collectives."""
+    why: dict[str, str] = field(default_factory=dict)
+    """At tp > 1: layer FQN -> why it is kept whole, or why its style is not Megatron's (`explain`); layers split
+    as Megatron splits them, and norms, are not listed."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,9 +103,13 @@ def _group_error(layer: Layer, style: str, tp: int) -> str | None:
     if layer.kind == "embedding":
         size, what = (layer.out_features, "vocabulary") if style == "rowwise" else (layer.in_features, "embedding dim")
     elif style == "colwise":
-        size, what = layer.col_groups or layer.out_features, "col_groups"
+        size = layer.col_groups or layer.out_features
+        what = "output features" if size == layer.out_features else "features per fused piece" \
+            if layer.fused > 1 and size * layer.fused == layer.out_features else \
+            "heads (or fused pieces)"
     else:
-        size, what = layer.row_groups or layer.in_features, "row_groups"
+        size = layer.row_groups or layer.in_features
+        what = "input features" if size == layer.in_features else "input heads"
     if size <= 0 or size % tp:
         return f"layer {layer.fqn}: {style} needs its {what} ({size}) divisible by tp={tp}"
     return None
@@ -116,6 +123,9 @@ def style_error(layer: Layer, style: str, tp: int) -> str | None:
         return None
     if layer.kind not in ("linear", "embedding"):
         return f"layer {layer.fqn} ({layer.type}, {layer.kind}) can only be replicate, not {style}"
+    if layer.kind == "linear" and not layer.gemms:
+        return f"layer {layer.fqn}: the model never calls it; its parent uses its weight directly " \
+               f"(nn.MultiheadAttention's out_proj), so it can only be replicate, not {style}"
     return _group_error(layer, style, tp)
 
 
@@ -224,7 +234,73 @@ def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str]) -
     return f"gather sharded input gradients of rowwise {who} for {style} {src.fqn}"
 
 
-# 2. Evaluation of a complete style map
+# 2. Why a layer is kept whole (or off Megatron's pattern)
+
+
+def megatron_styles(graph: ModelGraph) -> dict[str, str]:
+    """Layer FQN -> its style in Megatron's pattern, for the layers the pattern names: a Linear whose split output
+    reaches another Linear of its unit still split is colwise, and those it reaches rowwise (in execution order: a
+    layer already rowwise is not colwise too); an Embedding rowwise (the vocabulary)."""
+    out = {f: "rowwise" for f, layer in graph.layers.items() if layer.kind == "embedding"}
+    pairs = {}
+    for e in graph.edges:  # pairs inside one unit (qkv -> proj, fc1 -> fc2), not a block's output -> the head
+        if e.shard_ok and e.src != e.dst and graph.layers[e.src].unit == graph.layers[e.dst].unit:
+            pairs.setdefault(e.src, []).append(e.dst)
+    for f in graph.layers:  # in execution order; q, k and v all pair with o
+        if f in pairs and f not in out:
+            partners = [d for d in pairs[f] if out.get(d, "rowwise") == "rowwise"]
+            if partners:
+                out[f] = "colwise"
+                out.update(dict.fromkeys(partners, "rowwise"))
+    return out
+
+
+def _style_reason(layer: Layer, style: str, tp: int) -> str | None:
+    """`style_error` without the layer's name (one reason serves many layers)."""
+    err = style_error(layer, style, tp)
+    return err and err.removeprefix(f"layer {layer.fqn}: ")
+
+
+def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[str] | frozenset = frozenset(),
+            solved: bool = True) -> dict[str, str]:
+    """Layer FQN -> why the style map keeps it whole at degree `tp` or gives it another style than Megatron's
+    (`megatron_styles`): divisibility (heads or features by tp), a pattern the shard analysis cannot split (the
+    op named), the kind of layer, a style `given` by the user, or cost (the solver chose it as the faster; with
+    `solved` False the styles are a plan's, read from a file). Empty at tp 1."""
+    if tp == 1:
+        return {}
+    pattern = megatron_styles(graph)
+    why = {}
+    for fqn, layer in graph.layers.items():
+        style, want = styles[fqn], pattern.get(fqn)
+        if layer.kind not in ("linear", "embedding"):
+            if layer.kind == "other":
+                why[fqn] = f"kind: a {layer.type} layer is always whole (tensor parallelism splits Linear and " \
+                           f"Embedding layers)"
+            continue
+        if style == want or (want is None and style != "replicate"):
+            continue
+        if layer.kind == "linear" and not layer.gemms:
+            why[fqn] = "kind: the model never calls it, its parent uses its weight directly (nn.MultiheadAttention's " \
+                       "out_proj): the TP rewrite splits a layer's own ops"
+            continue
+        tried = [want] if want else (["colwise", "rowwise"] if layer.kind == "linear" else ["rowwise", "colwise"])
+        errors = [_style_reason(layer, s, tp) for s in tried]
+        if all(errors):
+            why[fqn] = "divisibility: " + "; ".join(errors)
+        elif fqn in given:
+            why[fqn] = f"given: {style} was set by hand"
+        elif layer.split_stop and "colwise" in tried and style == "replicate":
+            why[fqn] = f"pattern: a colwise split of its output must be gathered ({layer.split_stop}), which " \
+                       f"costs more than the split saves"
+        else:
+            told = "Megatron's " + want if want else "a split"
+            why[fqn] = f"cost: the solver found {style} faster here than {told}" if solved else \
+                f"given: the plan sets {style} here, not {told}"
+    return why
+
+
+# 3. Evaluation of a complete style map
 
 
 def _spans_nodes(cluster: Cluster, tp: int) -> bool:
@@ -232,7 +308,8 @@ def _spans_nodes(cluster: Cluster, tp: int) -> bool:
     return group_spans_nodes(tp, 1, cluster.gpus_per_node)
 
 
-def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster, b: int) -> TPSolution:
+def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster, b: int, *,
+              given: set[str] | frozenset = frozenset(), solved: bool = True) -> TPSolution:
     unit_time = {u.fqn: 0.0 for u in graph.units}
     collectives: dict[str, list[Collective]] = {u.fqn: [] for u in graph.units}
     for fqn, layer in graph.layers.items():
@@ -249,7 +326,7 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
                 unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + hw.collective_time(
                     cluster, kind, src.nbytes * b, tp, spans_nodes=_spans_nodes(cluster, tp))
     return TPSolution(styles=dict(styles), collectives=collectives, time_s=float(sum(unit_time.values())),
-                      unit_time_s=unit_time)
+                      unit_time_s=unit_time, why=explain(graph, tp, styles, given=given, solved=solved))
 
 
 def _check_degree(tp: int, b: int) -> None:
@@ -279,10 +356,10 @@ def evaluate_tp(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clu
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise PartcError(f"TP styles miss layer {missing[0]}{more}")
-    return _evaluate(graph, tp, styles, cluster, micro_batch_size)
+    return _evaluate(graph, tp, styles, cluster, micro_batch_size, solved=False)
 
 
-# 3. The CP-SAT model
+# 4. The CP-SAT model
 
 
 def representatives(graph: ModelGraph) -> dict[str, str]:
@@ -338,32 +415,90 @@ def _and(model: cp_model.CpModel, lits: list):
     return _neg(_or(model, [_neg(x) for x in lits]))
 
 
+def _components(choices: dict[str, list[str]], groups: list[list[str]]) -> dict[str, str]:
+    """Representative -> the first representative of its component: representatives with a choice are joined when
+    one group (a source and its consumers, or a tied pair) names them, since they then share a cost term."""
+    parent = {r: r for r in choices}
+
+    def find(r: str) -> str:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for group in groups:
+        open_ = [find(r) for r in group if len(choices[r]) > 1]
+        for r in open_[1:]:
+            parent[r] = open_[0]
+    return {r: find(r) for r in choices}
+
+
 def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
                    pins: dict[str, str]) -> tuple[dict[str, str], int]:
-    """(representative layer FQN -> style, the model's time in ns), minimizing the time of the whole model."""
-    model = cp_model.CpModel()
+    """(representative layer FQN -> style, the model's time in ns), minimizing the time of the whole model.
 
-    # 1. Variables: x[r][style] per representative layer and allowed style; collective indicators (defined by
-    #    boolean constraints as they are created) per distinct source, with the number of layers it stands for.
-    x: dict[str, dict[str, object]] = {}
-    for r in dict.fromkeys(rep.values()):
-        styles = [pins[r]] if r in pins else allowed_styles(graph.layers[r], tp)
-        x[r] = {s: model.new_bool_var(f"{r}={s}") for s in styles}
-
-    def lit(layer: str, style: str):
-        return x[rep[layer]].get(style, False)
-
+    The time is a sum of terms, each over the styles of one source layer and its consumers (or of a tied pair), so
+    the model falls apart into independent components (mostly one unit's layers: units meet at norms, which have
+    no choice); each is solved on its own, and components of the same shape and costs once (blocks of different
+    signatures whose layers with a choice match: a block with one more norm or bias table, a stage of another
+    width whose costs come out equal)."""
+    choices = {r: [pins[r]] if r in pins else allowed_styles(graph.layers[r], tp) for r in dict.fromkeys(rep.values())}
     distinct = Counter()
     for src in _sources(graph):
         consumers = tuple(sorted({(rep[c], ok) for c, ok in src.consumers.items()}))
         distinct[(rep[src.layer], src.nbytes, consumers, src.loss)] += 1
+    tied = [(sa, sb, rep[a], rep[b]) for sa, sb, a, b in _tied_conflicts(graph, tp)]
+    comp = _components(choices, [[r, *(c for c, _ in cons)] for r, _, cons, _ in distinct] +
+                       [[a, b] for _, _, a, b in tied])
+    members: dict[str, list[str]] = {}
+    for r in choices:
+        members.setdefault(comp[r], []).append(r)
+
+    def owner(reps) -> str | None:
+        """The component of a term over `reps` (None: no representative in it has a choice)."""
+        return next((comp[r] for r in reps if len(choices[r]) > 1), None)
+
+    terms: dict[str | None, dict] = {c: {"sources": [], "tied": [], "layers": []} for c in [None, *members]}
+    for key, count in distinct.items():
+        terms[owner([key[0], *(c for c, _ in key[2])])]["sources"].append((key, count))
+    for t in tied:
+        terms[owner(t[2:])]["tied"].append(t)
+    for fqn in graph.layers:
+        terms[owner([rep[fqn]])]["layers"].append(fqn)
+
+    total_ns, choice, solved = 0, {r: c[0] for r, c in choices.items() if len(c) == 1}, {}
+    for c in [None, *(c for c in members if len(choices[c]) > 1)]:  # None: the terms without a choice
+        reps = [r for r in members.get(c, []) if len(choices[r]) > 1]
+        picked, ns = _solve_component(graph, tp, cluster, b, rep, choices, reps, terms[c], solved)
+        choice.update(picked)
+        total_ns += ns
+    return choice, total_ns
+
+
+def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
+                     choices: dict[str, list[str]], reps: list[str], terms: dict, solved: dict):
+    """(style of each representative in `reps`, time in ns of `terms`) by CP-SAT; representatives outside
+    `reps` have one choice. `solved`: cache key -> (styles in `reps` order, ns) of components solved before."""
+    model = cp_model.CpModel()
+
+    # 1. Variables: x[r][style] per representative layer with a choice (a constant for the others); collective
+    #    indicators (defined by boolean constraints as they are created) per distinct source, with the number of
+    #    layers it stands for.
+    x: dict[str, dict[str, object]] = {r: {s: model.new_bool_var(f"{r}={s}") for s in choices[r]} for r in reps}
+
+    def styles_of(r: str) -> dict[str, object]:
+        return x[r] if r in x else {choices[r][0]: True}
+
+    def lit(layer: str, style: str):
+        return styles_of(rep[layer]).get(style, False)
+
     indicators: list[tuple[int, object]] = []  # (cost in ns for all layers it stands for, literal)
     spans = _spans_nodes(cluster, tp)
-    for (r, nbytes, consumers, loss), count in distinct.items():
+    for (r, nbytes, consumers, loss), count in terms["sources"]:
         lits: dict[str, list] = {f: [] for f in FACTS}
         lits["need_r"].append(loss)
         for c, ok in consumers:
-            styles = x[rep[c]]
+            styles = styles_of(c)
             for fact in FACTS:
                 makes = [s for s in styles if fact in _consumer_facts(*_needs(graph.layers[c], s), ok)]
                 lits[fact] += [True] if len(makes) == len(styles) else [styles[s] for s in makes]
@@ -378,9 +513,14 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
 
     # 2. Objective: time in ns, then fewer collective indicators, then fewer split layers (deterministic ties).
     compute: Counter = Counter()
-    for fqn, layer in graph.layers.items():
-        for style in x[rep[fqn]]:
-            compute[(rep[fqn], style)] += round(NS * _compute_s(cluster, layer, style, tp, b))
+    for fqn in terms["layers"]:
+        for style in styles_of(rep[fqn]):
+            compute[(rep[fqn], style)] += round(NS * _compute_s(cluster, graph.layers[fqn], style, tp, b))
+    const_ns = sum(ns for ns, y in indicators if y is True) + sum(c for (r, _), c in compute.items() if r not in x)
+    indicators = [(ns, y) for ns, y in indicators if y is not True]
+    compute = {k: c for k, c in compute.items() if k[0] in x}
+    if not x:
+        return {}, const_ns
     split_lits = [v for r in x for s, v in x[r].items() if s != "replicate"]
     w_coll = len(split_lits) + 1
     w_time = w_coll * (len(indicators) + 1)
@@ -390,26 +530,35 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
         raise PartcError(f"the predicted times on cluster {cluster.name!r} are too large to optimize ({total_ns / NS:.3g} "
                          f"s per micro-batch at tp {tp}); check the cluster's rates (FLOP/s and bytes/s)")
     time_ns = sum(ns * v for ns, v in indicators) + sum(c * x[r][s] for (r, s), c in compute.items())
+
+    # 3. Constraints: one style per representative layer; a tied parameter (GPT-2's wte and lm_head) is one tensor,
+    #    so the layers holding it must split it alike (embedding rowwise with head colwise: both split the
+    #    vocabulary).
+    for r in x:
+        model.add_exactly_one(list(x[r].values()))
+    for a_style, b_style, a, b in terms["tied"]:
+        la, lb = styles_of(a).get(a_style, False), styles_of(b).get(b_style, False)
+        if la is False or lb is False:
+            continue
+        model.add_bool_or([_neg(la), _neg(lb)])
+
+    # 4. Components of the same shape and costs (the model's proto up to variable names) are solved once.
     model.minimize(w_time * time_ns + w_coll * sum(v for _, v in indicators) + sum(split_lits))
-
-    # 3. Constraints: one style per representative layer (pins left one choice); a tied parameter (GPT-2's wte
-    #    and lm_head) is one tensor, so the layers holding it must split it alike (embedding rowwise with head
-    #    colwise: both split the vocabulary).
-    for r, styles in x.items():
-        model.add_exactly_one(list(styles.values()))
-    for a_style, b_style, a, b in _tied_conflicts(graph, tp):
-        la, lb = lit(a, a_style), lit(b, b_style)
-        if not isinstance(la, bool) and not isinstance(lb, bool):
-            model.add_bool_or([la.Not(), lb.Not()])
-
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = SEED
-    solver.parameters.max_deterministic_time = 60.0
-    status = solver.solve(model)
-    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), solver.status_name(status)
-    choice = {r: next(s for s, v in styles.items() if solver.boolean_value(v)) for r, styles in x.items()}
-    return choice, solver.value(time_ns)
+    proto = model.proto
+    for v in proto.variables:
+        v.name = ""
+    key = str(proto)  # text format
+    if key not in solved:
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        solver.parameters.random_seed = SEED
+        solver.parameters.max_deterministic_time = 60.0
+        status = solver.solve(model)
+        assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), solver.status_name(status)
+        picked = [next(s for s, v in x[r].items() if solver.boolean_value(v)) for r in x]
+        solved[key] = (picked, solver.value(time_ns))
+    picked, ns = solved[key]
+    return dict(zip(x, picked)), const_ns + ns
 
 
 def solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int,
@@ -431,4 +580,5 @@ def solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int
         choice = {f: pins.get(f, "replicate") for f in graph.layers}
     else:
         choice, _ = _solve_classes(graph, tp, cluster, micro_batch_size, rep, pins)
-    return _evaluate(graph, tp, {f: choice[rep[f]] for f in graph.layers}, cluster, micro_batch_size)
+    given = {f for f in graph.layers if rep[f] in pins}
+    return _evaluate(graph, tp, {f: choice[rep[f]] for f in graph.layers}, cluster, micro_batch_size, given=given)

@@ -6,7 +6,9 @@ layer's style (Megatron-LM, Shoeybi et al. 2019):
 
     colwise   Linear weight [out, in] split on out (HF Conv1D [in, out] on out); input R through `copy_to_tp`
               (identity forward, all-reduce backward); output S(last). A fused projection (GPT-2's c_attn) is split
-              per piece, so every rank gets its own heads of q, of k and of v.
+              per piece, so every rank gets its own heads of q, of k and of v: the split or the slices that take
+              one piece (Phi-3's qkv[..., h:2h] -> [h/t:2h/t]) find it in the local part, and a reader of the
+              whole output gets the gathered parts put back in piece order.
     rowwise   weight split on in; input S(last); output P, then `reduce_from_tp` (all-reduce forward, identity
               backward) and the bias added once.
     Embedding rowwise: vocabulary rows split, masked lookup then `reduce_from_tp`; colwise: embedding dim split.
@@ -33,7 +35,7 @@ from torch.fx import Node
 from partc.errors import PartcError
 from partc import collectives as C
 from partc.ir import Layer
-from partc.passes.shard import BATCHED_OPS, VIEW_OPS, shard_rule
+from partc.passes.shard import BATCHED_OPS, VIEW_OPS, shard_rule, slice_piece
 from partc.sharding import Shard, param_shard
 
 aten = torch.ops.aten
@@ -69,6 +71,9 @@ class _Rewriter:
         self.ep, self.graph, self.aliases = ep, ep.graph, aliases
         self.node_layer, self.layers, self.styles, self.t = node_layer, layers, styles, t
         self.state: dict[Node, object] = {}
+        self.pieces: dict[Node, int] = {}
+        """Split nodes whose local part holds this rank's part of each of several equal pieces (a colwise fused
+        projection's output, `Shard.fused`), not one contiguous chunk; absent: one piece."""
         self.val: dict[Node, torch.Tensor] = {}
         self.memo: dict[tuple, Node] = {}
         self.result = Rewrite()
@@ -98,7 +103,9 @@ class _Rewriter:
     def need(self, x: Node, want, user: Node) -> Node:
         """`x` converted to state `want` (R or a split dim), inserted once per (value, state)."""
         have = self.state.get(x, R)
-        if have == want or not isinstance(self.val.get(x), torch.Tensor):
+        if not isinstance(self.val.get(x), torch.Tensor):
+            return x
+        if have == want and (want == R or self.pieces.get(x, 1) == 1):  # a reader of a split takes one piece
             return x
         key = (x, want)
         if key in self.memo:
@@ -111,13 +118,23 @@ class _Rewriter:
             node = self._insert(x, C.gather_from_tp, (x, d),
                                 f"{user.name} ({self._where(user)}) needs {x.name} whole: all-gather its split dim {d}",
                                 user, local, R)
+            pieces = self.pieces.get(x, 1)
+            if pieces > 1:  # ranks' parts [r0: p0 p1 p2, r1: p0 p1 p2] -> pieces [p0: r0 r1, p1: r0 r1, ...]
+                shape = list(local.shape)
+                parts = shape[:d] + [self.t, pieces, shape[d] // (self.t * pieces)] + shape[d + 1:]
+                why = f"put the {pieces} pieces of {x.name} back in order after the gather"
+                node = self._insert(node, aten.view.default, (node, parts), why, user,
+                                    local.view(parts), R)
+                node = self._insert(node, aten.transpose.int, (node, d, d + 1), why, user,
+                                    self.val[node].transpose(d, d + 1), R)
+                node = self._insert(node, aten.reshape.default, (node, shape), why, user, local, R)
         elif isinstance(want, int) and have == R:
             d = want
             local = torch.empty(_local_shape(v.shape, d, self.t, x.name), dtype=v.dtype, device="meta")
             node = self._insert(x, C.scatter_to_tp, (x, d),
                                 f"{self._where(user)} works on a split along dim {d}: keep this rank's part of "
                                 f"{x.name}", user, local, want)
-        elif isinstance(want, int) and isinstance(have, int):
+        elif isinstance(want, int) and isinstance(have, int):  # another dim, or from several pieces to one
             gathered = self.need(x, R, user)
             return self.need(gathered, want, user)
         else:
@@ -241,7 +258,12 @@ class _Rewriter:
         if not ins:
             return self._run_local(node, R)
         dims = {a: self.state[a] for a in ins}
-        out_dim, _groups, _fused, why = shard_rule(node, dims, ins)
+        out_dim, _groups, fused, why = shard_rule(node, dims, ins)
+        # Pieces: an op taking one of `fused` pieces finds it in this rank's part only if the source was split in
+        # that many pieces (`Shard.fused`); operands split in different pieces do not line up.
+        pieces = {self.pieces.get(a, 1) for a in ins}
+        if len(pieces) > 1 or (fused > 1 and pieces != {fused}):
+            why = why or "pieces do not line up"
         if why or out_dim is None:
             self._replace_inputs(node, {a: self.need(a, R, node) for a in ins})
             return self._run_local(node, R)
@@ -259,11 +281,13 @@ class _Rewriter:
                 aligned = out_dim - (glob.dim() - va.dim())
                 if aligned >= 0 and va.shape[aligned] != 1 and va.shape[aligned] == glob.shape[out_dim]:
                     whole.append((a, aligned))
-            if whole and node.target not in BATCHED_OPS:
+            if whole and (node.target not in BATCHED_OPS or pieces != {1}):
                 self._replace_inputs(node, {a: self.need(a, R, node) for a in ins})
                 return self._run_local(node, R)
             for a, aligned in whole:
                 node.replace_input_with(a, self.need(a, aligned, node))
+        if pieces != {1} and fused == 1:
+            self.pieces[node] = pieces.pop()
         if isinstance(out_dim, tuple):  # split / native_dropout: one split dim per output; getitem picks one
             self._rewrite_sizes(node, None)
             return self._run_local(node, _Multi(out_dim))
@@ -284,6 +308,18 @@ class _Rewriter:
             local = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
             new = [-1 if s == -1 else local[i] for i, s in enumerate(sizes)]
             node.args = (node.args[0], new, *node.args[2:])
+        elif t in (aten.slice.Tensor, aten.narrow.default) and \
+                (node.args[1] if len(node.args) > 1 else 0) % glob.dim() == out_dim:
+            # One of equal pieces, and the source split in as many (checked in `_generic`): the same piece of the
+            # local part.
+            piece = slice_piece(node, node.args[0].meta["val"].shape[out_dim])
+            if piece is None:  # the whole dim (x[..., :] with bounds that are not plain ints): nothing to rewrite
+                return
+            start, length = piece
+            if t is aten.narrow.default:
+                node.args = (*node.args[:2], start // self.t, length // self.t)
+            else:
+                node.args = (*node.args[:2], start // self.t, (start + length) // self.t, *node.args[4:])
         elif t in (aten.split.Tensor, aten.split_with_sizes.default):
             x = node.args[0]
             dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
@@ -319,7 +355,10 @@ class _Rewriter:
             xr = self.need(x, R, node)
             xc = self.copy_to_tp(xr, node)
             node.replace_input_with(x, xc)
-            return self._run_local(node, node.meta["val"].dim() - 1)
+            self._run_local(node, node.meta["val"].dim() - 1)
+            if layer.fused > 1:
+                self.pieces[node] = layer.fused
+            return None
         # rowwise: the input split on its features; partial outputs summed, then the bias added once.
         xs = self.need(x, x.meta["val"].dim() - 1, node)
         if kind == "linear":

@@ -267,7 +267,7 @@ def _layers(a: Assignment, shard: ShardAnalysis, counted: set[str]) -> dict[str,
         layers[m] = Layer(fqn=m, type=type(mod).__name__, kind=kind, unit=unit, params=params,
                           num_params=sum(_numel(s) for p, s in params.items() if p in counted),
                           in_features=in_f, out_features=out_f, col_groups=col_groups, row_groups=in_f,
-                          fused=fused)
+                          fused=fused, split_stop=region.reason if region and not region.valid else "")
     # Row groups: a rowwise split must respect the heads of every region that reaches it split.
     for region in shard.regions.values():
         for dst, ok in region.reaches.items():

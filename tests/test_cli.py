@@ -4,6 +4,7 @@ Most cases run in-process with click's CliRunner; the data-dependent model runs 
 torch's own logging and prints (which CliRunner cannot capture) would show up on stderr.
 """
 
+import io
 import json
 import os
 import re
@@ -15,7 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import BRANCHY, EXAMPLES, ROOT, GiB
-from partc.cli.main import compress_modules, main
+from partc.cli.main import compress_modules, main, phase_progress
+from partc.compile import PHASES
 
 GPT = str(EXAMPLES / "gpt.py")
 
@@ -225,6 +227,56 @@ def test_summary_and_json_output(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == json.loads((tmp_path / "j" / "plan.json").read_text())
     assert result.stdout == (tmp_path / "t" / "plan.json").read_text()
+
+
+ODD_MLP = """
+    import torch
+    from torch import nn
+
+    def model():
+        return nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))
+
+    def example_inputs(batch_size):
+        return (torch.randn(batch_size, 7),)
+"""
+
+
+def test_tp_that_splits_nothing_says_why(tmp_path):
+    """--tp 2 on a model whose features (7 -> 5 -> 3) no layer can split: one warning line, the summary's table
+    and plan.json's tp_why name each layer and the divisibility that keeps it whole."""
+    path = tmp_path / "odd.py"
+    path.write_text(textwrap.dedent(ODD_MLP))
+    result = CliRunner().invoke(main, ["compile", str(path), "--gpus", "2", "--tp", "2", "-o", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    warnings = [l for l in result.stderr.splitlines() if l.startswith("warning: tp 2")]
+    assert len(warnings) == 1 and "splits no layer" in warnings[0], result.stderr
+    assert "divisibility: colwise needs its output features (5) divisible by tp=2" in warnings[0]
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert set(plan["tp"].values()) == {"replicate"}
+    assert plan["tp_why"] == {
+        "0": "divisibility: colwise needs its output features (5) divisible by tp=2; rowwise needs its input "
+             "features (7) divisible by tp=2",
+        "2": "divisibility: colwise needs its output features (3) divisible by tp=2; rowwise needs its input "
+             "features (5) divisible by tp=2"}
+    assert "Layers not split as Megatron-LM splits them (tp=2)" in result.stdout
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    """The phases of partc compile show as a progress bar on stderr when it is a terminal, and not at all in a pipe
+    or a log (CliRunner's stderr, a file)."""
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with phase_progress() as on_phase:
+            assert (on_phase is not None) == shown
+            for i, what in enumerate(PHASES):
+                if on_phase:
+                    on_phase(i, what)
+        text = stream.getvalue()
+        assert all((what in text) == shown for what in PHASES), text
 
 
 def test_compress_modules():

@@ -12,7 +12,8 @@ from ir_fixtures import MEGATRON, embedding, gpt_graph, linear, norm
 from partc.cluster import PRESETS, Cluster
 from partc.errors import PartcError
 from partc.ir import Edge, ModelGraph, Unit
-from partc.passes.tp import _conversions, _facts, _solve_classes, allowed_styles, evaluate_tp, representatives, solve_tp
+from partc.passes.tp import (_conversions, _facts, _solve_classes, allowed_styles, evaluate_tp, megatron_styles,
+                             representatives, solve_tp)
 
 A100 = PRESETS["a100-80g"]
 # The fixture's model is tiny (h = 256): on a real NVLink the 5 us ring-step latency outweighs its GEMMs. Without
@@ -94,6 +95,24 @@ def test_indivisible_heads_are_not_split():
             assert sol.styles[f"blocks.{i}.mlp.fc1"] == "colwise" and sol.styles[f"blocks.{i}.mlp.fc2"] == "rowwise"
         assert evaluate_tp(graph, tp, sol.styles, NO_LATENCY, 1).time_s == pytest.approx(sol.time_s)
     assert "colwise" in allowed_styles(graph.layers["blocks.0.attn.qkv"], 5)  # 25 heads split 5 ways
+
+
+def test_why_layers_are_kept_whole():
+    """Every layer off Megatron's pattern at tp > 1 says why: divisibility (with the sizes), a pin, cost; layers
+    on the pattern and tp 1 say nothing."""
+    graph = gpt_graph(dim=400, heads=25)
+    sol = solve_tp(graph, 4, NO_LATENCY, 1, pinned={"blocks.1.mlp.fc1": "replicate"})
+    why = sol.why
+    assert why["blocks.0.attn.qkv"] == ("divisibility: colwise needs its heads (or fused pieces) (25) divisible by tp=4")
+    assert why["blocks.0.attn.proj"] == "divisibility: rowwise needs its input heads (25) divisible by tp=4"
+    assert why["blocks.1.mlp.fc1"] == "given: replicate was set by hand"  # pinned in one block: both blocks
+    assert why["blocks.0.mlp.fc1"] == "given: replicate was set by hand"
+    assert not any(k.startswith(("blocks.0.ln", "blocks.1.ln")) for k in why)  # norms are whole by nature
+    assert solve_tp(graph, 1, NO_LATENCY, 1).why == {}
+    megatron = solve_tp(gpt_graph(), 2, NO_LATENCY, 1)
+    assert not any(k.startswith("blocks.") for k in megatron.why), megatron.why
+    plan = evaluate_tp(graph, 4, {f: "replicate" for f in graph.layers}, NO_LATENCY, 1)
+    assert plan.why["blocks.0.mlp.fc1"] == "given: the plan sets replicate here, not Megatron's colwise"
 
 
 def one_line_error(fn) -> str:
@@ -234,3 +253,34 @@ def test_model_time_equals_evaluation():
     # Every (collective, phase) pair the program can contain occurs (a reduce-scatter never does: the rewrite
     # all-reduces partial sums and splits locally, and the solver charges exactly that).
     assert set(kinds) == {(k, ph) for k in ("all_reduce", "all_gather") for ph in ("fwd", "bwd")}, kinds
+
+
+def test_blocks_of_different_signatures_share_solves(monkeypatch):
+    """The solve falls apart into components (units meet at norms): blocks whose signatures differ but whose layers
+    with a choice match are solved once, to the same optimum as one model of identical blocks."""
+    from ortools.sat.python import cp_model
+    calls = []
+    real = cp_model.CpSolver.solve
+    monkeypatch.setattr(cp_model.CpSolver, "solve", lambda self, m, *a, **k: calls.append(1) or real(self, m, *a, **k))
+    shared = solve_tp(gpt_graph(num_blocks=8), 4, NO_LATENCY, 1)
+    shared_calls = len(calls)
+    graph = gpt_graph(num_blocks=8)
+    for i, u in enumerate(graph.units):
+        u.signature = f"{u.signature}:{i}"  # every block its own class (as T5's block 0 or Swin's stages)
+    assert len(set(representatives(graph).values())) == len(graph.layers)
+    calls.clear()
+    apart = solve_tp(graph, 4, NO_LATENCY, 1)
+    assert apart.styles == shared.styles and apart.time_s == pytest.approx(shared.time_s)
+    assert_megatron_blocks(apart, 8)
+    assert len(calls) == shared_calls  # the 7 blocks after the first are the same component as the first
+
+
+def test_megatron_styles_of_a_traced_llama(traced_example):
+    """Megatron's pattern read off the traced data flow: q, k and v (GQA) all colwise into one rowwise o, gate and up
+    into down; the vocabulary split of the embedding; norms and the head unnamed."""
+    _, traced = traced_example("llama")
+    want = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+            "mlp.gate": "colwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
+    got = megatron_styles(traced.graph)
+    blocks = sum(u.kind == "block" for u in traced.graph.units)
+    assert got == {"tok": "rowwise", **{f"blocks.{i}.{k}": v for i in range(blocks) for k, v in want.items()}}

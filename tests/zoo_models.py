@@ -90,6 +90,133 @@ ZOO = {
                                                              depths=[1, 1], layer_type="basic", num_labels=10,
                                                              image_size=8))
     """,
+    "phi3": """
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        def model():  # q, k and v of one size: qkv[..., :h], qkv[..., h:2h], qkv[..., 2h:]
+            return Phi3ForCausalLM(Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                              max_position_embeddings=128, pad_token_id=0, resid_pdrop=0.0,
+                                              embd_pdrop=0.0, attention_dropout=0.0))
+    """,
+    "phi3_gqa": """
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        def model():  # 4 query heads, 2 KV heads: slices of different sizes
+            return Phi3ForCausalLM(Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=128, pad_token_id=0, resid_pdrop=0.0,
+                                              embd_pdrop=0.0, attention_dropout=0.0))
+    """,
+    "fused_slices": """
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):  # a fused projection sliced in 2 (narrow) and in 3 places, read whole too
+            def __init__(self):
+                super().__init__()
+                self.up = nn.Linear(16, 48)
+                self.mix = nn.Linear(16, 48)
+                self.down = nn.Linear(16, 16)
+                self.out = nn.Linear(48, 4)
+
+            def forward(self, x):
+                a = self.up(x)
+                h = a[..., :16] * torch.sigmoid(a[..., 16:32]) + a[..., -16:]
+                m = self.mix(torch.relu(self.down(h)))
+                m = m.narrow(-1, 0, 24) * m.narrow(-1, 24, 24)
+                return self.out(torch.cat([m, m], -1) + a.softmax(-1))
+
+        def model():
+            return Net()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 16),)
+    """,
+    "timm_vit": """
+        import torch
+        from torch import nn
+
+        class Attention(nn.Module):  # timm's vision_transformer.Attention: qkv viewed as (3, heads, head_dim)
+            def __init__(self, dim, heads):
+                super().__init__()
+                self.heads = heads
+                self.qkv = nn.Linear(dim, dim * 3)
+                self.proj = nn.Linear(dim, dim)
+
+            def forward(self, x):
+                B, N, C = x.shape
+                qkv = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+                q, k, v = qkv.unbind(0)
+                x = nn.functional.scaled_dot_product_attention(q, k, v)
+                return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+        class Block(nn.Module):
+            def __init__(self, dim, heads):
+                super().__init__()
+                self.norm1 = nn.LayerNorm(dim)
+                self.attn = Attention(dim, heads)
+                self.norm2 = nn.LayerNorm(dim)
+                self.fc1 = nn.Linear(dim, 4 * dim)
+                self.fc2 = nn.Linear(4 * dim, dim)
+
+            def forward(self, x):
+                x = x + self.attn(self.norm1(x))
+                return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+
+        class ViT(nn.Module):
+            def __init__(self, dim=64, heads=4, depth=2):
+                super().__init__()
+                self.patch = nn.Linear(48, dim)
+                self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(depth)])
+                self.head = nn.Linear(dim, 10)
+
+            def forward(self, x):
+                x = self.patch(x)
+                for b in self.blocks:
+                    x = b(x)
+                return self.head(x.mean(1))
+
+        def model():
+            return ViT()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 16, 48),)
+    """,
+    "mha": """
+        import torch
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self, dim=64, heads=4):
+                super().__init__()
+                self.norm = nn.LayerNorm(dim)
+                self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)  # packed in_proj_weight
+                self.fc1 = nn.Linear(dim, 4 * dim)
+                self.fc2 = nn.Linear(4 * dim, dim)
+
+            def forward(self, x):
+                h = self.norm(x)
+                x = x + self.attn(h, h, h, need_weights=False)[0]
+                return x + self.fc2(torch.relu(self.fc1(x)))
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList([Block(), Block()])
+                self.head = nn.Linear(64, 10)
+
+            def forward(self, x):
+                for b in self.blocks:
+                    x = b(x)
+                return self.head(x)
+
+        def model():
+            return Net()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 16, 64),)
+    """,
 }
 """Model files; those that define only ``model()`` get inputs partc synthesizes."""
 
