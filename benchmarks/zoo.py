@@ -25,8 +25,10 @@ A tiny run is "ok" when each step's loss equals `partc.runtime.testing.reference
 process, fp32, micro-batches of one sample) within 1e-5 relative; "FAIL" gives the worst relative difference;
 otherwise the cell is the first error line (of the compile, partc's ``error: ...``, or of the run). Every tiny
 program is compiled with fp32 precision and micro-batch size 1, 4 samples a step (16 tokens for token models), then
-all of them run in one torchrun launch of 2 ranks (``python -m partc.runtime.testing jobs.json``); if that launch
-fails, the programs it did not finish run one launch each, so a failure is attributed to its own family. The line
+all of them run in one torchrun launch of 2 ranks (``python -m partc.runtime.testing jobs.json``). The driver runs
+the programs in order, rank 0 writing each one's result as it ends: if the launch fails, the first program without
+a result is the one that failed (its cell shows the launch's first error line), and those after it run in a new
+launch, so one failure neither sinks the others nor is blamed on them. The line
 under the table gives the worst relative loss difference over the tiny runs that passed.
 """
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,8 +52,8 @@ SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
 TINY_BATCH = 4
 TINY_SEQ = 16
 RTOL = 1e-5
-LAUNCH_TIMEOUT_S = 900
-JOB_TIMEOUT_S = 300
+LAUNCH_TIMEOUT_S = 120
+JOB_TIMEOUT_S = 120
 CLUSTER = "h100-80g"
 
 # name: (tp, pp, dp, zero)
@@ -388,15 +391,22 @@ BY_NAME = {f.name: f for f in FAMILIES}
 # -- full size ------------------------------------------------------------------------------------------------------
 
 
+EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
+"""A Python exception's last traceback line (``KeyError: 'x'``), a worker's ``[rankN]:`` prefix stripped."""
+
+
 def first_error(text: str) -> str:
-    """partc's ``error: ...`` line in `text`, or else the last line that names an error (a traceback's end)."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    """partc's first ``error: ...`` line in `text` (a rank's prefix stripped), or else the first exception line that
+    is not torchrun's own (``ChildFailedError``), or else the last line."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line]
     for line in lines:
         if line.startswith("error:"):
             return line
-    for line in reversed(lines):
-        if "Error" in line or "error" in line:
-            return line
+    for line in lines:
+        match = EXCEPTION.match(line)
+        if match and "ChildFailedError" not in line and not line.startswith("Traceback"):
+            return match.group(1)
     return lines[-1] if lines else "(no output)"
 
 
@@ -490,22 +500,22 @@ def torchrun(jobs: list[dict], tmp: Path, name: str, timeout: float) -> tuple[in
 
 
 def run_tiny(jobs: list[dict], tmp: Path) -> dict[str, str]:
-    """All jobs in one launch; those without a result after a failed launch one launch each. Returns the first
-    error line of each job that failed, by its result path."""
+    """All jobs in one launch. The driver runs them in order and rank 0 writes each result as its job ends, so when
+    a launch fails, the first job without a result is the one that failed: it gets the launch's first error line,
+    and the jobs after it run in a new launch. Returns the error line of each job that failed, by its result path."""
     errors: dict[str, str] = {}
-    code, out = torchrun(jobs, tmp, "all", LAUNCH_TIMEOUT_S)
-    if code == 0:
-        return errors
-    print(f"the single launch failed ({first_error(out) if code is not None else 'timed out'}); "
-          f"running the rest one launch each", file=sys.stderr)
-    for i, job in enumerate(jobs):
-        if Path(job["result"]).exists():
-            continue
-        code, out = torchrun([job], tmp, str(i), JOB_TIMEOUT_S)
-        if code is None:
-            errors[job["result"]] = f"timed out after {JOB_TIMEOUT_S} s"
-        elif code != 0 or not Path(job["result"]).exists():
-            errors[job["result"]] = first_error(out)
+    launch = 0
+    while jobs:
+        code, out = torchrun(jobs, tmp, str(launch), LAUNCH_TIMEOUT_S + JOB_TIMEOUT_S * len(jobs))
+        launch += 1
+        if code == 0:
+            break
+        failed = next((i for i, j in enumerate(jobs) if not Path(j["result"]).exists()), None)
+        if failed is None:  # every job wrote its result, then the launch failed on the way out
+            break
+        errors[jobs[failed]["result"]] = first_error(out) if code is not None else "timed out"
+        print(f"tiny run {Path(jobs[failed]['out']).name} failed: {errors[jobs[failed]['result']]}", file=sys.stderr)
+        jobs = jobs[failed + 1:]
     return errors
 
 
