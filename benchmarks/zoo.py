@@ -1,0 +1,606 @@
+"""Model families a user brings (issue #14): one row per family, as a markdown table.
+
+    python benchmarks/zoo.py                                  # every family (a long while on a few cores)
+    python benchmarks/zoo.py --families falcon opt --skip-tiny
+    python benchmarks/zoo.py --skip-full --timeout 120 --gpus 64
+
+Each family is a model file this script writes into a temporary directory: a Hugging Face model built from its
+config class at the published size (nothing downloaded; partc builds it on the meta device), or plain torch, and a
+tiny one of the same code (2 layers or stages, hidden size 32-64, dropout off). Columns:
+
+    family       the family's name (``--families`` takes these)
+    size         the published configuration the full-size model file reproduces
+    GPUs         GPUs of the full-size compile (8; Mixtral 16; ``--gpus`` overrides all)
+    compile s    wall seconds of ``partc compile FILE --gpus G --cluster h100-80g -o OUT`` at full size in a fresh
+                 process (Python and torch start-up included), nothing pinned, partc's default batch and length
+    plan         the plan chosen: dp, tp, pp, ZeRO stage, schedule (v: virtual stages), micro-batch size
+    predicted    the plan's MFU and throughput (tokens/s, or samples/s for models without tokens); or partc's one-line
+                 ``error: ...`` if the compile failed, or the time-out (``--timeout``, default 300 s)
+    pp 2         the tiny model trained 3 SGD steps on 2 gloo ranks, pipeline of 2 stages
+    dp 2 ZeRO-3  the same, data parallel over 2 ranks with ZeRO-3
+    tp 2         the same, tensor parallel over 2 ranks, the styles the solver chose ("ok (6 split)": 6 layers are
+                 not replicated; "ok (none split)": the solver kept every layer whole)
+
+A tiny run is "ok" when each step's loss equals `partc.runtime.testing.reference_run` (the whole model in one
+process, fp32, micro-batches of one sample) within 1e-5 relative; "FAIL" gives the worst relative difference;
+otherwise the cell is the first error line (of the compile, partc's ``error: ...``, or of the run). Every tiny
+program is compiled with fp32 precision and micro-batch size 1, 4 samples a step (16 tokens for token models), then
+all of them run in one torchrun launch of 2 ranks (``python -m partc.runtime.testing jobs.json``). The driver runs
+the programs in order, rank 0 writing each one's result as it ends: if the launch fails, the first program without
+a result is the one that failed (its cell shows the launch's first error line), and those after it run in a new
+launch, so one failure neither sinks the others nor is blamed on them. The line
+under the table gives the worst relative loss difference over the tiny runs that passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+STEPS = 3
+SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+TINY_BATCH = 4
+TINY_SEQ = 16
+RTOL = 1e-5
+LAUNCH_TIMEOUT_S = 120
+JOB_TIMEOUT_S = 120
+CLUSTER = "h100-80g"
+
+# name: (tp, pp, dp, zero)
+TINY_RUNS = {"pp 2": (1, 2, 1, 0), "dp 2 ZeRO-3": (1, 1, 2, 3), "tp 2": (2, 1, 1, 0)}
+
+
+@dataclass(kw_only=True, slots=True)
+class Family:
+    """One model family: how to write its model file at full size and tiny."""
+
+    name: str
+    """Short name (``--families``)."""
+    size: str
+    """The published configuration the full-size file reproduces, e.g. ``Falcon-7B``."""
+    full: str
+    """Source of the full-size model file."""
+    tiny: str
+    """Source of the tiny model file (same code, 2 layers, hidden 32-64, dropout off)."""
+    gpus: int = 8
+    """GPUs of the full-size compile."""
+    tokens: bool = True
+    """A Hugging Face token model whose inputs partc synthesizes: the tiny runs pass ``seq_len``."""
+
+
+def hf(config: str, model: str, kwargs: dict, extra: str = "") -> str:
+    """A model file building Hugging Face's `model` from `config`(**kwargs); `extra` is appended (example inputs)."""
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return (f"import torch\nfrom transformers import {config}, {model}\n\n\n"
+            f"def model():\n    return {model}({config}({args}))\n" + textwrap.dedent(extra))
+
+
+NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+WHISPER_INPUTS = """
+
+    def example_inputs(batch_size):  # {frames} mel frames, {tokens} decoder tokens
+        return {{"input_features": torch.randn(batch_size, {mels}, {frames}),
+                "decoder_input_ids": torch.randint(0, {vocab}, (batch_size, {tokens})), "use_cache": False}}
+
+
+    def example_targets(batch_size):
+        return torch.randint(0, {vocab}, (batch_size, {tokens}))
+"""
+
+TIMM_VIT = """
+    import torch
+    from torch import nn
+
+    IMAGE, PATCH, DIM, DEPTH, HEADS, MLP, CLASSES = {sizes!r}
+
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = HEADS
+            self.qkv = nn.Linear(DIM, 3 * DIM)
+            self.proj = nn.Linear(DIM, DIM)
+
+        def forward(self, x):
+            B, N, C = x.shape
+            qkv = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+            x = nn.functional.scaled_dot_product_attention(q, k, v)
+            return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(DIM, MLP)
+            self.act = nn.GELU()
+            self.fc2 = nn.Linear(MLP, DIM)
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x)))
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.LayerNorm(DIM)
+            self.attn = Attention()
+            self.norm2 = nn.LayerNorm(DIM)
+            self.mlp = Mlp()
+
+        def forward(self, x):
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+
+
+    class VisionTransformer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch_embed = nn.Conv2d(3, DIM, PATCH, stride=PATCH)
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, DIM))
+            self.pos_embed = nn.Parameter(torch.randn(1, (IMAGE // PATCH) ** 2 + 1, DIM) * 0.02)
+            self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+            self.norm = nn.LayerNorm(DIM)
+            self.head = nn.Linear(DIM, CLASSES)
+
+        def forward(self, x):
+            x = self.patch_embed(x).flatten(2).transpose(1, 2)
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x)[:, 0])
+
+
+    def model():
+        return VisionTransformer()
+
+
+    def example_inputs(batch_size):
+        return (torch.randn(batch_size, 3, IMAGE, IMAGE),)
+"""
+
+TORCH_ENCODER = """
+    import torch
+    from torch import nn
+
+    VOCAB, SEQ, DIM, HEADS, FFN, LAYERS = {sizes!r}
+
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.pos = nn.Parameter(torch.randn(1, SEQ, DIM) * 0.02)
+            layer = nn.TransformerEncoderLayer(DIM, HEADS, FFN, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+            self.head = nn.Linear(DIM, VOCAB)
+
+        def forward(self, tokens):
+            return self.head(self.encoder(self.embed(tokens) + self.pos))
+
+
+    def model():
+        return Encoder()
+
+
+    def example_inputs(batch_size):
+        return (torch.randint(0, VOCAB, (batch_size, SEQ)),)
+"""
+
+MLP = """
+    import torch
+    from torch import nn
+
+    DIM, HIDDEN, BLOCKS, CLASSES = {sizes!r}
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(DIM, HIDDEN)
+            self.fc2 = nn.Linear(HIDDEN, DIM)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+            self.head = nn.Linear(DIM, CLASSES)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+
+    def model():
+        return MLP()
+
+
+    def example_inputs(batch_size):
+        return (torch.randn(batch_size, DIM),)
+"""
+
+
+def plain(template: str, sizes: tuple) -> str:
+    return textwrap.dedent(template).format(sizes=sizes).lstrip()
+
+
+TINY_LM = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+
+FAMILIES = [
+    Family(name="llama3", size="LLaMA-3 8B", full=hf("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False)),
+        tiny=hf("LlamaConfig", "LlamaForCausalLM", TINY_LM)),
+    Family(name="mistral", size="Mistral-7B v0.1", full=hf("MistralConfig", "MistralForCausalLM", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=32768, rope_theta=10000.0, sliding_window=4096,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+        tiny=hf("MistralConfig", "MistralForCausalLM", TINY_LM)),
+    Family(name="qwen2", size="Qwen2-7B", full=hf("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        use_sliding_window=False, tie_word_embeddings=False)),
+        tiny=hf("Qwen2Config", "Qwen2ForCausalLM", TINY_LM)),
+    Family(name="phi3", size="Phi-3-mini-4k", full=hf("Phi3Config", "Phi3ForCausalLM", dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
+        sliding_window=2047, pad_token_id=32000, bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False)),
+        tiny=hf("Phi3Config", "Phi3ForCausalLM", {**TINY_LM, "num_key_value_heads": 4, "pad_token_id": 0,
+                                                 "bos_token_id": 1, "eos_token_id": 2, "resid_pdrop": 0.0,
+                                                 "embd_pdrop": 0.0, "attention_dropout": 0.0})),
+    Family(name="gemma2", size="Gemma-2 9B", full=hf("Gemma2Config", "Gemma2ForCausalLM", dict(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, max_position_embeddings=8192, query_pre_attn_scalar=256,
+        sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+        tiny=hf("Gemma2Config", "Gemma2ForCausalLM", {**TINY_LM, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                                     "sliding_window": 8})),
+    Family(name="neox", size="GPT-NeoX (Pythia-6.9B)", full=hf("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        vocab_size=50432, hidden_size=4096, intermediate_size=16384, num_hidden_layers=32, num_attention_heads=32,
+        rotary_pct=0.25, max_position_embeddings=2048, use_parallel_residual=True, tie_word_embeddings=False)),
+        tiny=hf("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            rotary_pct=0.25, max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0))),
+    Family(name="bloom", size="BLOOM-7B1", full=hf("BloomConfig", "BloomForCausalLM", dict(
+        vocab_size=250880, hidden_size=4096, n_layer=30, n_head=32)),
+        tiny=hf("BloomConfig", "BloomForCausalLM", dict(
+            vocab_size=512, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0))),
+    Family(name="falcon", size="Falcon-7B", full=hf("FalconConfig", "FalconForCausalLM", dict(
+        vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, multi_query=True,
+        new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False, max_position_embeddings=2048)),
+        tiny=hf("FalconConfig", "FalconForCausalLM", dict(
+            vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=1,
+            multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False,
+            max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0))),
+    Family(name="opt", size="OPT-6.7B", full=hf("OPTConfig", "OPTForCausalLM", dict(
+        vocab_size=50272, hidden_size=4096, num_hidden_layers=32, ffn_dim=16384, num_attention_heads=32,
+        max_position_embeddings=2048, word_embed_proj_dim=4096, do_layer_norm_before=True)),
+        tiny=hf("OPTConfig", "OPTForCausalLM", dict(
+            vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+            max_position_embeddings=128, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
+            layerdrop=0.0))),
+    Family(name="roberta", size="RoBERTa-large", full=hf("RobertaConfig", "RobertaForMaskedLM", dict(
+        vocab_size=50265, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+        max_position_embeddings=514, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2)),
+        tiny=hf("RobertaConfig", "RobertaForMaskedLM", dict(
+            vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=130, **NO_DROPOUT))),
+    Family(name="deberta", size="DeBERTa-v2-xlarge", full=hf("DebertaV2Config", "DebertaV2ForMaskedLM", dict(
+        vocab_size=128100, hidden_size=1536, num_hidden_layers=24, num_attention_heads=24, intermediate_size=6144,
+        max_position_embeddings=512, relative_attention=True, position_buckets=256, norm_rel_ebd="layer_norm",
+        share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False, type_vocab_size=0,
+        max_relative_positions=-1, conv_kernel_size=3, conv_act="gelu")),
+        tiny=hf("DebertaV2Config", "DebertaV2ForMaskedLM", dict(
+            vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=128, relative_attention=True, position_buckets=32, max_relative_positions=64,
+            pos_att_type=["p2c", "c2p"], **NO_DROPOUT))),
+    Family(name="mixtral", size="Mixtral-8x7B", gpus=16, full=hf("MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+        tiny=hf("MixtralConfig", "MixtralForCausalLM", {**TINY_LM, "num_local_experts": 4,
+                                                       "num_experts_per_tok": 2})),
+    Family(name="swin", size="Swin-B (224, window 7)", tokens=False, full=hf(
+        "SwinConfig", "SwinForImageClassification", dict(
+            image_size=224, patch_size=4, num_channels=3, embed_dim=128, depths=[2, 2, 18, 2],
+            num_heads=[4, 8, 16, 32], window_size=7, num_labels=1000)),
+        tiny=hf("SwinConfig", "SwinForImageClassification", dict(
+            image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+            window_size=4, num_labels=10, drop_path_rate=0.0, **NO_DROPOUT))),
+    Family(name="clip", size="CLIP ViT-L/14 (vision)", tokens=False, full=hf(
+        "CLIPConfig", "CLIPForImageClassification", dict(
+            vision_config=dict(image_size=224, patch_size=14, hidden_size=1024, intermediate_size=4096,
+                               num_hidden_layers=24, num_attention_heads=16), num_labels=1000)),
+        tiny=hf("CLIPConfig", "CLIPForImageClassification", dict(
+            vision_config=dict(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, attention_dropout=0.0),
+            num_labels=10))),
+    Family(name="vit", size="ViT-L/16 (224)", tokens=False, full=hf("ViTConfig", "ViTForImageClassification", dict(
+        image_size=224, patch_size=16, num_channels=3, hidden_size=1024, num_hidden_layers=24,
+        num_attention_heads=16, intermediate_size=4096, num_labels=1000)),
+        tiny=hf("ViTConfig", "ViTForImageClassification", dict(
+            image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, intermediate_size=128, num_labels=10, **NO_DROPOUT))),
+    Family(name="whisper", size="Whisper-large-v3 (30 s, 448 tokens)", tokens=False, full=hf(
+        "WhisperConfig", "WhisperForConditionalGeneration", dict(
+            vocab_size=51866, num_mel_bins=128, encoder_layers=32, decoder_layers=32, d_model=1280,
+            encoder_attention_heads=20, decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
+            max_source_positions=1500, max_target_positions=448, pad_token_id=50256, bos_token_id=50257,
+            eos_token_id=50257, decoder_start_token_id=50258),
+        WHISPER_INPUTS.format(mels=128, frames=3000, vocab=51866, tokens=448)),
+        tiny=hf("WhisperConfig", "WhisperForConditionalGeneration", dict(
+            vocab_size=512, num_mel_bins=16, encoder_layers=2, decoder_layers=2, d_model=64,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+            max_source_positions=16, max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, pad_token_id=0, decoder_start_token_id=1, eos_token_id=2, bos_token_id=1),
+            WHISPER_INPUTS.format(mels=16, frames=32, vocab=512, tokens=8))),
+    Family(name="t5", size="T5 v1.1-XL", full=hf("T5Config", "T5ForConditionalGeneration", dict(
+        vocab_size=32128, d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24, num_heads=32,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0)),
+        tiny=hf("T5Config", "T5ForConditionalGeneration", dict(
+            vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0))),
+    Family(name="bart", size="BART-large", full=hf("BartConfig", "BartForConditionalGeneration", dict(
+        vocab_size=50265, d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+        decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, max_position_embeddings=1024)),
+        tiny=hf("BartConfig", "BartForConditionalGeneration", dict(
+            vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))),
+    # ResNet's config has no image size; the file sets one (partc's synthesized pixel_values read it). The tiny one
+    # is 32 x 32, so that a micro-batch of one sample still gives BatchNorm more than one value per channel.
+    Family(name="resnet", size="ResNet-50 (224)", tokens=False, full=hf(
+        "ResNetConfig", "ResNetForImageClassification", dict(
+            num_channels=3, embedding_size=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 4, 6, 3],
+            layer_type="bottleneck", num_labels=1000, image_size=224)),
+        tiny=hf("ResNetConfig", "ResNetForImageClassification", dict(
+            num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+            num_labels=10, image_size=32))),
+    Family(name="timm_vit", size="timm-style ViT-L/16 (224)", tokens=False,
+           full=plain(TIMM_VIT, (224, 16, 1024, 24, 16, 4096, 1000)),
+           tiny=plain(TIMM_VIT, (32, 8, 64, 2, 4, 128, 10))),
+    Family(name="torch_encoder", size="nn.TransformerEncoder (24 x d 1024, 1024 tokens)", tokens=False,
+           full=plain(TORCH_ENCODER, (32000, 1024, 1024, 16, 4096, 24)),
+           tiny=plain(TORCH_ENCODER, (512, 16, 64, 4, 128, 2))),
+    Family(name="mlp", size="MLP (16 x 4096 -> 16384 -> 4096)", tokens=False,
+           full=plain(MLP, (4096, 16384, 16, 1000)),
+           tiny=plain(MLP, (32, 64, 2, 10))),
+]
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+# -- full size ------------------------------------------------------------------------------------------------------
+
+
+EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
+"""A Python exception's last traceback line (``KeyError: 'x'``), a worker's ``[rankN]:`` prefix stripped."""
+
+
+def first_error(text: str) -> str:
+    """partc's first ``error: ...`` line in `text` (a rank's prefix stripped), or else the first exception line that
+    is not torchrun's own (``ChildFailedError``), or else the last line."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    for line in lines:
+        if line.startswith("error:"):
+            return line
+    for line in lines:
+        match = EXCEPTION.match(line)
+        if match and "ChildFailedError" not in line and not line.startswith("Traceback"):
+            return match.group(1)
+    return lines[-1] if lines else "(no output)"
+
+
+def run_group(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, float]:
+    """Run `cmd` in its own session (a time-out kills all it started); (exit status or None on time-out, stdout
+    and stderr, wall seconds)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out, time.perf_counter() - t0
+    return proc.returncode, out, time.perf_counter() - t0
+
+
+def plan_cell(par: dict) -> str:
+    sched = par["schedule"] + (f" v{par['virtual_stages']}" if par["virtual_stages"] > 1 else "")
+    return (f"dp {par['dp']} tp {par['tp']} pp {par['pp']}, ZeRO {par['zero']}, {sched}, "
+            f"mb {par['micro_batch_size']}")
+
+
+def compile_full(fam: Family, tmp: Path, gpus: int, timeout: float) -> dict:
+    """``partc compile`` of the full-size file in a fresh process: the row's compile columns."""
+    path = tmp / f"{fam.name}.py"
+    path.write_text(fam.full)
+    out = tmp / f"{fam.name}_out"
+    cmd = [sys.executable, "-m", "partc.cli.main", "compile", str(path), "--gpus", str(gpus), "--cluster", CLUSTER,
+           "-o", str(out), "--format", "json"]
+    code, text, wall = run_group(cmd, timeout)
+    if code is None:
+        return {"compile": f"> {timeout:.0f}", "plan": "", "predicted": f"timed out after {timeout:.0f} s"}
+    if code != 0:
+        return {"compile": f"{wall:.0f}", "plan": "", "predicted": first_error(text)}
+    plan = json.loads((out / "plan.json").read_text())
+    pred, unit = plan["predicted"], plan["model"].get("throughput_unit", "tokens")
+    return {"compile": f"{wall:.0f}", "plan": plan_cell(plan["parallel"]),
+            "predicted": f"MFU {pred['mfu'] * 100:.1f}%, {pred[f'{unit}_per_s']:,.0f} {unit}/s"}
+
+
+# -- tiny runs ------------------------------------------------------------------------------------------------------
+
+
+def compile_tiny(fam: Family, tmp: Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """Compile the tiny file under each of TINY_RUNS: (jobs by run, cells of the compiles partc refused)."""
+    import torch
+
+    from partc.compile import compile_model
+    from partc.errors import PartcError
+    from partc.model_file import load_model_file
+    from partc.parallel import Pins
+
+    path = tmp / f"tiny_{fam.name}.py"
+    path.write_text(fam.tiny)
+    seq_len = TINY_SEQ if fam.tokens else None
+    init = tmp / f"tiny_{fam.name}.init.pt"
+    jobs, cells = {}, {}
+    try:
+        torch.manual_seed(1234)
+        torch.save(load_model_file(str(path), seq_len=seq_len).build().state_dict(), init)
+    except Exception as e:  # noqa: BLE001 - a family that does not even build is a finding for every cell
+        line = f"error: {e}" if isinstance(e, PartcError) else f"{type(e).__name__}: {e}"
+        return {}, {run: line.splitlines()[0] for run in TINY_RUNS}
+    for run, (tp, pp, dp, zero) in TINY_RUNS.items():
+        key = f"{fam.name}_{run.replace(' ', '_')}"
+        pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none",
+                    precision="fp32")
+        try:
+            res = compile_model(str(path), gpus=tp * pp * dp, pins=pins, global_batch_size=TINY_BATCH,
+                                seq_len=seq_len, out_dir=tmp / key)
+        except Exception as e:  # noqa: BLE001 - one refused compile must not sink the others
+            line = f"error: {e}" if isinstance(e, PartcError) else f"{type(e).__name__}: {e}"
+            cells[run] = (line.splitlines() or ["?"])[0]
+            continue
+        split = sum(style != "replicate" for style in res.plan.tp.values())
+        jobs[run] = {"out": str(tmp / key), "steps": STEPS, "init": str(init), "result": str(tmp / f"{key}.pt"),
+                     "model": str(path), "seq_len": seq_len, "split": split if tp > 1 else None, **SGD}
+    return jobs, cells
+
+
+def torchrun(jobs: list[dict], tmp: Path, name: str, timeout: float) -> tuple[int | None, str]:
+    path = tmp / f"jobs_{name}.json"
+    keys = ("out", "steps", "init", "result", "optimizer", "lr", "weight_decay")
+    path.write_text(json.dumps([{k: j[k] for k in keys} for j in jobs]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "partc.runtime.testing", str(path)]
+    code, out, _ = run_group(cmd, timeout, env={"OMP_NUM_THREADS": "1"})
+    return code, out
+
+
+def run_tiny(jobs: list[dict], tmp: Path) -> dict[str, str]:
+    """All jobs in one launch. The driver runs them in order and rank 0 writes each result as its job ends, so when
+    a launch fails, the first job without a result is the one that failed: it gets the launch's first error line,
+    and the jobs after it run in a new launch. Returns the error line of each job that failed, by its result path."""
+    errors: dict[str, str] = {}
+    launch = 0
+    while jobs:
+        code, out = torchrun(jobs, tmp, str(launch), LAUNCH_TIMEOUT_S + JOB_TIMEOUT_S * len(jobs))
+        launch += 1
+        if code == 0:
+            break
+        failed = next((i for i, j in enumerate(jobs) if not Path(j["result"]).exists()), None)
+        if failed is None:  # every job wrote its result, then the launch failed on the way out
+            break
+        errors[jobs[failed]["result"]] = first_error(out) if code is not None else "timed out"
+        print(f"tiny run {Path(jobs[failed]['out']).name} failed: {errors[jobs[failed]['result']]}", file=sys.stderr)
+        jobs = jobs[failed + 1:]
+    return errors
+
+
+def judge(job: dict) -> tuple[str, float | None]:
+    """Compare a job's losses with one process: (cell, worst relative difference)."""
+    import torch
+
+    from partc.runtime.testing import reference_run
+
+    got = torch.load(job["result"], weights_only=True)["losses"]
+    init = torch.load(job["init"], weights_only=True)
+    want, _ = reference_run(job["model"], init, steps=STEPS, seed=0, global_batch_size=TINY_BATCH,
+                            seq_len=job["seq_len"], micro_batch_size=1, **SGD)
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    split = "" if job["split"] is None else f" ({job['split'] or 'none'} split)"
+    if len(got) == len(want) and worst <= RTOL:
+        return f"ok{split}", worst
+    return f"FAIL{split}: rel. diff {worst:.1e}", None
+
+
+# -- table ----------------------------------------------------------------------------------------------------------
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", nargs="+", choices=list(BY_NAME), default=list(BY_NAME), metavar="NAME",
+                    help=f"a subset, of: {' '.join(BY_NAME)}")
+    ap.add_argument("--skip-full", action="store_true", help="no full-size compiles")
+    ap.add_argument("--skip-tiny", action="store_true", help="no tiny runs on 2 gloo ranks")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per full-size compile (default 300)")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs of every full-size compile (default: the family's)")
+    args = ap.parse_args(argv)
+    fams = [BY_NAME[n] for n in args.families]
+    rows = {f.name: {"family": f.name, "size": f.size, "gpus": str(args.gpus or f.gpus)} for f in fams}
+
+    with tempfile.TemporaryDirectory(prefix="partc_zoo_") as d:
+        tmp = Path(d)
+        if not args.skip_full:
+            for f in fams:
+                print(f"compiling {f.name} ({f.size}) on {args.gpus or f.gpus} GPUs ...", file=sys.stderr)
+                rows[f.name].update(compile_full(f, tmp, args.gpus or f.gpus, args.timeout))
+        worst = 0.0
+        if not args.skip_tiny:
+            import torch
+
+            torch.set_num_threads(1)
+            all_jobs: list[tuple[str, str, dict]] = []
+            for f in fams:
+                print(f"compiling tiny {f.name} ...", file=sys.stderr)
+                jobs, cells = compile_tiny(f, tmp)
+                rows[f.name].update(cells)
+                all_jobs += [(f.name, run, job) for run, job in jobs.items()]
+            print(f"running {len(all_jobs)} tiny programs on 2 gloo ranks ...", file=sys.stderr)
+            errors = run_tiny([job for *_, job in all_jobs], tmp) if all_jobs else {}
+            for name, run, job in all_jobs:
+                if job["result"] in errors:
+                    rows[name][run] = errors[job["result"]]
+                    continue
+                try:
+                    rows[name][run], diff = judge(job)
+                except Exception as e:  # noqa: BLE001 - the reference of one family must not sink the table
+                    rows[name][run], diff = f"reference: {type(e).__name__}: {e}".splitlines()[0], None
+                worst = max(worst, diff or 0.0)
+
+    cols = ["family", "size", "gpus"]
+    heads = ["family", "size", "GPUs"]
+    if not args.skip_full:
+        cols += ["compile", "plan", "predicted"]
+        heads += ["compile s", "plan", "predicted"]
+    if not args.skip_tiny:
+        cols += list(TINY_RUNS)
+        heads += list(TINY_RUNS)
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "---|" * len(heads))
+    for f in fams:
+        print("| " + " | ".join(cell(rows[f.name].get(c, "")) for c in cols) + " |")
+    if not args.skip_tiny:
+        print(f"\nworst relative loss difference of the tiny runs that passed: {worst:.1e} (bar {RTOL:.0e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
