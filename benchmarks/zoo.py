@@ -18,8 +18,10 @@ tiny one of the same code (2 layers or stages, hidden size 32-64, dropout off). 
                  ``error: ...`` if the compile failed, or the time-out (``--timeout``, default 300 s)
     pp 2         the tiny model trained 3 SGD steps on 2 gloo ranks, pipeline of 2 stages
     dp 2 ZeRO-3  the same, data parallel over 2 ranks with ZeRO-3
-    tp 2         the same, tensor parallel over 2 ranks, the styles the solver chose ("ok (6 split)": 6 layers are
-                 not replicated; "ok (none split)": the solver kept every layer whole)
+    tp 2         the same, tensor parallel over 2 ranks with Megatron-LM's map set by hand, as a user would with
+                 ``--from-plan`` (`MEGATRON`: attention's query/key/value and the MLP's first layers colwise, their
+                 output projections rowwise, everything else whole; a tiny model is too small for the solver to split
+                 anything itself): "ok (6 split)" says 6 layers were split; a map partc refuses shows its error
 
 A tiny run is "ok" when each step's loss equals `partc.runtime.testing.reference_run` (the whole model in one
 process, fp32, micro-batches of one sample) within 1e-5 relative; "FAIL" gives the worst relative difference;
@@ -58,6 +60,23 @@ CLUSTER = "h100-80g"
 
 # name: (tp, pp, dp, zero)
 TINY_RUNS = {"pp 2": (1, 2, 1, 0), "dp 2 ZeRO-3": (1, 1, 2, 3), "tp 2": (2, 1, 1, 0)}
+
+MEGATRON = {
+    "colwise": r"(q_proj|k_proj|v_proj|qkv_proj|query_key_value|(^|\.)(query|key|value|qkv|q|k|v)|query_proj|key_proj|"
+               r"value_proj|gate_proj|up_proj|gate_up_proj|dense_h_to_4h|fc1|c_attn|c_fc|intermediate\.dense|wi|wi_0|"
+               r"wi_1|linear1)$",
+    "rowwise": r"(o_proj|out_proj|down_proj|dense_4h_to_h|fc2|c_proj|(attention|self_attention|attn)\.dense|"
+               r"attention\.output\.dense|(^|\.)output\.dense|wo|(^|\.)(o|proj)|linear2)$",
+}
+"""Megatron-LM's tensor-parallel map by layer name across the families: the inputs of attention (query, key, value,
+fused or not) and of the MLP (first layer, gate, up) split by output features, the projections after them by input
+features. Layers of other names stay whole."""
+
+
+def megatron_map(layers: dict[str, str]) -> dict[str, str]:
+    """Each layer of a plan's ``tp`` map -> its Megatron-LM style (`MEGATRON`), or "replicate"."""
+    return {fqn: next((style for style, pattern in MEGATRON.items() if re.search(pattern, fqn)), "replicate")
+            for fqn in layers}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -479,6 +498,13 @@ def compile_tiny(fam: Family, tmp: Path) -> tuple[dict[str, dict], dict[str, str
         try:
             res = compile_model(str(path), gpus=tp * pp * dp, pins=pins, global_batch_size=TINY_BATCH,
                                 seq_len=seq_len, out_dir=tmp / key)
+            if tp > 1:  # Megatron-LM's map by hand, as a user would: the plan edited, compiled again from it
+                plan = json.loads((tmp / key / "plan.json").read_text())
+                plan["tp"] = megatron_map(plan["tp"])
+                edited = tmp / f"{key}.plan.json"
+                edited.write_text(json.dumps(plan))
+                res = compile_model(str(path), gpus=tp * pp * dp, from_plan=str(edited), seq_len=seq_len,
+                                    out_dir=tmp / key, force=True)
         except Exception as e:  # noqa: BLE001 - one refused compile must not sink the others
             line = f"error: {e}" if isinstance(e, PartcError) else f"{type(e).__name__}: {e}"
             cells[run] = (line.splitlines() or ["?"])[0]
