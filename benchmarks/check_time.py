@@ -39,17 +39,22 @@ LLaMA-2 70B / 64 H100 (default plan: dp 64, ZeRO-3, pp 1, full recomputation, 2 
 166 reduce-scatters); params, grads and optimizer states equal the plan's; activations 41.1 GB (plan 44.4, -7.5%);
 peak 58.3 GB (plan 61.6, -5.4%).
 
-Hugging Face LLaMA-3 8B / 8 H100 (default plan: dp 4, pp 2, ZeRO-1, interleaved 1F1B v = 3, 128 micro-batches of 4
-sequences of 1024 tokens), `partc check OUT --jobs 2 --format json`: 5.7 min wall, 10.7 min CPU, 2 pipeline ranks.
-Fits (74.5 and 70.0 of 80.2 GB needed); exit 1 by one row. Rank 0 agrees (params, grads, optimizer states and
-activations equal the plan's to 0.1 GB, dp traffic to the byte). Rank 1, the last stage: activations 35.0 GB against
-the plan's 31.4 (+10.5%, just over the tolerance), peak 69.2 against 65.5. On both, pp traffic 45.97 GB against the
-plan's 46.98 (-2.1%; the plain-PyTorch examples agree to the byte): the rotary tables (cos, sin: 1 x s x
-head_dim, broadcast over the batch) cross each pipeline boundary once a micro-batch, and the cost model, which traces
-one sample, charges them per sample, 4x at b = 4 (a tiny Hugging Face LLaMA, pp 2, v 3: to the byte at b = 1, -7.1%
-at b = 2). The last stage's activations are not explained yet. Before this session a
-Hugging Face model could not be checked at all: its construction failed under fake tensors (the check now builds the
-model on meta before entering the fake mode).
+Hugging Face LLaMA-3 8B / 8 H100 (default plan, 2026-12-01: dp 4, pp 2, ZeRO-1, interleaved 1F1B v = 5, 128
+micro-batches of 4 sequences of 1024 tokens), `check_time.py --cases hf-llama3-8b`: 427 s and 318 s of CPU for the two
+pipeline ranks (1713 s and 552 s wall on a machine loaded 4-8 by other jobs; 5.7 min wall for both at load ~2 the day
+before). **Both agree and fit**: dp and pp traffic equal the plan's byte for byte (rank 0: 25.4 and 82.7 GB), params,
+grads and optimizer states equal; activations -3.3% and -4.6% (31.69 and 30.61 GiB against 32.76 and 32.08), peak
+67.17 and 62.44 GiB against 68.25 and 63.90. Two gaps closed for it, each found by this check:
+- pp traffic was -2.1%: the rotary tables (cos, sin: 1 x s x head_dim, the same for every sample) cross each pipeline
+  boundary once a micro-batch, and the cost model, which traces one sample, charged them per sample, 4x at b = 4. The
+  trace now tells what carries the batch (`partc.passes.cuts`: what depends on a user input or on a size of 1, as
+  Hugging Face's causal mask, expanded to the batch) from what does not (`ModelGraph.cut_fixed_bytes`); a tiny
+  Hugging Face LLaMA at b = 2 is exact to the byte (was -7.1%; tests/test_check.py).
+- the last stage's activations were +10.5% (35.0 GB against 31.4, v = 3): torch's schedule keeps each micro-batch's
+  loss to the end of the step, and a loss's graph ended in the gradient accumulator of the stage's received input,
+  so the last stage held every micro-batch's input (b x s x h) to the end of the step, growing with the number of
+  micro-batches (a runtime leak, not only a measurement). The runtime now detaches each loss after its backward
+  (`partc.runtime.schedule.PipeStage`; tests/test_check.py: the last rank's activations no longer grow with m).
 
 GPT 1T / 3072 A100 (default plan: dp 12, tp 8, pp 32, ZeRO-1, 1F1B, 256 micro-batches of 1), `--pp-ranks 0 31` (the
 first and the last of 32; all 32 take about an hour here): 58 s and 103 s a rank. Both agree and fit: traffic and
