@@ -21,7 +21,10 @@ tests).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 from partc.cluster import Cluster
@@ -323,21 +326,33 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     `shards`: `unit_param_shards`, when the caller has it.
     """
     units = _unit_list(graph, units_in_stage)
-    working = [0.0]
-    for u in units:
-        mode = recompute_mode(u, par)
-        if mode == "none":
-            continue
-        rebuilt = _saved_bytes(par, tp, u, "none")  # full: the block's activations, rebuilt for its backward
-        if mode == "selective":
-            rebuilt -= _saved_bytes(par, tp, u, "selective")  # only the attention core is rebuilt
-        working.append(rebuilt)
-    extra = max(working)
     index = {u.fqn: i for i, u in enumerate(graph.units)} if shards is not None else {}
-    extra += zero.working_bytes(par, (sum((shards[index[u.fqn]] if shards is not None
-                                           else _param_shards(graph, par, tp, u)).values()) for u in units))
+    sizes = [sum((shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)).values())
+             for u in units]
     last = graph.units[-1]
-    if any(u.fqn == last.fqn for u in units) and last.layers:
+    return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
+                        any(u.fqn == last.fqn for u in units))
+
+
+def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
+    """What recomputation rebuilds of the unit for its backward (`stage_extra_bytes`): 0 without recomputation."""
+    mode = recompute_mode(unit, par)
+    if mode == "none":
+        return 0.0
+    rebuilt = _saved_bytes(par, tp, unit, "none")  # full: the block's activations, rebuilt for its backward
+    if mode == "selective":
+        rebuilt -= _saved_bytes(par, tp, unit, "selective")  # only the attention core is rebuilt
+    return rebuilt
+
+
+def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
+                 sizes: Sequence[float], holds_last: bool) -> float:
+    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt` and hold `sizes` parameters on one GPU, the last
+    unit of the model among them if `holds_last`."""
+    extra = max([0.0, *rebuilt])
+    extra += zero.working_bytes(par, sizes)
+    last = graph.units[-1]
+    if holds_last and last.layers:
         head = graph.layers[last.layers[-1]]
         logits = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size
         extra += LOSS_BYTES * logits
@@ -465,25 +480,36 @@ def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, i
     return total * par.micro_batch_size * par.num_microbatches
 
 
-def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None, bounds: Sequence[tuple[int, int]],
-                   local_shapes: list[dict[str, tuple]] | None = None) -> dict[int, float]:
-    """Pipeline rank -> bytes it all-reduces once a step for the weights it shares with other pipeline ranks (a tied
-    embedding and head on the first and the last stage): the fp32 gradient of its shard (after TP, and FSDP's dp
-    shard, padded). `local_shapes`: `unit_local_shapes`, when the caller has it."""
-    if par.pp == 1 or not graph.tied:
-        return {}
-    rank_of_unit = {i: k % par.pp for k, (lo, hi) in enumerate(bounds) for i in range(lo, hi)}
-    holders: dict[str, set[int]] = {}
+def _tied_holders(graph: ModelGraph, par: Parallel, local_shapes: list[dict[str, tuple]]
+                  ) -> list[tuple[str, list[int], tuple]]:
+    """The parameters held by more than one unit (a tied embedding and head): (canonical FQN, the units holding it,
+    its shape on one GPU in the last of them), in the order of first appearance."""
+    holders: dict[str, list[int]] = {}
     shapes: dict[str, tuple] = {}
-    local_shapes = local_shapes if local_shapes is not None else unit_local_shapes(graph, par, tp)
     for i in range(len(graph.units)):
         for key, shape in local_shapes[i].items():
-            holders.setdefault(key, set()).add(rank_of_unit[i])
+            holders.setdefault(key, []).append(i)
             shapes[key] = shape
+    return [(key, units, shapes[key]) for key, units in holders.items() if len(units) > 1]
+
+
+def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None, bounds: Sequence[tuple[int, int]],
+                   local_shapes: list[dict[str, tuple]] | None = None,
+                   tied: list[tuple[str, list[int], tuple]] | None = None) -> dict[int, float]:
+    """Pipeline rank -> bytes it all-reduces once a step for the weights it shares with other pipeline ranks (a tied
+    embedding and head on the first and the last stage): the fp32 gradient of its shard (after TP, and FSDP's dp
+    shard, padded). `local_shapes`: `unit_local_shapes`, when the caller has it; `tied`: `_tied_holders` of them."""
+    if par.pp == 1 or not graph.tied:
+        return {}
+    if tied is None:
+        local_shapes = local_shapes if local_shapes is not None else unit_local_shapes(graph, par, tp)
+        tied = _tied_holders(graph, par, local_shapes)
+    ends = [hi for _, hi in bounds]
     out: dict[int, float] = {}
-    for key, ranks in holders.items():
+    for key, units, shape in tied:
+        ranks = {bisect.bisect_right(ends, i) % par.pp for i in units}  # chunk k holds units [.., ends[k])
         if len(ranks) > 1:
-            nbytes = zero.MASTER_BYTES * zero.padded_numel(shapes[key], par.dp) / par.dp
+            nbytes = zero.MASTER_BYTES * zero.padded_numel(shape, par.dp) / par.dp
             for r in ranks:
                 out[r] = out.get(r, 0.0) + nbytes
     return out
@@ -496,6 +522,45 @@ def shared_time(cluster: Cluster, par: Parallel, nbytes: float) -> float:
 
 
 # --- 6. The whole step -------------------------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class _UnitSizes:
+    """Per unit on one GPU (`predict`'s sums over a rank's units)."""
+
+    counts: list[int]
+    """Parameters of each unit (`unit_param_shards` summed)."""
+    params: list[int]
+    """Prefix sums of `counts`: params[i] = sum(counts[:i])."""
+    numel: list[int]
+    """Elements of each unit's local parameter shapes (`unit_local_shapes`), as `fsdp_groups` counts them."""
+
+    @staticmethod
+    def of(shards: list[dict[str, int]], local_shapes: list[dict[str, tuple]]) -> _UnitSizes:
+        counts = [sum(d.values()) for d in shards]
+        return _UnitSizes(counts=counts, params=[0, *itertools.accumulate(counts)],
+                          numel=[sum(math.prod(v) for v in s.values()) for s in local_shapes])
+
+
+def _holds_tie(tied: list[tuple[str, list[int], tuple]], chunks: Sequence[tuple[int, int]]) -> bool:
+    """Whether the units of `chunks` hold a parameter (`_tied_holders`) twice."""
+    return any(sum(1 for i in units if any(lo <= i < hi for lo, hi in chunks)) > 1 for _, units, _ in tied)
+
+
+class _Memo:
+    """`predict`'s per-chunk terms, kept in the caller's dict when it passes one."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: dict | None):
+        self.store = store
+
+    def __call__(self, key: tuple, make):
+        if self.store is None:
+            return make()
+        if key not in self.store:
+            self.store[key] = make()
+        return self.store[key]
+
 
 def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, int]]) -> None:
     """`bounds`: one half-open unit range [start, end) per model chunk, contiguous, covering every unit."""
@@ -514,7 +579,7 @@ def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, i
 def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
             bounds: list[tuple[int, int]], *, parts: list[UnitTime] | None = None,
             acts: list[float] | None = None, shards: list[dict[str, int]] | None = None,
-            local_shapes: list[dict[str, tuple]] | None = None) -> Prediction:
+            local_shapes: list[dict[str, tuple]] | None = None, memo: dict | None = None) -> Prediction:
     """Step time, throughput and memory of a plan. Pipeline (Narayanan et al.): every rank runs m micro-batches;
     the slowest rank, T_max seconds per micro-batch (compute + TP comm + p2p), sets the steady-state pace, and
     filling and draining the pipeline costs p - 1 more slots (an upper bound when stages are unbalanced):
@@ -523,7 +588,10 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                           m · T_max, and the fill/drain slot is one chunk, T_max / v (bubble (1/v)·(p - 1)/m).
     Then the exposed DP gradient traffic and the optimizer step of the rank with the most parameters.
     `parts`, `acts`, `shards` and `local_shapes` (`unit_time_parts`, `unit_activation_bytes`, `unit_param_shards`,
-    `unit_local_shapes` of the same graph, par and tp) save recomputing them when the caller has them.
+    `unit_local_shapes` of the same graph, par and tp) save recomputing them when the caller has them. `memo`: a
+    dict kept across calls on one graph whose TP solution is a function of (tp, micro-batch size), as in the search:
+    the per-chunk terms (parameters, FSDP groups, working memory, TP payload) are then computed once per key of
+    what each depends on (a model of identical blocks repeats most chunks).
     """
     check_bounds(graph, par, bounds)
     p, v, m, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.micro_batch_size
@@ -536,25 +604,42 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     spans, cut = mesh_spans(cluster, par), graph.cut_bytes
 
     ranks, comps, dp_times, opt_times = [], [], [], []
-    shared = shared_weights(graph, par, tp, bounds, local_shapes)
+    t, keep = par.tp, _Memo(memo)
+    tied = keep(("tied", t, b), lambda: _tied_holders(graph, par, local_shapes))
+    units = keep(("units", t, b), lambda: _UnitSizes.of(shards, local_shapes))
+    unit_padded = keep(("padded", t, b, par.dp),
+                  lambda: [sum(zero.padded_numel(x, par.dp) for x in s.values()) for s in local_shapes])
+    rebuilt = keep(("rebuilt", t, b, par.recompute), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+    shared = shared_weights(graph, par, tp, bounds, local_shapes, tied=tied)
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
+        ck = tuple(chunks)  # the memo's key of the rank's units
         idx = [i for lo, hi in chunks for i in range(lo, hi)]
-        compute = sum(parts[i].compute_s for i in idx)
-        tp_comm = sum(parts[i].tp_comm_s for i in idx)
+        compute, tp_comm = keep(("time", t, b, par.recompute, ck), lambda: (
+            sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
         pp_comm = sum(p2p_round_trip(cluster, par, max(_cut(cut, lo - 1), _cut(cut, hi - 1)), spans["pp"],
                                      max(_cut(graph.cut_grad_bytes or cut, lo - 1),
                                          _cut(graph.cut_grad_bytes or cut, hi - 1)))
                       for lo, hi in chunks)
-        params = stage_param_count(graph, par, tp, idx, shards)
-        groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) for lo, hi in chunks]
+        # A parameter held by two units of the rank (of a chunk) is counted once: otherwise, sums over the units.
+        if _holds_tie(tied, chunks):
+            params = stage_param_count(graph, par, tp, idx, shards)
+        else:
+            params = sum(units.params[hi] - units.params[lo] for lo, hi in chunks)
+        groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) if _holds_tie(tied, [(lo, hi)])
+                  else ([float(units.numel[i]) for i in range(lo, hi)], float(sum(unit_padded[lo:hi])), 0.0, 0.0)
+                  for lo, hi in chunks]
         own = [x for g in groups for x in g[0]]
         padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
         mem = model_state_bytes(params, par)
-        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + stage_extra_bytes(graph, par, tp, idx, shards)
+        extra = keep(("extra", t, b, par.recompute, par.zero, par.precision, ck), lambda: _extra_bytes(
+            graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(parts) - 1))
+        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
-        comm = {"tp": tp_bytes(graph, par, tp, idx) + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
+        tp_payload = keep(("tp", t, b, par.recompute, par.num_microbatches, ck),
+                          lambda: tp_bytes(graph, par, tp, idx))
+        comm = {"tp": tp_payload + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
                 "dp": sum(zero.dp_bytes(par, params, *padded).values())}
         ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem, num_params=params,
                                     chunks=chunks, comm_bytes=comm))

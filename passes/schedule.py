@@ -47,7 +47,7 @@ def interleaved_order(p: int, v: int, m: int, rank: int) -> list[tuple[bool, int
     return out
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1 << 16)
 def _before_backwards(p: int, v: int, m: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct states just before each backward of the rank (the candidates for its peak: memory only grows
     between two backwards): forwards in flight per local chunk (rows), and the chunk whose backward runs."""

@@ -136,6 +136,7 @@ class _Costs:
     def __init__(self, graph: ModelGraph, cluster: Cluster, tp_pins: dict[str, str] | None):
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
         self._cache: dict[tuple, object] = {}
+        self._memo: dict[tuple, object] = {}  # `cost.predict`'s per-chunk terms (the TP solve is one per (tp, b))
 
     def _get(self, name: str, par: Parallel, make, *derived):
         key = (name, par.key(*_INDEPENDENT[name]), *derived)
@@ -164,7 +165,8 @@ class _Costs:
 
     def predict(self, par: Parallel, bounds: list[tuple[int, int]]) -> cost.Prediction:
         return cost.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
-                            acts=self.acts(par), shards=self.shards(par), local_shapes=self.local_shapes(par))
+                            acts=self.acts(par), shards=self.shards(par), local_shapes=self.local_shapes(par),
+                            memo=self._memo)
 
     def params_all(self, par: Parallel) -> int:
         """Parameters of the whole model on one GPU after TP sharding, a tied tensor counted once: no more than the
