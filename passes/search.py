@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Iterator
 
 from partc.cluster import Cluster
@@ -129,6 +130,10 @@ _INDEPENDENT = {
     "free": ("dp", "zero", *_PIPELINE),  # + the chunk count, pp > 1 and the pipeline hop's nodes
 }
 
+_KEPT = {name: tuple(sorted({f.name for f in fields(Parallel)} - set(independent)))
+         for name, independent in _INDEPENDENT.items()}
+"""The fields of each key (`Parallel.key`'s, looked up once instead of at every call)."""
+
 
 class _Costs:
     """The search's caches: each quantity is computed once per key (`_INDEPENDENT`)."""
@@ -136,10 +141,12 @@ class _Costs:
     def __init__(self, graph: ModelGraph, cluster: Cluster, tp_pins: dict[str, str] | None):
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
         self._cache: dict[tuple, object] = {}
-        self._memo: dict[tuple, object] = {}  # `cost.predict`'s per-chunk terms (the TP solve is one per (tp, b))
+        self._memo: dict[tuple, object] = {}
+        # A TP plan whose every layer is colwise: each parameter t ways, the fewest it can have on a GPU.
+        self._all_sharded = SimpleNamespace(styles={fqn: "colwise" for fqn in graph.layers}, collectives={})  # `cost.predict`'s per-chunk terms (the TP solve is one per (tp, b))
 
     def _get(self, name: str, par: Parallel, make, *derived):
-        key = (name, par.key(*_INDEPENDENT[name]), *derived)
+        key = (name, tuple(getattr(par, f) for f in _KEPT[name]), *derived)
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
@@ -191,6 +198,30 @@ class _Costs:
         return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, c, spans, graph.grad_cut(i))
                                               if ok[i] else math.inf for i, c in enumerate(graph.cut_bytes)],
                           par.pp > 1, spans)
+
+    def floor_bound(self, par: Parallel) -> float:
+        """A lower bound of `lower_bound` that needs no TP solve (`cost.unit_time_floor`, and each parameter
+        sharded t ways): the search refines it to `lower_bound` only for the configurations it reaches. The margin
+        keeps float rounding on the safe side."""
+        p, v, m, t, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.tp, par.micro_batch_size
+        key = ("floor", t, b, par.recompute)
+        if key not in self._cache:
+            self._cache[key] = sum(cost.unit_time_floor(self.graph, self.cluster, par))
+        per_rank = self._cache[key] / p
+        if p > 1:
+            cuts = self.cut_time(par)
+            if cuts:
+                per_rank += v * min(cuts)
+        if ("floor_params", t) not in self._cache:
+            self._cache["floor_params", t] = cost.stage_param_count(self.graph, par, self._all_sharded,
+                                                                    range(len(self.graph.units)))
+        key = ("floor_dp", t, b, par.dp, par.zero, p, par.precision)
+        if key not in self._cache:
+            params = self._cache["floor_params", t] / p
+            spans = par.spans_nodes("dp", self.cluster.gpus_per_node)
+            self._cache[key] = (cost.dp_comm_time(self.cluster, par, params, spans)
+                                + cost.optimizer_time(self.cluster, par, params))
+        return ((m + (p - 1) / v) * per_rank + self._cache[key]) * (1 - 1e-9)
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
@@ -290,15 +321,21 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
     if not configs:
         raise PartcError(f"no parallel configuration of {gpus} GPUs matches the pins and a global batch of "
                          f"{global_batch_size} (it must be divisible by dp x micro-batch size)")
-    # Order by lower bound (ties: the order of enumeration, which is deterministic).
-    bounded = sorted(((costs.lower_bound(par), i, par) for i, par in enumerate(configs)),
-                     key=lambda x: (x[0], x[1]))
+    # In the order of `lower_bound` (ties: the order of enumeration, which is deterministic). Each configuration
+    # enters with `floor_bound`, no more than its `lower_bound` and without a TP solve, and is refined to it when
+    # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`.
+    queue = [(costs.floor_bound(par), i, False, par) for i, par in enumerate(configs)]
+    heapq.heapify(queue)
     best: list[tuple[float, int, Candidate]] = []  # max-heap by step time via negation
     evaluated = 0
     least: tuple[float, int, Candidate] | None = None
-    for lb, i, par in bounded:
+    while queue:
+        lb, i, exact, par = heapq.heappop(queue)
         if prune and len(best) >= keep and lb > -best[0][0]:
             break
+        if not exact:
+            heapq.heappush(queue, (costs.lower_bound(par), i, True, par))
+            continue
         tp = costs.tp(par)
         bounds = costs.split_stages(par, mem_limit=mem_limit)
         evaluated += 1
