@@ -639,8 +639,8 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     t, keep = par.tp, _Memo(memo)
     tied = keep(("tied", t, b), lambda: _tied_holders(graph, par, local_shapes))
     units = keep(("units", t, b), lambda: _UnitSizes.of(shards, local_shapes))
-    unit_padded = keep(("padded", t, b, par.dp),
-                  lambda: [sum(zero.padded_numel(x, par.dp) for x in s.values()) for s in local_shapes])
+    padded_sums = keep(("padded", t, b, par.dp), lambda: [0, *itertools.accumulate(
+        sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
     rebuilt = keep(("rebuilt", t, b, par.recompute), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
     shared = shared_weights(graph, par, tp, bounds, local_shapes, tied=tied)
     for r in range(p):
@@ -654,16 +654,15 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                                      max(_cut(graph.cut_grad_bytes or cut, lo - 1),
                                          _cut(graph.cut_grad_bytes or cut, hi - 1)))
                       for lo, hi in chunks)
-        # A parameter held by two units of the rank (of a chunk) is counted once: otherwise, sums over the units.
-        if _holds_tie(tied, chunks):
+        if _holds_tie(tied, chunks):  # a parameter held by two units of the rank counts once, they share a group
             params = stage_param_count(graph, par, tp, idx, shards)
-        else:
+            groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) for lo, hi in chunks]
+            padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
+            groups_n = sum(len(g[0]) + (g[3] > 0) for g in groups)  # with the chunk's root group, if it holds any
+        else:  # sums over the units (exact: integers), each unit an FSDP group of its own (`fsdp_groups`)
             params = sum(units.params[hi] - units.params[lo] for lo, hi in chunks)
-        groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) if _holds_tie(tied, [(lo, hi)])
-                  else ([float(units.numel[i]) for i in range(lo, hi)], float(sum(unit_padded[lo:hi])), 0.0, 0.0)
-                  for lo, hi in chunks]
-        own = [x for g in groups for x in g[0]]
-        padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
+            padded = (float(sum(padded_sums[hi] - padded_sums[lo] for lo, hi in chunks)), 0.0)
+            groups_n = len(idx)
         mem = model_state_bytes(params, par)
         extra = keep(("extra", t, b, par.recompute, par.zero, par.precision, ck), lambda: _extra_bytes(
             graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(parts) - 1))
@@ -676,9 +675,9 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem, num_params=params,
                                     chunks=chunks, comm_bytes=comm))
         comps.append((compute, tp_comm, pp_comm))
-        groups_n = len(own) + sum(1 for g in groups if g[3] > 0)  # the stage's root group, if it holds any
-        dp_times.append(dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n)
-                        + shared_time(cluster, par, shared.get(r, 0.0)))
+        dp_time = keep(("dp", t, b, par.dp, par.zero, par.precision, m, spans["dp"], params, padded, groups_n),
+                       lambda: dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n))
+        dp_times.append(dp_time + shared_time(cluster, par, shared.get(r, 0.0)))
         opt_times.append(optimizer_time(cluster, par, params))
 
     slow = max(range(p), key=lambda r: ranks[r].time_s)
