@@ -209,9 +209,10 @@ class _Costs:
             self._cache[key] = sum(cost.unit_time_floor(self.graph, self.cluster, par))
         per_rank = self._cache[key] / p
         if p > 1:
-            cuts = self.cut_time(par)
-            if cuts:
-                per_rank += v * min(cuts)
+            key = ("floor_cut", t, b, par.precision, p, par.dp)  # `cut_time`'s dependencies
+            if key not in self._cache:
+                self._cache[key] = min(self.cut_time(par), default=0.0)
+            per_rank += v * self._cache[key]
         if ("floor_params", t) not in self._cache:
             self._cache["floor_params", t] = cost.stage_param_count(self.graph, par, self._all_sharded,
                                                                     range(len(self.graph.units)))
