@@ -608,6 +608,51 @@ def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, i
         raise PartcError(f"pipeline chunks cover {prev} of {len(graph.units)} units")
 
 
+def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+                 bounds: Sequence[tuple[int, int]], acts: list[float], shards: list[dict[str, int]],
+                 local_shapes: list[dict[str, tuple]], shared: dict[int, float], keep: _Memo):
+    """Per pipeline rank, in order: (rank, its chunks, its units, parameters on one GPU, FSDP's padded elements
+    (in groups of their own, in the root group), FSDP groups, memory), as `predict` counts them."""
+    p, v, b, t = par.pp, par.chunks_per_rank, par.micro_batch_size, par.tp
+    tied = keep(("tied", t, b), lambda: _tied_holders(graph, par, local_shapes))
+    units = keep(("units", t, b), lambda: _UnitSizes.of(shards, local_shapes))
+    padded_sums = keep(("padded", t, b, par.dp), lambda: [0, *itertools.accumulate(
+        sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
+    rebuilt = keep(("rebuilt", t, b, par.recompute), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+    for r in range(p):
+        chunks = [tuple(bounds[r + j * p]) for j in range(v)]
+        idx = [i for lo, hi in chunks for i in range(lo, hi)]
+        if _holds_tie(tied, chunks):  # a parameter held by two units of the rank counts once, they share a group
+            params = stage_param_count(graph, par, tp, idx, shards)
+            groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) for lo, hi in chunks]
+            padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
+            groups_n = sum(len(g[0]) + (g[3] > 0) for g in groups)  # with the chunk's root group, if it holds any
+        else:  # sums over the units (exact: integers), each unit an FSDP group of its own (`fsdp_groups`)
+            params = sum(units.params[hi] - units.params[lo] for lo, hi in chunks)
+            padded = (float(sum(padded_sums[hi] - padded_sums[lo] for lo, hi in chunks)), 0.0)
+            groups_n = len(idx)
+        mem = model_state_bytes(params, par)
+        extra = keep(("extra", t, b, par.recompute, par.zero, par.precision, tuple(chunks)), lambda: _extra_bytes(
+            graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(graph.units) - 1))
+        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra
+        mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
+        yield r, chunks, idx, params, padded, groups_n, mem
+
+
+def fits_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+                bounds: list[tuple[int, int]], *, acts: list[float], shards: list[dict[str, int]],
+                local_shapes: list[dict[str, tuple]], memo: dict | None = None) -> bool:
+    """`fits(cluster, predict(...).memory_per_gpu)` without the time terms, rank by rank until one does not fit (the
+    same memory, computed the same way; arguments as `predict`'s)."""
+    check_bounds(graph, par, bounds)
+    keep = _Memo(memo)
+    shared = shared_weights(graph, par, tp, bounds, local_shapes,
+                            tied=keep(("tied", par.tp, par.micro_batch_size), lambda: _tied_holders(graph, par,
+                                                                                                     local_shapes)))
+    return all(fits(cluster, mem) for *_, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
+                                                              local_shapes, shared, keep))
+
+
 def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
             bounds: list[tuple[int, int]], *, parts: list[UnitTime] | None = None,
             acts: list[float] | None = None, shards: list[dict[str, int]] | None = None,
@@ -637,16 +682,11 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
 
     ranks, comps, dp_times, opt_times = [], [], [], []
     t, keep = par.tp, _Memo(memo)
-    tied = keep(("tied", t, b), lambda: _tied_holders(graph, par, local_shapes))
-    units = keep(("units", t, b), lambda: _UnitSizes.of(shards, local_shapes))
-    padded_sums = keep(("padded", t, b, par.dp), lambda: [0, *itertools.accumulate(
-        sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
-    rebuilt = keep(("rebuilt", t, b, par.recompute), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
-    shared = shared_weights(graph, par, tp, bounds, local_shapes, tied=tied)
-    for r in range(p):
-        chunks = [tuple(bounds[r + j * p]) for j in range(v)]
+    shared = shared_weights(graph, par, tp, bounds, local_shapes,
+                            tied=keep(("tied", t, b), lambda: _tied_holders(graph, par, local_shapes)))
+    for r, chunks, idx, params, padded, groups_n, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
+                                                                      local_shapes, shared, keep):
         ck = tuple(chunks)  # the memo's key of the rank's units
-        idx = [i for lo, hi in chunks for i in range(lo, hi)]
         compute, tp_comm = keep(("time", t, b, par.recompute, ck), lambda: (
             sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
@@ -654,20 +694,6 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                                      max(_cut(graph.cut_grad_bytes or cut, lo - 1),
                                          _cut(graph.cut_grad_bytes or cut, hi - 1)))
                       for lo, hi in chunks)
-        if _holds_tie(tied, chunks):  # a parameter held by two units of the rank counts once, they share a group
-            params = stage_param_count(graph, par, tp, idx, shards)
-            groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) for lo, hi in chunks]
-            padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
-            groups_n = sum(len(g[0]) + (g[3] > 0) for g in groups)  # with the chunk's root group, if it holds any
-        else:  # sums over the units (exact: integers), each unit an FSDP group of its own (`fsdp_groups`)
-            params = sum(units.params[hi] - units.params[lo] for lo, hi in chunks)
-            padded = (float(sum(padded_sums[hi] - padded_sums[lo] for lo, hi in chunks)), 0.0)
-            groups_n = len(idx)
-        mem = model_state_bytes(params, par)
-        extra = keep(("extra", t, b, par.recompute, par.zero, par.precision, ck), lambda: _extra_bytes(
-            graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(parts) - 1))
-        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra
-        mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         tp_payload = keep(("tp", t, b, par.recompute, par.num_microbatches, ck),
                           lambda: tp_bytes(graph, par, tp, idx))
         comm = {"tp": tp_payload + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),

@@ -141,9 +141,9 @@ class _Costs:
     def __init__(self, graph: ModelGraph, cluster: Cluster, tp_pins: dict[str, str] | None):
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
         self._cache: dict[tuple, object] = {}
-        self._memo: dict[tuple, object] = {}
+        self._memo: dict[tuple, object] = {}  # `cost.predict`'s per-chunk terms (the TP solve is one per (tp, b))
         # A TP plan whose every layer is colwise: each parameter t ways, the fewest it can have on a GPU.
-        self._all_sharded = SimpleNamespace(styles={fqn: "colwise" for fqn in graph.layers}, collectives={})  # `cost.predict`'s per-chunk terms (the TP solve is one per (tp, b))
+        self._all_sharded = SimpleNamespace(styles={fqn: "colwise" for fqn in graph.layers}, collectives={})
 
     def _get(self, name: str, par: Parallel, make, *derived):
         key = (name, tuple(getattr(par, f) for f in _KEPT[name]), *derived)
@@ -174,6 +174,11 @@ class _Costs:
         return cost.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
                             acts=self.acts(par), shards=self.shards(par), local_shapes=self.local_shapes(par),
                             memo=self._memo)
+
+    def fits_memory(self, par: Parallel, bounds: list[tuple[int, int]]) -> bool:
+        """Whether `predict(par, bounds)` fits, from its memory terms alone (`cost.fits_memory`)."""
+        return cost.fits_memory(self.graph, self.cluster, par, self.tp(par), bounds, acts=self.acts(par),
+                                shards=self.shards(par), local_shapes=self.local_shapes(par), memo=self._memo)
 
     def params_all(self, par: Parallel) -> int:
         """Parameters of the whole model on one GPU after TP sharding, a tied tensor counted once: no more than the
@@ -329,7 +334,10 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
     heapq.heapify(queue)
     best: list[tuple[float, int, Candidate]] = []  # max-heap by step time via negation
     evaluated = 0
-    least: tuple[float, int, Candidate] | None = None
+    # The candidates that do not fit, in the order evaluated: the one needing the least memory (the first of
+    # equals) is reported when nothing fits. A least-time split found not to fit by `fits_memory` is predicted only
+    # then (until something fits: after that, no such candidate is reported).
+    unfit: list[tuple[Parallel, TPSolution, list[tuple[int, int]], cost.Prediction | None]] = []
     while queue:
         lb, i, exact, par = heapq.heappop(queue)
         if prune and len(best) >= keep and lb > -best[0][0]:
@@ -342,23 +350,20 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
         evaluated += 1
         if bounds is None:
             # The stage DP bounds each stage's transient memory by the largest over all units: it may reject a
-            # configuration whose least-time split fits after all; `predict` says exactly.
+            # configuration whose least-time split fits after all; `fits_memory` says exactly.
             loose = costs.free_split(par, par.num_stages)
             if loose is None or (prune and len(best) >= keep and costs.split_bound(par, loose) > -best[0][0]):
                 continue
-            pred = costs.predict(par, loose)
-            if not cost.fits(cluster, pred.memory_per_gpu):
-                if not best and (least is None or pred.memory_per_gpu.total < least[0]):
-                    least = (pred.memory_per_gpu.total, i, Candidate(parallel=par, tp=tp, bounds=loose,
-                                                                       prediction=pred))
+            if not costs.fits_memory(par, loose):
+                if not best:
+                    unfit.append((par, tp, loose, None))
                 continue
             bounds = loose
         if prune and len(best) >= keep and costs.split_bound(par, bounds) * (1 - 1e-9) > -best[0][0]:
             continue  # this split cannot beat the k-th best (the margin keeps float rounding on the safe side)
         pred = costs.predict(par, bounds)
         if not cost.fits(cluster, pred.memory_per_gpu):
-            if least is None or pred.memory_per_gpu.total < least[0]:
-                least = (pred.memory_per_gpu.total, i, Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred))
+            unfit.append((par, tp, bounds, pred))
             continue
         cand = Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
         item = (-pred.step_time_s, -i, cand)
@@ -366,7 +371,12 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
             heapq.heappush(best, item)
         elif item > best[0]:
             heapq.heapreplace(best, item)
+    least: tuple[float, Candidate] | None = None
+    for par, tp, bounds, pred in (unfit if not best else []):
+        pred = pred or costs.predict(par, bounds)
+        if least is None or pred.memory_per_gpu.total < least[0]:
+            least = (pred.memory_per_gpu.total, Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred))
     ranked = [c for _, _, c in sorted(best, key=lambda x: (-x[0], -x[1]))]
     return SearchResult(best=ranked[0] if ranked else None, alternatives=ranked[1:], evaluated=evaluated,
                         considered=len(configs), least_memory=least[0] if least and not ranked else None,
-                        least_memory_candidate=least[2] if least and not ranked else None)
+                        least_memory_candidate=least[1] if least and not ranked else None)

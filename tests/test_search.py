@@ -226,6 +226,22 @@ def test_unit_time_floor_is_below_any_tp_styles(name):
     assert checked == 4 * 22
 
 
+@pytest.mark.parametrize("name,mem_gib,gpus", [("long", 1, 8), ("long", 1.2, 4), ("tied", 0.9, 8)])
+def test_fits_memory_equals_predict(name, mem_gib, gpus):
+    """`fits_memory` (how the search rules out a least-time split without `predict`) says what `predict`'s memory
+    says, for every configuration's least-time split, on clusters where some fit and some do not."""
+    graph, cluster = gpt_graph(name), small_cluster(mem_gib)
+    costs = _Costs(graph, cluster, None)
+    seen = set()
+    for par in _configs(graph, cluster, gpus, 16, Pins()):
+        loose = costs.free_split(par, par.num_stages)
+        if loose is not None:
+            fits = cost.fits(cluster, costs.predict(par, loose).memory_per_gpu)
+            assert costs.fits_memory(par, loose) == fits, par
+            seen.add(fits)
+    assert seen == {True, False}
+
+
 def test_cache_keys_miss_no_dependency():
     """Every cached quantity of the search, computed through one cache shared by all configurations, equals the
     same quantity computed for that configuration alone: no cache key leaves out a choice it depends on (a field
