@@ -21,7 +21,10 @@ tests).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 from partc.cluster import Cluster
@@ -133,6 +136,38 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
             # Recomputing a whole block replays its forward, collectives included.
             comm += 2 * once if (mode == "full" and c.phase == "fwd") else once
         seen[key] = UnitTime(compute_s=compute, tp_comm_s=comm)
+        out.append(seen[key])
+    return out
+
+
+def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel) -> list[float]:
+    """A lower bound of `unit_times` under any TP styles, without a TP solve: per layer the cheapest style, the
+    attention core and the non-layer ops split or not, whichever is cheaper, and no TP collectives. (Each term of
+    `_forward_times` is at least its least value over the styles; compute grows with the forward and core times.)"""
+    t, b = par.tp, par.micro_batch_size
+    out = []
+    seen: dict[tuple, float] = {}
+    for unit in graph.units:
+        key = (unit.signature if unit.kind == "block" else unit.fqn, unit.fwd_flops, unit.memory_bytes,
+               unit.op_saved_bytes, unit.op_saved_bytes_replicated, len(unit.core_gemms))
+        if key not in seen:
+            fwd = 0.0
+            for fqn in unit.layers:
+                layer = graph.layers[fqn]
+                fwd += min(hw.memory_time(cluster, layer.memory_bytes * b / (t if style == "colwise" else 1))
+                           + (0.0 if layer.kind == "embedding" else
+                              sum(hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT[style], degree=t)
+                                  for g in layer.gemms))
+                           for style in TP_STYLES)
+            core = min(sum(hw.gemm_time(cluster, g, micro_batch_size=b, split=split, degree=t)
+                           for g in unit.core_gemms) for split in (None, "batch"))
+            share = 1.0
+            if t > 1 and unit.op_saved_bytes > 0:
+                rep = unit.op_saved_bytes_replicated
+                share = min(1.0, (rep + (unit.op_saved_bytes - rep) / t) / unit.op_saved_bytes)
+            fwd += core + hw.memory_time(cluster, unit.memory_bytes * b * share)
+            mode = recompute_mode(unit, par)
+            seen[key] = 3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
         out.append(seen[key])
     return out
 
@@ -322,21 +357,33 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     `shards`: `unit_param_shards`, when the caller has it.
     """
     units = _unit_list(graph, units_in_stage)
-    working = [0.0]
-    for u in units:
-        mode = recompute_mode(u, par)
-        if mode == "none":
-            continue
-        rebuilt = _saved_bytes(par, tp, u, "none")  # full: the block's activations, rebuilt for its backward
-        if mode == "selective":
-            rebuilt -= _saved_bytes(par, tp, u, "selective")  # only the attention core is rebuilt
-        working.append(rebuilt)
-    extra = max(working)
     index = {u.fqn: i for i, u in enumerate(graph.units)} if shards is not None else {}
-    extra += zero.working_bytes(par, (sum((shards[index[u.fqn]] if shards is not None
-                                           else _param_shards(graph, par, tp, u)).values()) for u in units))
+    sizes = [sum((shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)).values())
+             for u in units]
     last = graph.units[-1]
-    if any(u.fqn == last.fqn for u in units) and last.layers:
+    return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
+                        any(u.fqn == last.fqn for u in units))
+
+
+def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
+    """What recomputation rebuilds of the unit for its backward (`stage_extra_bytes`): 0 without recomputation."""
+    mode = recompute_mode(unit, par)
+    if mode == "none":
+        return 0.0
+    rebuilt = _saved_bytes(par, tp, unit, "none")  # full: the block's activations, rebuilt for its backward
+    if mode == "selective":
+        rebuilt -= _saved_bytes(par, tp, unit, "selective")  # only the attention core is rebuilt
+    return rebuilt
+
+
+def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
+                 sizes: Sequence[float], holds_last: bool) -> float:
+    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt` and hold `sizes` parameters on one GPU, the last
+    unit of the model among them if `holds_last`."""
+    extra = max([0.0, *rebuilt])
+    extra += zero.working_bytes(par, sizes)
+    last = graph.units[-1]
+    if holds_last and last.layers:
         head = graph.layers[last.layers[-1]]
         logits = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size
         extra += LOSS_BYTES * logits
@@ -458,25 +505,36 @@ def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, i
     return float(total * par.num_microbatches)
 
 
-def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None, bounds: Sequence[tuple[int, int]],
-                   local_shapes: list[dict[str, tuple]] | None = None) -> dict[int, float]:
-    """Pipeline rank -> bytes it all-reduces once a step for the weights it shares with other pipeline ranks (a tied
-    embedding and head on the first and the last stage): the fp32 gradient of its shard (after TP, and FSDP's dp
-    shard, padded). `local_shapes`: `unit_local_shapes`, when the caller has it."""
-    if par.pp == 1 or not graph.tied:
-        return {}
-    rank_of_unit = {i: k % par.pp for k, (lo, hi) in enumerate(bounds) for i in range(lo, hi)}
-    holders: dict[str, set[int]] = {}
+def _tied_holders(graph: ModelGraph, par: Parallel, local_shapes: list[dict[str, tuple]]
+                  ) -> list[tuple[str, list[int], tuple]]:
+    """The parameters held by more than one unit (a tied embedding and head): (canonical FQN, the units holding it,
+    its shape on one GPU in the last of them), in the order of first appearance."""
+    holders: dict[str, list[int]] = {}
     shapes: dict[str, tuple] = {}
-    local_shapes = local_shapes if local_shapes is not None else unit_local_shapes(graph, par, tp)
     for i in range(len(graph.units)):
         for key, shape in local_shapes[i].items():
-            holders.setdefault(key, set()).add(rank_of_unit[i])
+            holders.setdefault(key, []).append(i)
             shapes[key] = shape
+    return [(key, units, shapes[key]) for key, units in holders.items() if len(units) > 1]
+
+
+def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None, bounds: Sequence[tuple[int, int]],
+                   local_shapes: list[dict[str, tuple]] | None = None,
+                   tied: list[tuple[str, list[int], tuple]] | None = None) -> dict[int, float]:
+    """Pipeline rank -> bytes it all-reduces once a step for the weights it shares with other pipeline ranks (a tied
+    embedding and head on the first and the last stage): the fp32 gradient of its shard (after TP, and FSDP's dp
+    shard, padded). `local_shapes`: `unit_local_shapes`, when the caller has it; `tied`: `_tied_holders` of them."""
+    if par.pp == 1 or not graph.tied:
+        return {}
+    if tied is None:
+        local_shapes = local_shapes if local_shapes is not None else unit_local_shapes(graph, par, tp)
+        tied = _tied_holders(graph, par, local_shapes)
+    ends = [hi for _, hi in bounds]
     out: dict[int, float] = {}
-    for key, ranks in holders.items():
+    for key, units, shape in tied:
+        ranks = {bisect.bisect_right(ends, i) % par.pp for i in units}  # chunk k holds units [.., ends[k])
         if len(ranks) > 1:
-            nbytes = zero.MASTER_BYTES * zero.padded_numel(shapes[key], par.dp) / par.dp
+            nbytes = zero.MASTER_BYTES * zero.padded_numel(shape, par.dp) / par.dp
             for r in ranks:
                 out[r] = out.get(r, 0.0) + nbytes
     return out
@@ -489,6 +547,45 @@ def shared_time(cluster: Cluster, par: Parallel, nbytes: float) -> float:
 
 
 # --- 6. The whole step -------------------------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class _UnitSizes:
+    """Per unit on one GPU (`predict`'s sums over a rank's units)."""
+
+    counts: list[int]
+    """Parameters of each unit (`unit_param_shards` summed)."""
+    params: list[int]
+    """Prefix sums of `counts`: params[i] = sum(counts[:i])."""
+    numel: list[int]
+    """Elements of each unit's local parameter shapes (`unit_local_shapes`), as `fsdp_groups` counts them."""
+
+    @staticmethod
+    def of(shards: list[dict[str, int]], local_shapes: list[dict[str, tuple]]) -> _UnitSizes:
+        counts = [sum(d.values()) for d in shards]
+        return _UnitSizes(counts=counts, params=[0, *itertools.accumulate(counts)],
+                          numel=[sum(math.prod(v) for v in s.values()) for s in local_shapes])
+
+
+def _holds_tie(tied: list[tuple[str, list[int], tuple]], chunks: Sequence[tuple[int, int]]) -> bool:
+    """Whether the units of `chunks` hold a parameter (`_tied_holders`) twice."""
+    return any(sum(1 for i in units if any(lo <= i < hi for lo, hi in chunks)) > 1 for _, units, _ in tied)
+
+
+class _Memo:
+    """`predict`'s per-chunk terms, kept in the caller's dict when it passes one."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: dict | None):
+        self.store = store
+
+    def __call__(self, key: tuple, make):
+        if self.store is None:
+            return make()
+        if key not in self.store:
+            self.store[key] = make()
+        return self.store[key]
+
 
 def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, int]]) -> None:
     """`bounds`: one half-open unit range [start, end) per model chunk, contiguous, covering every unit."""
@@ -504,10 +601,55 @@ def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, i
         raise PartcError(f"pipeline chunks cover {prev} of {len(graph.units)} units")
 
 
+def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+                 bounds: Sequence[tuple[int, int]], acts: list[float], shards: list[dict[str, int]],
+                 local_shapes: list[dict[str, tuple]], shared: dict[int, float], keep: _Memo):
+    """Per pipeline rank, in order: (rank, its chunks, its units, parameters on one GPU, FSDP's padded elements
+    (in groups of their own, in the root group), FSDP groups, memory), as `predict` counts them."""
+    p, v, b, t = par.pp, par.chunks_per_rank, par.micro_batch_size, par.tp
+    tied = keep(("tied", t, b), lambda: _tied_holders(graph, par, local_shapes))
+    units = keep(("units", t, b), lambda: _UnitSizes.of(shards, local_shapes))
+    padded_sums = keep(("padded", t, b, par.dp), lambda: [0, *itertools.accumulate(
+        sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
+    rebuilt = keep(("rebuilt", t, b, par.recompute), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+    for r in range(p):
+        chunks = [tuple(bounds[r + j * p]) for j in range(v)]
+        idx = [i for lo, hi in chunks for i in range(lo, hi)]
+        if _holds_tie(tied, chunks):  # a parameter held by two units of the rank counts once, they share a group
+            params = stage_param_count(graph, par, tp, idx, shards)
+            groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) for lo, hi in chunks]
+            padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
+            groups_n = sum(len(g[0]) + (g[3] > 0) for g in groups)  # with the chunk's root group, if it holds any
+        else:  # sums over the units (exact: integers), each unit an FSDP group of its own (`fsdp_groups`)
+            params = sum(units.params[hi] - units.params[lo] for lo, hi in chunks)
+            padded = (float(sum(padded_sums[hi] - padded_sums[lo] for lo, hi in chunks)), 0.0)
+            groups_n = len(idx)
+        mem = model_state_bytes(params, par)
+        extra = keep(("extra", t, b, par.recompute, par.zero, par.precision, tuple(chunks)), lambda: _extra_bytes(
+            graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(graph.units) - 1))
+        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra
+        mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
+        yield r, chunks, idx, params, padded, groups_n, mem
+
+
+def fits_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+                bounds: list[tuple[int, int]], *, acts: list[float], shards: list[dict[str, int]],
+                local_shapes: list[dict[str, tuple]], memo: dict | None = None) -> bool:
+    """`fits(cluster, predict(...).memory_per_gpu)` without the time terms, rank by rank until one does not fit (the
+    same memory, computed the same way; arguments as `predict`'s)."""
+    check_bounds(graph, par, bounds)
+    keep = _Memo(memo)
+    shared = shared_weights(graph, par, tp, bounds, local_shapes,
+                            tied=keep(("tied", par.tp, par.micro_batch_size), lambda: _tied_holders(graph, par,
+                                                                                                     local_shapes)))
+    return all(fits(cluster, mem) for *_, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
+                                                              local_shapes, shared, keep))
+
+
 def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
             bounds: list[tuple[int, int]], *, parts: list[UnitTime] | None = None,
             acts: list[float] | None = None, shards: list[dict[str, int]] | None = None,
-            local_shapes: list[dict[str, tuple]] | None = None) -> Prediction:
+            local_shapes: list[dict[str, tuple]] | None = None, memo: dict | None = None) -> Prediction:
     """Step time, throughput and memory of a plan. Pipeline (Narayanan et al.): every rank runs m micro-batches;
     the slowest rank, T_max seconds per micro-batch (compute + TP comm + p2p), sets the steady-state pace, and
     filling and draining the pipeline costs p - 1 more slots (an upper bound when stages are unbalanced):
@@ -516,7 +658,10 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                           m · T_max, and the fill/drain slot is one chunk, T_max / v (bubble (1/v)·(p - 1)/m).
     Then the exposed DP gradient traffic and the optimizer step of the rank with the most parameters.
     `parts`, `acts`, `shards` and `local_shapes` (`unit_time_parts`, `unit_activation_bytes`, `unit_param_shards`,
-    `unit_local_shapes` of the same graph, par and tp) save recomputing them when the caller has them.
+    `unit_local_shapes` of the same graph, par and tp) save recomputing them when the caller has them. `memo`: a
+    dict kept across calls on one graph whose TP solution is a function of (tp, micro-batch size), as in the search:
+    the per-chunk terms (parameters, FSDP groups, working memory, TP payload) are then computed once per key of
+    what each depends on (a model of identical blocks repeats most chunks).
     """
     check_bounds(graph, par, bounds)
     p, v, m, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.micro_batch_size
@@ -529,32 +674,29 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     spans = mesh_spans(cluster, par)
 
     ranks, comps, dp_times, opt_times = [], [], [], []
-    shared = shared_weights(graph, par, tp, bounds, local_shapes)
-    for r in range(p):
-        chunks = [tuple(bounds[r + j * p]) for j in range(v)]
-        idx = [i for lo, hi in chunks for i in range(lo, hi)]
-        compute = sum(parts[i].compute_s for i in idx)
-        tp_comm = sum(parts[i].tp_comm_s for i in idx)
+    t, keep = par.tp, _Memo(memo)
+    shared = shared_weights(graph, par, tp, bounds, local_shapes,
+                            tied=keep(("tied", t, b), lambda: _tied_holders(graph, par, local_shapes)))
+    for r, chunks, idx, params, padded, groups_n, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
+                                                                      local_shapes, shared, keep):
+        ck = tuple(chunks)  # the memo's key of the rank's units
+        compute, tp_comm = keep(("time", t, b, par.recompute, ck), lambda: (
+            sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
         pp_comm = sum(p2p_round_trip(cluster, par,
                                      max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)), spans["pp"],
                                      max(graph.boundary_grad_bytes(lo - 1, b), graph.boundary_grad_bytes(hi - 1, b)))
                       for lo, hi in chunks)
-        params = stage_param_count(graph, par, tp, idx, shards)
-        groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) for lo, hi in chunks]
-        own = [x for g in groups for x in g[0]]
-        padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
-        mem = model_state_bytes(params, par)
-        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + stage_extra_bytes(graph, par, tp, idx, shards)
-        mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
-        comm = {"tp": tp_bytes(graph, par, tp, idx) + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
+        tp_payload = keep(("tp", t, b, par.recompute, par.num_microbatches, ck),
+                          lambda: tp_bytes(graph, par, tp, idx))
+        comm = {"tp": tp_payload + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
                 "dp": sum(zero.dp_bytes(par, params, *padded).values())}
         ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem, num_params=params,
                                     chunks=chunks, comm_bytes=comm))
         comps.append((compute, tp_comm, pp_comm))
-        groups_n = len(own) + sum(1 for g in groups if g[3] > 0)  # the stage's root group, if it holds any
-        dp_times.append(dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n)
-                        + shared_time(cluster, par, shared.get(r, 0.0)))
+        dp_time = keep(("dp", t, b, par.dp, par.zero, par.precision, m, spans["dp"], params, padded, groups_n),
+                       lambda: dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n))
+        dp_times.append(dp_time + shared_time(cluster, par, shared.get(r, 0.0)))
         opt_times.append(optimizer_time(cluster, par, params))
 
     slow = max(range(p), key=lambda r: ranks[r].time_s)

@@ -47,19 +47,32 @@ def interleaved_order(p: int, v: int, m: int, rank: int) -> list[tuple[bool, int
     return out
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1 << 16)
 def _before_backwards(p: int, v: int, m: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct states just before each backward of the rank (the candidates for its peak: memory only grows
-    between two backwards): forwards in flight per local chunk (rows), and the chunk whose backward runs."""
-    live = [0] * v
-    rows: set[tuple[int, ...]] = set()
-    for forward, chunk in interleaved_order(p, v, m, rank):
-        if forward:
-            live[chunk] += 1
-        else:
-            rows.add((*live, chunk))
-            live[chunk] -= 1
-    table = np.array(sorted(rows), dtype=np.int64).reshape(-1, v + 1)
+    between two backwards): forwards in flight per local chunk (rows), and the chunk whose backward runs. The
+    order of `interleaved_order` as arrays: the running count of each chunk's forwards less its backwards."""
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), m * v)
+    steady = m * v - warmup
+    fwd = np.arange(warmup + steady)
+    fwd_chunk = (fwd // per_round) % v
+    bwd = np.arange(warmup, 2 * warmup + steady)
+    bwd_chunk = v - 1 - ((bwd - warmup) // per_round) % v
+    # Action k of the order: the warm-up forwards, then forward(op), backward(op) for each steady op, then the
+    # remaining backwards; a backward's position is that of its op plus the forwards before it.
+    n = 2 * m * v
+    chunk = np.empty(n, dtype=np.int64)
+    forward = np.zeros(n, dtype=bool)
+    fwd_at = np.where(fwd < warmup, fwd, warmup + 2 * (fwd - warmup))
+    bwd_at = np.where(bwd < warmup + steady, warmup + 2 * (bwd - warmup) + 1, bwd + steady)
+    chunk[fwd_at], forward[fwd_at] = fwd_chunk, True
+    chunk[bwd_at] = bwd_chunk
+    delta = np.zeros((n, v), dtype=np.int64)
+    delta[np.arange(n), chunk] = np.where(forward, 1, -1)
+    live = np.cumsum(delta, axis=0) - delta  # before each action
+    rows = np.concatenate([live[bwd_at], bwd_chunk[:, None]], axis=1)
+    table = np.unique(rows, axis=0)
     return table[:, :v].astype(float), table[:, v]
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Iterator
 
 from partc.cluster import Cluster
@@ -129,6 +130,10 @@ _INDEPENDENT = {
     "free": ("dp", "zero", *_PIPELINE),  # + the chunk count, pp > 1 and the pipeline hop's nodes
 }
 
+_KEPT = {name: tuple(sorted({f.name for f in fields(Parallel)} - set(independent)))
+         for name, independent in _INDEPENDENT.items()}
+"""The fields of each key (`Parallel.key`'s, looked up once instead of at every call)."""
+
 
 class _Costs:
     """The search's caches: each quantity is computed once per key (`_INDEPENDENT`)."""
@@ -136,9 +141,12 @@ class _Costs:
     def __init__(self, graph: ModelGraph, cluster: Cluster, tp_pins: dict[str, str] | None):
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
         self._cache: dict[tuple, object] = {}
+        self._memo: dict[tuple, object] = {}  # `cost.predict`'s per-chunk terms (the TP solve is one per (tp, b))
+        # A TP plan whose every layer is colwise: each parameter t ways, the fewest it can have on a GPU.
+        self._all_sharded = SimpleNamespace(styles={fqn: "colwise" for fqn in graph.layers}, collectives={})
 
     def _get(self, name: str, par: Parallel, make, *derived):
-        key = (name, par.key(*_INDEPENDENT[name]), *derived)
+        key = (name, tuple(getattr(par, f) for f in _KEPT[name]), *derived)
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
@@ -164,7 +172,13 @@ class _Costs:
 
     def predict(self, par: Parallel, bounds: list[tuple[int, int]]) -> cost.Prediction:
         return cost.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
-                            acts=self.acts(par), shards=self.shards(par), local_shapes=self.local_shapes(par))
+                            acts=self.acts(par), shards=self.shards(par), local_shapes=self.local_shapes(par),
+                            memo=self._memo)
+
+    def fits_memory(self, par: Parallel, bounds: list[tuple[int, int]]) -> bool:
+        """Whether `predict(par, bounds)` fits, from its memory terms alone (`cost.fits_memory`)."""
+        return cost.fits_memory(self.graph, self.cluster, par, self.tp(par), bounds, acts=self.acts(par),
+                                shards=self.shards(par), local_shapes=self.local_shapes(par), memo=self._memo)
 
     def params_all(self, par: Parallel) -> int:
         """Parameters of the whole model on one GPU after TP sharding, a tied tensor counted once: no more than the
@@ -191,6 +205,31 @@ class _Costs:
                                                                   graph.boundary_grad_bytes(i, b))
                                               if ok[i] else math.inf for i in range(len(graph.cut_bytes))],
                           par.pp > 1, spans)
+
+    def floor_bound(self, par: Parallel) -> float:
+        """A lower bound of `lower_bound` that needs no TP solve (`cost.unit_time_floor`, and each parameter
+        sharded t ways): the search refines it to `lower_bound` only for the configurations it reaches. The margin
+        keeps float rounding on the safe side."""
+        p, v, m, t, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.tp, par.micro_batch_size
+        key = ("floor", t, b, par.recompute)
+        if key not in self._cache:
+            self._cache[key] = sum(cost.unit_time_floor(self.graph, self.cluster, par))
+        per_rank = self._cache[key] / p
+        if p > 1:
+            key = ("floor_cut", t, b, par.precision, p, par.dp)  # `cut_time`'s dependencies
+            if key not in self._cache:
+                self._cache[key] = min(self.cut_time(par), default=0.0)
+            per_rank += v * self._cache[key]
+        if ("floor_params", t) not in self._cache:
+            self._cache["floor_params", t] = cost.stage_param_count(self.graph, par, self._all_sharded,
+                                                                    range(len(self.graph.units)))
+        key = ("floor_dp", t, b, par.dp, par.zero, p, par.precision)
+        if key not in self._cache:
+            params = self._cache["floor_params", t] / p
+            spans = par.spans_nodes("dp", self.cluster.gpus_per_node)
+            self._cache[key] = (cost.dp_comm_time(self.cluster, par, params, spans)
+                                + cost.optimizer_time(self.cluster, par, params))
+        return ((m + (p - 1) / v) * per_rank + self._cache[key]) * (1 - 1e-9)
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
@@ -290,37 +329,43 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
     if not configs:
         raise PartcError(f"no parallel configuration of {gpus} GPUs matches the pins and a global batch of "
                          f"{global_batch_size} (it must be divisible by dp x micro-batch size)")
-    # Order by lower bound (ties: the order of enumeration, which is deterministic).
-    bounded = sorted(((costs.lower_bound(par), i, par) for i, par in enumerate(configs)),
-                     key=lambda x: (x[0], x[1]))
+    # In the order of `lower_bound` (ties: the order of enumeration, which is deterministic). Each configuration
+    # enters with `floor_bound`, no more than its `lower_bound` and without a TP solve, and is refined to it when
+    # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`.
+    queue = [(costs.floor_bound(par), i, False, par) for i, par in enumerate(configs)]
+    heapq.heapify(queue)
     best: list[tuple[float, int, Candidate]] = []  # max-heap by step time via negation
     evaluated = 0
-    least: tuple[float, int, Candidate] | None = None
-    for lb, i, par in bounded:
+    # The candidates that do not fit, in the order evaluated: the one needing the least memory (the first of
+    # equals) is reported when nothing fits. A least-time split found not to fit by `fits_memory` is predicted only
+    # then (until something fits: after that, no such candidate is reported).
+    unfit: list[tuple[Parallel, TPSolution, list[tuple[int, int]], cost.Prediction | None]] = []
+    while queue:
+        lb, i, exact, par = heapq.heappop(queue)
         if prune and len(best) >= keep and lb > -best[0][0]:
             break
+        if not exact:
+            heapq.heappush(queue, (costs.lower_bound(par), i, True, par))
+            continue
         tp = costs.tp(par)
         bounds = costs.split_stages(par, mem_limit=mem_limit)
         evaluated += 1
         if bounds is None:
             # The stage DP bounds each stage's transient memory by the largest over all units: it may reject a
-            # configuration whose least-time split fits after all; `predict` says exactly.
+            # configuration whose least-time split fits after all; `fits_memory` says exactly.
             loose = costs.free_split(par, par.num_stages)
             if loose is None or (prune and len(best) >= keep and costs.split_bound(par, loose) > -best[0][0]):
                 continue
-            pred = costs.predict(par, loose)
-            if not cost.fits(cluster, pred.memory_per_gpu):
-                if not best and (least is None or pred.memory_per_gpu.total < least[0]):
-                    least = (pred.memory_per_gpu.total, i, Candidate(parallel=par, tp=tp, bounds=loose,
-                                                                       prediction=pred))
+            if not costs.fits_memory(par, loose):
+                if not best:
+                    unfit.append((par, tp, loose, None))
                 continue
             bounds = loose
         if prune and len(best) >= keep and costs.split_bound(par, bounds) * (1 - 1e-9) > -best[0][0]:
             continue  # this split cannot beat the k-th best (the margin keeps float rounding on the safe side)
         pred = costs.predict(par, bounds)
         if not cost.fits(cluster, pred.memory_per_gpu):
-            if least is None or pred.memory_per_gpu.total < least[0]:
-                least = (pred.memory_per_gpu.total, i, Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred))
+            unfit.append((par, tp, bounds, pred))
             continue
         cand = Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
         item = (-pred.step_time_s, -i, cand)
@@ -328,7 +373,12 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
             heapq.heappush(best, item)
         elif item > best[0]:
             heapq.heapreplace(best, item)
+    least: tuple[float, Candidate] | None = None
+    for par, tp, bounds, pred in (unfit if not best else []):
+        pred = pred or costs.predict(par, bounds)
+        if least is None or pred.memory_per_gpu.total < least[0]:
+            least = (pred.memory_per_gpu.total, Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred))
     ranked = [c for _, _, c in sorted(best, key=lambda x: (-x[0], -x[1]))]
     return SearchResult(best=ranked[0] if ranked else None, alternatives=ranked[1:], evaluated=evaluated,
                         considered=len(configs), least_memory=least[0] if least and not ranked else None,
-                        least_memory_candidate=least[2] if least and not ranked else None)
+                        least_memory_candidate=least[1] if least and not ranked else None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import pytest
@@ -453,3 +454,36 @@ def test_unit_times_reuse_only_truly_identical_units(traced_example):
         fwd, _ = cost._forward_times(graph, PRESETS["a100-80g"], par, None, unit)
         assert parts[i].compute_s == pytest.approx(3 * fwd, rel=1e-12), unit.fqn
     assert parts[2].compute_s != parts[3].compute_s  # blocks.0 (with the embedding sum) vs blocks.1
+
+
+@pytest.mark.parametrize("pp,v", [(1, 1), (2, 1), (2, 2), (3, 1)])
+def test_predict_per_rank_sums_equal_the_stage_functions(pp, v):
+    """`predict` sums per-unit sizes over a rank's units (one memo shared by every split, as in the search); a
+    tied parameter held twice falls back to the merge. Each rank's parameters, working memory, FSDP traffic and
+    shared-weight traffic equal `stage_param_count`, `stage_extra_bytes`, `fsdp_groups` and `shared_weights`
+    computed for that split alone, on every split of a tied GPT."""
+    g = gpt(L=4, s=32, h=64, a=4, V=512)
+    n, k = len(g.units), pp * v
+    tp = megatron_tp(g, s=32, h=64)
+    memo: dict = {}
+    checked = 0
+    for zero_stage, recompute in [(1, "full"), (3, "selective")]:
+        p_ = par(dp=2, tp=2, pp=pp, zero=zero_stage, micro_batch_size=2, global_batch_size=32,
+                 schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute=recompute)
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            ends = [*cuts, n]
+            bounds = list(zip([0, *cuts], ends))
+            pred = cost.predict(g, A100, p_, tp, bounds, memo=memo)
+            shared = cost.shared_weights(g, p_, tp, bounds)
+            for r in pred.ranks:
+                idx = [i for lo, hi in r.chunks for i in range(lo, hi)]
+                assert r.num_params == cost.stage_param_count(g, p_, tp, idx)
+                acts = cost.unit_activation_bytes(g, p_, tp)
+                assert r.memory.activations == (cost._in_flight_bytes(g, p_, r.rank, r.chunks, acts)
+                                                + cost.stage_extra_bytes(g, p_, tp, idx))
+                groups = [cost.fsdp_groups(g, p_, tp, range(lo, hi)) for lo, hi in r.chunks]
+                padded = (sum(x[1] for x in groups), sum(x[2] for x in groups))
+                assert r.comm_bytes["dp"] == sum(zero.dp_bytes(p_, r.num_params, *padded).values())
+                assert r.comm_bytes["pp"] == cost.pp_bytes(g, p_, r.chunks) + shared.get(r.rank, 0.0)
+                checked += 1
+    assert checked >= 2 * pp

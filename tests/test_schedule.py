@@ -53,6 +53,24 @@ def test_peak_walks_the_order():
         assert schedule.peak_bytes(p, v, m, rank, [1.0] * v, [0.0] * v) == pytest.approx(in_flight(par, rank) * v)
 
 
+@pytest.mark.parametrize("p,v", [(2, 2), (3, 4), (4, 3), (8, 2), (5, 8)])
+def test_states_before_backwards_walk_the_order(p, v):
+    """`peak_bytes`'s candidate states (computed as arrays) are those of a walk of `interleaved_order`: each chunk's
+    forwards in flight just before each backward, and that backward's chunk, for micro-batch counts that are and
+    are not multiples of p."""
+    for m in [1, p - 1, p, p + 1, 2 * p, 3 * p + 1, 5 * p]:
+        for rank in range(p):
+            live, rows = [0] * v, set()
+            for forward, j in schedule.interleaved_order(p, v, m, rank):
+                if forward:
+                    live[j] += 1
+                else:
+                    rows.add((*live, j))
+                    live[j] -= 1
+            counts, chunk = schedule._before_backwards(p, v, m, rank)
+            assert sorted(rows) == [(*map(int, c), int(j)) for c, j in zip(counts, chunk)], (m, rank)
+
+
 def test_each_chunk_gathered_once_a_step():
     """torch keeps at most 3 chunks gathered (FSDP unshard/reshard in the lowered schedule); with v = 4 it gathers a
     chunk again each time it comes back. `gather_once`: one UNSHARD per local chunk, before its first compute

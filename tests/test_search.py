@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import functools
+import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from helpers import EXAMPLES, GiB
 from partc.cluster import PRESETS, Cluster
 from partc.passes import cost
 from partc.model_file import build_on_meta, load_model_file
-from partc.parallel import Pins
+from partc.parallel import TP_STYLES, Parallel, Pins
 from partc.passes.search import _configs, _Costs, search
 from partc.passes.tp import allowed_styles, solve_tp, style_error
 from partc.passes.trace import trace
@@ -186,7 +188,8 @@ def test_brute_force_cases_are_not_trivial():
 @pytest.mark.parametrize("case_id", ["long-8", "wide-8-nodes", "long-8-small-nodes", "tied-4", "tied-8-small"])
 def test_pruning_bound_is_below_every_step_time(case_id):
     """The bounds `search` prunes with never exceed the step time of the best stage split of a configuration:
-    before the split (`lower_bound`) and after it (`split_bound`, which skips `cost.predict`)."""
+    before the TP solve (`floor_bound`), before the split (`lower_bound`) and after it (`split_bound`, which skips
+    `cost.predict`)."""
     case = CASES[case_id]
     graph, cluster = gpt_graph(case.graph), case.cluster
     costs = _Costs(graph, cluster, None)
@@ -197,10 +200,46 @@ def test_pruning_bound_is_below_every_step_time(case_id):
         if bounds is None:
             continue
         step = cost.predict(graph, cluster, par, costs.tp(par), bounds).step_time_s
-        assert costs.lower_bound(par) <= step * (1 + 1e-9), par
+        assert costs.floor_bound(par) <= costs.lower_bound(par) <= step * (1 + 1e-9), par
         assert costs.lower_bound(par) <= costs.split_bound(par, bounds) <= step * (1 + 1e-9), par
         checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("name", ["long", "wide", "tied"])
+def test_unit_time_floor_is_below_any_tp_styles(name):
+    """`cost.unit_time_floor` (what `floor_bound` orders configurations by before any TP solve) is at most each
+    unit's time under any TP styles: random ones, all replicated, and the solver's."""
+    graph = gpt_graph(name)
+    rng = random.Random(0)
+    checked = 0
+    for t, b, recompute in [(1, 1, "none"), (2, 1, "selective"), (4, 2, "full"), (8, 4, "none")]:
+        par = Parallel(dp=1, tp=t, pp=1, zero=0, micro_batch_size=b, global_batch_size=b, recompute=recompute)
+        floor = cost.unit_time_floor(graph, A100, par)
+        plans = [SimpleNamespace(styles={f: rng.choice(TP_STYLES) for f in graph.layers}, collectives={})
+                 for _ in range(20)]
+        plans += [None, solve_tp(graph, t, A100, b)]
+        for plan in plans:
+            times = cost.unit_times(graph, A100, par, plan)
+            assert all(lo <= x for lo, x in zip(floor, times)), (t, b, recompute)
+            checked += 1
+    assert checked == 4 * 22
+
+
+@pytest.mark.parametrize("name,mem_gib,gpus", [("long", 1, 8), ("long", 1.2, 4), ("tied", 0.9, 8)])
+def test_fits_memory_equals_predict(name, mem_gib, gpus):
+    """`fits_memory` (how the search rules out a least-time split without `predict`) says what `predict`'s memory
+    says, for every configuration's least-time split, on clusters where some fit and some do not."""
+    graph, cluster = gpt_graph(name), small_cluster(mem_gib)
+    costs = _Costs(graph, cluster, None)
+    seen = set()
+    for par in _configs(graph, cluster, gpus, 16, Pins()):
+        loose = costs.free_split(par, par.num_stages)
+        if loose is not None:
+            fits = cost.fits(cluster, costs.predict(par, loose).memory_per_gpu)
+            assert costs.fits_memory(par, loose) == fits, par
+            seen.add(fits)
+    assert seen == {True, False}
 
 
 def test_cache_keys_miss_no_dependency():
