@@ -19,6 +19,7 @@ architecture section).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -215,19 +216,26 @@ def group_spans_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
     return size > 1 and size * stride > gpus_per_node
 
 
-def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
+@functools.cache
+def _value_rule(f: dataclasses.Field) -> tuple[type, Any, Any, Any]:
+    """(type, choices, min, max) of a field, read from its metadata once (the search validates every
+    configuration it considers: 62,244 at 529.6B)."""
     meta = f.metadata
-    typ = int if f.type in ("int", int) else str
+    return int if f.type in ("int", int) else str, meta.get("choices"), meta.get("min"), meta.get("max")
+
+
+def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
+    typ, choices, lo, hi = _value_rule(f)
     if typ is int and (not isinstance(value, int) or isinstance(value, bool)):
         raise PartcError(f"{where}.{f.name} must be an integer, got {value!r}")
     if typ is str and not isinstance(value, str):
         raise PartcError(f"{where}.{f.name} must be a string, got {value!r}")
-    if meta.get("choices") is not None and value not in meta["choices"]:
-        raise PartcError(f"{where}.{f.name} must be one of {', '.join(map(str, meta['choices']))}, got {value!r}")
-    if meta.get("min") is not None and value < meta["min"]:
-        raise PartcError(f"{where}.{f.name} must be >= {meta['min']}, got {value}")
-    if meta.get("max") is not None and value > meta["max"]:
-        raise PartcError(f"{where}.{f.name} must be <= {meta['max']:,}, got {value:,}")
+    if choices is not None and value not in choices:
+        raise PartcError(f"{where}.{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    if lo is not None and value < lo:
+        raise PartcError(f"{where}.{f.name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise PartcError(f"{where}.{f.name} must be <= {hi:,}, got {value:,}")
 
 
 PINNABLE = tuple(f for f in fields(Parallel) if f.metadata["pin"])
