@@ -35,6 +35,7 @@ def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "
         raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
             from None
     device_neutral(ep)
+    linears_of_transposes(ep)
     return ep
 
 
@@ -62,6 +63,47 @@ def device_neutral(ep: torch.export.ExportedProgram) -> None:
         n.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
         back.meta.update(n.meta)
         n.meta["val"] = val.to(torch.float32)
+        changed = True
+    if changed:
+        graph.lint()
+        ep.graph_module.recompile()
+
+
+def _transposed_weight(n: torch.fx.Node, params: set[str]) -> torch.fx.Node | None:
+    """The 2-D parameter `n` transposes (``w.T``, ``w.t()``, ``w.transpose(0, 1)``, ``w.permute(1, 0)``), or None."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], torch.fx.Node):
+        return None
+    w = n.args[0]
+    val = w.meta.get("val")
+    if w.op != "placeholder" or w.name not in params or not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return None
+    if n.target in (aten.numpy_T.default, aten.t.default):
+        return w
+    if n.target is aten.transpose.int and {d % 2 for d in n.args[1:3]} == {0, 1}:
+        return w
+    if n.target is aten.permute.default and [d % 2 for d in n.args[1]] == [1, 0]:
+        return w
+    return None
+
+
+def linears_of_transposes(ep: torch.export.ExportedProgram) -> None:
+    """Rewrite, in place, ``x @ w.T`` of a 2-D parameter `w` (Falcon's linear layers multiply so) into
+    ``linear(x, w)``: the same product (``linear`` is ``matmul(x, w.t())``), in the form the layer analysis, the
+    tensor-parallel split and the FLOP count read as a linear layer."""
+    params = {spec.arg.name for spec in ep.graph_signature.input_specs
+              if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
+    graph = ep.graph
+    changed = False
+    for n in list(graph.nodes):
+        w = _transposed_weight(n, params)
+        users = list(n.users) if w is not None else []
+        if len(users) != 1 or users[0].target is not aten.matmul.default or list(users[0].args[1:]) != [n] \
+                or users[0].args[0] is n or users[0].kwargs:
+            continue
+        mm = users[0]
+        mm.target = aten.linear.default
+        mm.args = (mm.args[0], w)
+        graph.erase_node(n)
         changed = True
     if changed:
         graph.lint()

@@ -222,6 +222,22 @@ def test_phi3_fused_qkv_split_by_slices_stays_split(tmp_path):
 
 
 @pytest.mark.slow
+def test_falcon_weight_transposed_is_a_linear(tmp_path):
+    """Falcon's linear layers compute ``x @ self.weight.T`` (aten.numpy_T, then matmul), which the TP rewrite
+    refused; the export reads it as ``linear(x, weight)``, the same product, so Megatron's split applies and the
+    program equals one process."""
+    path = write_zoo_model(tmp_path, "falcon")
+    megatron_plan(path, tmp_path / "out", 2, pattern=False,
+                  extra={f"transformer.h.{i}.{name}": style for i in range(2) for name, style in (
+                      ("self_attention.query_key_value", "colwise"), ("self_attention.dense", "rowwise"),
+                      ("mlp.dense_h_to_4h", "colwise"), ("mlp.dense_4h_to_h", "rowwise"))})
+    text = (tmp_path / "out" / "program" / "stage_0.py").read_text()
+    assert "numpy_T" not in text and "aten.linear.default(" in text
+    r = run_tp(path, tmp_path / "out", 2)
+    assert r["logits"] < 1e-5 and r["grads"] < 1e-5
+
+
+@pytest.mark.slow
 def test_pieces_of_different_sizes_are_gathered_not_split_wrong(tmp_path):
     """Phi-3 with grouped-query attention slices q, k and v of different sizes: no piece count shards the weight
     so that each slice is local, so the split is gathered at the first slice (exact), and the plan says why."""
