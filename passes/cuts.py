@@ -71,7 +71,8 @@ def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[s
     param_nodes = {spec.arg.name for spec in ep.graph_signature.input_specs
                    if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT}
     batched = _batched(ep)
-    # diffs[(batched, needs a gradient)]: a difference array of bytes over the boundaries
+    # diffs[batched, gradient]: difference arrays over the boundaries of the bytes that carry the batch or not, all
+    # of them (gradient False) or the part that needs a gradient (True)
     diffs = {key: [0] * (len(a.unit_names) + 1) for key in ((True, False), (True, True), (False, False), (False, True))}
     input_bytes: dict[str, int] = defaultdict(int)
     for n, pu in producer_pos.items():
@@ -114,6 +115,7 @@ def realizable_cuts(a: Assignment) -> list[bool]:
 
 
 def val_bytes(n: torch.fx.Node) -> int:
+    """Bytes of the tensors a node's value holds (one or a tuple)."""
     val = n.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else [val]
     return sum(activation_bytes(v) for v in vals if isinstance(v, torch.Tensor))
