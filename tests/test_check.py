@@ -287,7 +287,7 @@ def test_last_stage_lets_each_input_go_after_its_backward(tmp_path, monkeypatch)
     monkeypatch.setenv("PARTC_GPT_SIZE", "tiny-deep")
     torch.set_num_threads(1)
     measured = []
-    for m in (4, 16):
+    for m in (2, 8):
         out = tmp_path / f"m{m}"
         compile_model(str(EXAMPLES / "gpt.py"), gpus=2, global_batch_size=4 * m, out_dir=out,
                       pins=Pins(tp=1, pp=2, dp=1, zero=0, micro_batch_size=4, schedule="interleaved-1f1b",
@@ -296,5 +296,5 @@ def test_last_stage_lets_each_input_go_after_its_backward(tmp_path, monkeypatch)
         assert all(row.agrees for row in last.rows()), [row for row in last.rows() if not row.agrees]
         measured.append(last.memory_bytes["activations"])
     boundary = 4 * 64 * 64 * 2  # one micro-batch's input to the last stage: b x s x h in bf16
-    # was 12 boundaries more; what grows is the step's batch (targets: b x s int64 a micro-batch, 1/4 boundary)
+    # was 6 boundaries more; what grows is the step's batch (targets: b x s int64 a micro-batch, 1/16 boundary)
     assert abs(measured[1] - measured[0]) < 2 * boundary, measured
