@@ -9,9 +9,10 @@ Linear layer through the exported ATen graph and records, for each op, whether i
 The result answers three questions for the planner:
 - can a colwise layer feed a rowwise layer with no collective (`Region.reaches[layer] is True`);
 - how many independent groups (attention heads) the split must respect (`Region.groups`);
-- is the output split into fused pieces (a fused QKV projection: `Region.fused`), by a split or by slices of equal
-  pieces (Phi-3's ``qkv[..., :h]``, ``qkv[..., h:2h]``, ``qkv[..., 2h:]``); slices of different sizes (q, k and v
-  under grouped-query attention) make the region invalid.
+- is the output split into fused pieces (a fused QKV projection: `Region.fused`), by a split, by slices of equal
+  pieces (Phi-3's ``qkv[..., :h]``, ``qkv[..., h:2h]``, ``qkv[..., 2h:]``) or by a view whose outermost part is
+  only taken apart (timm's ``reshape(B, N, 3, H, D)`` then ``unbind``: `view_pieces`); slices of different sizes
+  (q, k and v under grouped-query attention) make the region invalid.
 An op it does not know makes the region invalid: the planner then gathers instead of guessing.
 """
 
@@ -95,6 +96,56 @@ def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> tuple[
                 return dst_group[src_group.index(dim)], None
             return None, None
     return None, None
+
+
+def view_pieces(node: Node, src: tuple[int, ...], dst: tuple[int, ...], dim: int):
+    """(out dim, groups, pieces, "") when a view splits the features `dim` into (p, h, ...) whose outermost part p
+    is only ever taken apart (unbind, select, split or chunk along it, after permutes and transposes), as timm's
+    ``qkv.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`` does; else None.
+
+    Such a p is a count of fused pieces (q, k and v), not a split to carry: the weight is laid out in p pieces each
+    split over the ranks (`Region.fused`), so the local part viewed as (p, h/t, ...) holds this rank's part of
+    every piece, and the split lands on h (groups = h when more dims follow it, as heads before head_dim). Any
+    other use of p (attention over it, a reduction) keeps the reading of `view_dim_map`: p carries the split."""
+    out, p = view_dim_map(src, dst, dim)
+    if out is None or p is None or p <= 1 or dst[out] != p:
+        return None
+    size, end = p, out + 1
+    while size < src[dim] and end < len(dst):
+        size *= dst[end]
+        end += 1
+    rest = [d for d in range(out + 1, end) if dst[d] != 1]
+    if size != src[dim] or not rest or not _taken_apart(node, out):
+        return None
+    return rest[0], (dst[rest[0]] if len(rest) > 1 else 0), p, ""
+
+
+def _taken_apart(node: Node, d: int) -> bool:
+    """Every use of dim `d` of `node` takes it apart into its slices (unbind, select, split or chunk along it),
+    through permutes, transposes and copies; False when any use reads it otherwise (or there is none)."""
+    if not node.users:
+        return False
+    ndim = len(_shape(node) or ())
+    for user in node.users:
+        t = user.target
+        if not user.args or user.args[0] is not node:
+            return False
+        if t is aten.permute.default:
+            ok = _taken_apart(user, [_norm_dim(a, ndim) for a in user.args[1]].index(d))
+        elif t is aten.transpose.int:
+            a, b = (_norm_dim(x, ndim) for x in user.args[1:3])
+            ok = _taken_apart(user, b if d == a else a if d == b else d)
+        elif t in (aten.clone.default, aten.contiguous.default, aten.alias.default):
+            ok = _taken_apart(user, d)
+        elif t in (aten.unbind.int, aten.select.int):
+            ok = _norm_dim(user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), ndim) == d
+        elif t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            ok = _norm_dim(user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0), ndim) == d
+        else:
+            ok = False
+        if not ok:
+            return False
+    return True
 
 
 @dataclass(kw_only=True, slots=True)
@@ -233,6 +284,9 @@ def shard_rule(node: Node, dims: dict, ins: list[Node]):
     if t is aten.native_dropout.default:
         return (dim, dim), 0, 1, ""
     if t in VIEW_OPS:
+        split = view_pieces(node, in_shape, out_shape, dim)
+        if split is not None:
+            return split
         out, groups = view_dim_map(in_shape, out_shape, dim)
         if out is None:
             return None, 0, 1, f"view {list(in_shape)} -> {list(out_shape)} moves the split dimension"

@@ -276,19 +276,79 @@ def _hand_set(path: str, out: Path, styles: dict[str, str]) -> None:
     compile_model(path, gpus=2, from_plan=str(out / "edited.json"), out_dir=out)
 
 
+class _ViewAttention(torch.nn.Module):
+    """timm's attention: qkv viewed as (B, N, 3, heads, head_dim), the 3 moved first; `use` is how it is read."""
+
+    def __init__(self, use: str):
+        super().__init__()
+        self.qkv, self.proj, self.use = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32), use
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        if self.use == "unbind":
+            q, k, v = qkv.unbind(0)
+        elif self.use == "select":
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        elif self.use == "chunk":
+            q, k, v = (t.squeeze(0) for t in qkv.chunk(3, dim=0))
+        elif self.use == "sum":  # the 3 reduced: not pieces
+            q = k = v = qkv.sum(0)
+        else:  # "unbind+mean": taken apart, and read whole too: not pieces
+            q, k, v = qkv.unbind(0)
+            v = v + qkv.mean(0)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(o.transpose(1, 2).reshape(B, N, C))
+
+
+@pytest.mark.parametrize("use,fused,groups,reason", [
+    ("unbind", 3, 4, ""), ("select", 3, 4, ""), ("chunk", 3, 4, ""),
+    ("sum", 1, 3, "aten.sum.dim_IntList: reduction over the split dimension"),
+    ("unbind+mean", 1, 3, "aten.unbind.int: unbind along the split dimension"),
+])
+def test_view_whose_outer_part_is_taken_apart_reads_as_fused_pieces(use, fused, groups, reason):
+    """A view of the features into (3, heads, head_dim) whose 3 is only taken apart (unbind, select, chunk after a
+    permute) is 3 fused pieces: the split lands on the heads and reaches proj on its input features. Any other
+    read of the 3 keeps the old reading (the 3 carries the split), which the analysis refuses as before."""
+    from partc.passes.shard import ShardAnalysis
+    from partc.passes.trace import _layer_outputs, assign
+
+    model = _ViewAttention(use)
+    ep = torch.export.export(model, (torch.randn(2, 5, 32),))
+    a = assign(ep, model)
+    region = ShardAnalysis(ep.graph, a.node_layer, _layer_outputs(a)).regions["qkv"]
+    assert (region.valid, region.reason, region.fused, region.groups) == (not reason, reason, fused, groups)
+    if not reason:
+        assert region.reaches == {"proj": True}
+
+
+@pytest.mark.slow
+def test_timm_attention_splits_its_heads_in_three_pieces(tmp_path):
+    """timm's qkv.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0): the 3 is a count of fused pieces, the
+    split lands on the heads. The solver weighs qkv colwise and proj rowwise on cost (replicate wins at this tiny
+    size); set by hand, the weight is split in 3 pieces and each rank views its part as (B, N, 3, H/tp, D).
+    (Training at tp 2 against one process: tests/test_zoo_dist.py.)"""
+    timm = write_zoo_model(tmp_path, "timm_vit")
+    res = compile_model(timm, gpus=2, pins=Pins(tp=2, pp=1), global_batch_size=2, out_dir=tmp_path / "timm")
+    qkv = res.graph.layers["blocks.0.attn.qkv"]
+    assert (qkv.fused, qkv.col_groups, qkv.split_stop) == (3, 4, "")
+    assert res.graph.layers["blocks.0.attn.proj"].row_groups == 4
+    assert res.plan.tp_why["blocks.0.attn.qkv"].startswith("cost: "), res.plan.tp_why["blocks.0.attn.qkv"]
+    _hand_set(timm, tmp_path / "timm_hand", {"attn.qkv": "colwise", "attn.proj": "rowwise", "fc1": "colwise",
+                                              "fc2": "rowwise"})
+    manifest = json.loads((tmp_path / "timm_hand" / "program" / "manifest.json").read_text())
+    assert manifest["tp"]["shards"]["blocks.0.attn.qkv.weight"] == {"dim": 0, "fused": 3}
+    assert manifest["tp"]["shards"]["blocks.0.attn.proj.weight"] == {"dim": 1, "fused": 1}
+    text = (tmp_path / "timm_hand" / "program" / "stage_0.py").read_text()
+    assert "aten.reshape.default(linear_1, [2, 16, 3, 2, 16])" in text  # 4 heads of 16 over 2 ranks
+    assert "gather_from_tp(" not in text and "scatter_to_tp(" not in text
+
+
 @pytest.mark.slow
 def test_unsplittable_attention_is_kept_whole_with_a_reason(tmp_path):
-    """timm's qkv.reshape(B, N, 3, H, D) (the split lands on the 3, then unbind) and nn.MultiheadAttention (packed
-    in_proj_weight; out_proj's weight used by its parent): the solver keeps them whole and the plan says why; a
-    hand-set split is refused in one line, never a crash on local shards."""
-    timm, mha = write_zoo_model(tmp_path, "timm_vit"), write_zoo_model(tmp_path, "mha")
-    res = compile_model(timm, gpus=2, pins=Pins(tp=2, pp=1), global_batch_size=2, out_dir=tmp_path / "timm")
-    assert res.plan.tp["blocks.0.attn.qkv"] == "replicate"
-    assert res.plan.tp_why["blocks.0.attn.qkv"].startswith("pattern: a colwise split of its output must be gathered "
-                                                           "(aten.unbind.int: unbind along the split dimension)")
-    with pytest.raises(PartcError, match=r"^layer blocks\.0\.attn\.qkv: colwise needs its heads \(or fused pieces\) "
-                                         r"\(3\) divisible by tp=2$"):
-        _hand_set(timm, tmp_path / "timm_hand", {"attn.qkv": "colwise", "attn.proj": "rowwise"})
+    """nn.MultiheadAttention (packed in_proj_weight; out_proj's weight used by its parent): the solver keeps it
+    whole and the plan says why; a hand-set split is refused in one line, never a crash on local shards."""
+    mha = write_zoo_model(tmp_path, "mha")
     res = compile_model(mha, gpus=2, pins=Pins(tp=2, pp=1), global_batch_size=2, out_dir=tmp_path / "mha")
     assert res.plan.tp["blocks.0.attn.out_proj"] == "replicate"
     assert res.plan.tp_why["blocks.0.attn"].startswith("kind: a MultiheadAttention layer is always whole")

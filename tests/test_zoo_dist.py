@@ -1,8 +1,10 @@
 """Model families a user brings (issue #14), on 2 gloo ranks against one process: a tiny model of each family
-trains 3 SGD steps under pp 2 or dp 2 with ZeRO-3, and its losses and gathered state dict must equal
-`reference_run`. All programs share one torchrun launch (`partc.runtime.testing`)."""
+trains 3 SGD steps under pp 2, dp 2 with ZeRO-3 or tp 2 with Megatron's styles set by hand, and its losses and
+gathered state dict must equal `reference_run`. All programs share one torchrun launch (`partc.runtime.testing`)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -28,6 +30,10 @@ CONFIGS = {
     # BatchNorm (1 x 1 maps in the last stage): one micro-batch of the whole batch, so its statistics are one
     # process's (with dp > 1 or more micro-batches they are per micro-batch and rank: compile warns)
     "resnet_pp2": ("resnet", 2, 1, 0, 4, 4, None),
+    "timm_vit_tp2": ("timm_vit", 1, 1, 0, 2, 4, None),  # qkv viewed as (3, heads, head_dim): 3 fused pieces
+}
+TP = {  # name: Megatron's styles, set by hand in plan.json (by name suffix) and compiled --from-plan, at tp 2
+    "timm_vit_tp2": {"attn.qkv": "colwise", "attn.proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"},
 }
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
@@ -42,9 +48,15 @@ def runs(tmp_path_factory):
         paths[name] = path = write_zoo_model(tmp, family)
         torch.manual_seed(1234)
         torch.save(load_model_file(path, seq_len=seq_len).build().state_dict(), tmp / f"{name}.init.pt")
-        pins = Pins(tp=1, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
+        tp = 2 if name in TP else 1
+        pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
                     precision="fp32")  # the families are the subject: fp32 equals one fp32 process to 1e-5
-        compile_model(path, gpus=pp * dp, pins=pins, global_batch_size=gbs, seq_len=seq_len, out_dir=tmp / name)
+        compile_model(path, gpus=pp * dp * tp, pins=pins, global_batch_size=gbs, seq_len=seq_len, out_dir=tmp / name)
+        if name in TP:
+            plan = json.loads((tmp / name / "plan.json").read_text())
+            plan["tp"].update({f: style for f in plan["tp"] for k, style in TP[name].items() if f.endswith(k)})
+            (tmp / f"{name}.plan.json").write_text(json.dumps(plan))
+            compile_model(path, gpus=tp, from_plan=str(tmp / f"{name}.plan.json"), out_dir=tmp / name)
         jobs.append({"out": str(tmp / name), "steps": STEPS, "init": str(tmp / f"{name}.init.pt"),
                      "result": str(tmp / f"{name}.pt"), **SGD})
     run_jobs(2, jobs, tmp)
