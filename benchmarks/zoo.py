@@ -46,7 +46,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 STEPS = 3
@@ -95,6 +95,8 @@ class Family:
     """GPUs of the full-size compile."""
     tokens: bool = True
     """A Hugging Face token model whose inputs partc synthesizes: the tiny runs pass ``seq_len``."""
+    full_env: dict = field(default_factory=dict)
+    """Environment of the full-size compile (a bundled example's size: ``PARTC_VIT_SIZE``)."""
 
 
 def hf(config: str, model: str, kwargs: dict, extra: str = "") -> str:
@@ -117,77 +119,8 @@ WHISPER_INPUTS = """
         return torch.randint(0, {vocab}, (batch_size, {tokens}))
 """
 
-TIMM_VIT = """
-    import torch
-    from torch import nn
-
-    IMAGE, PATCH, DIM, DEPTH, HEADS, MLP, CLASSES = {sizes!r}
-
-
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.heads = HEADS
-            self.qkv = nn.Linear(DIM, 3 * DIM)
-            self.proj = nn.Linear(DIM, DIM)
-
-        def forward(self, x):
-            B, N, C = x.shape
-            qkv = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-            q, k, v = qkv.unbind(0)
-            x = nn.functional.scaled_dot_product_attention(q, k, v)
-            return self.proj(x.transpose(1, 2).reshape(B, N, C))
-
-
-    class Mlp(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(DIM, MLP)
-            self.act = nn.GELU()
-            self.fc2 = nn.Linear(MLP, DIM)
-
-        def forward(self, x):
-            return self.fc2(self.act(self.fc1(x)))
-
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm1 = nn.LayerNorm(DIM)
-            self.attn = Attention()
-            self.norm2 = nn.LayerNorm(DIM)
-            self.mlp = Mlp()
-
-        def forward(self, x):
-            x = x + self.attn(self.norm1(x))
-            return x + self.mlp(self.norm2(x))
-
-
-    class VisionTransformer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.patch_embed = nn.Conv2d(3, DIM, PATCH, stride=PATCH)
-            self.cls_token = nn.Parameter(torch.zeros(1, 1, DIM))
-            self.pos_embed = nn.Parameter(torch.randn(1, (IMAGE // PATCH) ** 2 + 1, DIM) * 0.02)
-            self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
-            self.norm = nn.LayerNorm(DIM)
-            self.head = nn.Linear(DIM, CLASSES)
-
-        def forward(self, x):
-            x = self.patch_embed(x).flatten(2).transpose(1, 2)
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.norm(x)[:, 0])
-
-
-    def model():
-        return VisionTransformer()
-
-
-    def example_inputs(batch_size):
-        return (torch.randn(batch_size, 3, IMAGE, IMAGE),)
-"""
+VIT = (Path(__file__).resolve().parent.parent / "examples" / "vit.py").read_text()
+"""timm's Vision Transformer (the bundled example; `PARTC_VIT_SIZE` picks its size, tiny by default)."""
 
 TORCH_ENCODER = """
     import torch
@@ -394,9 +327,8 @@ FAMILIES = [
         tiny=hf("ResNetConfig", "ResNetForImageClassification", dict(
             num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
             num_labels=10, image_size=32))),
-    Family(name="timm_vit", size="timm-style ViT-L/16 (224)", tokens=False,
-           full=plain(TIMM_VIT, (224, 16, 1024, 24, 16, 4096, 1000)),
-           tiny=plain(TIMM_VIT, (32, 8, 64, 2, 4, 128, 10))),
+    Family(name="timm_vit", size="timm-style ViT-L/16 (224)", tokens=False,  # examples/vit.py, tiny by default
+           full=VIT, tiny=VIT, full_env={"PARTC_VIT_SIZE": "vit-l16"}),
     Family(name="torch_encoder", size="nn.TransformerEncoder (24 x d 1024, 1024 tokens)", tokens=False,
            full=plain(TORCH_ENCODER, (32000, 1024, 1024, 16, 4096, 24)),
            tiny=plain(TORCH_ENCODER, (512, 16, 64, 4, 128, 2))),
@@ -457,7 +389,7 @@ def compile_full(fam: Family, tmp: Path, gpus: int, timeout: float) -> dict:
     out = tmp / f"{fam.name}_out"
     cmd = [sys.executable, "-m", "partc.cli.main", "compile", str(path), "--gpus", str(gpus), "--cluster", CLUSTER,
            "-o", str(out), "--format", "json"]
-    code, text, wall = run_group(cmd, timeout)
+    code, text, wall = run_group(cmd, timeout, env=fam.full_env)
     if code is None:
         return {"compile": f"> {timeout:.0f}", "plan": "", "predicted": f"timed out after {timeout:.0f} s"}
     if code != 0:

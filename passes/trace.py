@@ -143,12 +143,20 @@ def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
     unit_names = [u for u, _ in unit_list]
     unit_set = set(unit_names)
 
-    # Attribute each node to its layer (deepest weight-bearing module on its stack) and unit.
+    # Attribute each node to its layer (deepest weight-bearing module on its stack) and unit. A module that holds
+    # parameters beside weight-bearing children (a ViT's class token and positions at its root) owns only the ops
+    # that read its own parameters: the rest of its forward is glue between its children, as in a module without
+    # parameters (timm's attention core would otherwise be "inside" the root layer, out of the shard analysis).
+    containers = {m for m in layer_names if any(o != m and (not m or o.startswith(m + ".")) for o in layer_names)}
+    param_owner = {name: fqn.rpartition(".")[0] for name, fqn in ep.graph_signature.inputs_to_parameters.items()}
     node_layer: dict[torch.fx.Node, str] = {}
     node_unit: dict[torch.fx.Node, str | None] = {}
     for n in nodes:
         stack = stack_fqns(n)
         layer = next((m for m in reversed(stack) if m in layer_mods), None)
+        if layer in containers and not any(param_owner.get(x.name) == layer for x in n.all_input_nodes
+                                           if x.op == "placeholder"):
+            layer = None
         if layer is not None:
             node_layer[n] = layer
         unit = None
@@ -300,7 +308,7 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
         saved = sum(b for _, b, _ in st.saved)
         unit.fwd_flops += flops
         unit.saved_bytes += saved
-        layer = layers.get(a.node_layer.get(n, ""))
+        layer = layers[a.node_layer[n]] if n in a.node_layer and a.node_layer[n] in layers else None  # "" is the root
         if layer is not None:
             layer.gemms.extend(st.gemms)
             layer.fwd_flops += flops

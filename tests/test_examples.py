@@ -24,6 +24,23 @@ def test_tiny_example_trains_on_cpu(name):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_vit_example_trains_on_cpu_and_is_vit_l16_at_full_size(monkeypatch):
+    """examples/vit.py: an image model without targets or loss in the file (partc's class indices and
+    cross-entropy); at ``vit-l16`` it has ViT-L/16's 304M parameters."""
+    spec = load_model_file(str(EXAMPLES / "vit.py"))
+    assert spec.seq_len is None
+    torch.manual_seed(0)
+    model = spec.build()
+    args, kwargs = spec.inputs(2)
+    loss = spec.loss_fn(model(*args, **kwargs), spec.targets(2))
+    loss.backward()
+    assert spec.targets(2).shape == (2,) and 0 < loss.item() < 2 * torch.log(torch.tensor(10.0)).item()  # 10 classes
+    assert all(p.grad is not None for p in model.parameters())
+    monkeypatch.setenv("PARTC_VIT_SIZE", "vit-l16")
+    model = build_on_meta(load_model_file(str(EXAMPLES / "vit.py")))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6) == 304
+
+
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_meta_build_and_init_weights(name):
     spec = load_model_file(str(EXAMPLES / f"{name}.py"))

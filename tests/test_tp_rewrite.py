@@ -340,7 +340,7 @@ def test_timm_attention_splits_its_heads_in_three_pieces(tmp_path):
     assert manifest["tp"]["shards"]["blocks.0.attn.qkv.weight"] == {"dim": 0, "fused": 3}
     assert manifest["tp"]["shards"]["blocks.0.attn.proj.weight"] == {"dim": 1, "fused": 1}
     text = (tmp_path / "timm_hand" / "program" / "stage_0.py").read_text()
-    assert "aten.reshape.default(linear_1, [2, 16, 3, 2, 16])" in text  # 4 heads of 16 over 2 ranks
+    assert "aten.reshape.default(linear, [2, 17, 3, 2, 16])" in text  # 4 heads of 16 over 2 ranks, 17 tokens
     assert "gather_from_tp(" not in text and "scatter_to_tp(" not in text
 
 

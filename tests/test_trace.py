@@ -179,6 +179,20 @@ def test_gpt_shard_regions_and_groups(gpt):
     assert set(nx_graph.nodes) == set(graph.layers) and nx_graph.number_of_edges() == len(edges)
 
 
+def test_parameters_at_the_root_own_only_the_ops_that_read_them():
+    """examples/vit.py holds its class token and positions at the root, beside weight-bearing children: the root
+    layer owns what reads them (the token's expand, the positions' add), not the attention core of every block,
+    which is glue between qkv and proj, so the split of qkv reaches proj (3 pieces of 4 heads)."""
+    _, traced = trace_file(EXAMPLES / "vit.py")
+    graph = traced.graph
+    edges = {(e.src, e.dst): e for e in graph.edges}
+    assert edges[("blocks.0.attn.qkv", "blocks.0.attn.proj")].shard_ok
+    qkv = graph.layers["blocks.1.attn.qkv"]
+    assert (qkv.fused, qkv.col_groups, qkv.split_stop) == (3, 4, "")
+    root = graph.layers[""]
+    assert sorted(root.params) == ["cls_token", "pos_embed"] and root.fwd_flops <= 2 * 17 * 64  # the add, at most
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # examples/llama.py (GQA, RoPE, RMSNorm, SwiGLU) and Hugging Face GPT-2 (Conv1D, fused QKV, tied head)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
 ZOO = {
     "roberta": """
         from transformers import RobertaConfig, RobertaForMaskedLM
@@ -133,56 +135,7 @@ ZOO = {
         def example_inputs(batch_size):
             return (torch.randn(batch_size, 16),)
     """,
-    "timm_vit": """
-        import torch
-        from torch import nn
-
-        class Attention(nn.Module):  # timm's vision_transformer.Attention: qkv viewed as (3, heads, head_dim)
-            def __init__(self, dim, heads):
-                super().__init__()
-                self.heads = heads
-                self.qkv = nn.Linear(dim, dim * 3)
-                self.proj = nn.Linear(dim, dim)
-
-            def forward(self, x):
-                B, N, C = x.shape
-                qkv = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-                q, k, v = qkv.unbind(0)
-                x = nn.functional.scaled_dot_product_attention(q, k, v)
-                return self.proj(x.transpose(1, 2).reshape(B, N, C))
-
-        class Block(nn.Module):
-            def __init__(self, dim, heads):
-                super().__init__()
-                self.norm1 = nn.LayerNorm(dim)
-                self.attn = Attention(dim, heads)
-                self.norm2 = nn.LayerNorm(dim)
-                self.fc1 = nn.Linear(dim, 4 * dim)
-                self.fc2 = nn.Linear(4 * dim, dim)
-
-            def forward(self, x):
-                x = x + self.attn(self.norm1(x))
-                return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
-
-        class ViT(nn.Module):
-            def __init__(self, dim=64, heads=4, depth=2):
-                super().__init__()
-                self.patch = nn.Linear(48, dim)
-                self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(depth)])
-                self.head = nn.Linear(dim, 10)
-
-            def forward(self, x):
-                x = self.patch(x)
-                for b in self.blocks:
-                    x = b(x)
-                return self.head(x.mean(1))
-
-        def model():
-            return ViT()
-
-        def example_inputs(batch_size):
-            return (torch.randn(batch_size, 16, 48),)
-    """,
+    "timm_vit": (EXAMPLES / "vit.py").read_text(),  # timm's qkv viewed as (3, heads, head_dim); tiny by default
     "mha": """
         import torch
         from torch import nn
