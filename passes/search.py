@@ -25,7 +25,7 @@ from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import RECOMPUTE, SCHEDULES, ZERO_STAGES, Parallel, Pins, check_pins
 from partc.passes import cost
-from partc.passes.stages import partition_stages, stage_memory
+from partc.passes.stages import FreeSplits, partition_stages, stage_memory
 from partc.passes.tp import TPSolution, solve_tp
 
 
@@ -127,7 +127,7 @@ _INDEPENDENT = {
     "acts": ("dp", "zero", *_PIPELINE),  # activations a micro-batch leaves: (tp, b, recompute)
     "extra": ("dp", *_PIPELINE),  # ZeRO's working memory depends on the stage, not on dp
     "cut": ("dp", "zero", "recompute", *_PIPELINE),  # + pp > 1 and whether a pipeline hop crosses nodes
-    "free": ("dp", "zero", *_PIPELINE),  # + the chunk count, pp > 1 and the pipeline hop's nodes
+    "free": ("dp", "zero", *_PIPELINE),  # + pp > 1 and the pipeline hop's nodes (then the chunk count)
 }
 
 _KEPT = {name: tuple(sorted({f.name for f in fields(Parallel)} - set(independent)))
@@ -201,25 +201,48 @@ class _Costs:
         graph = self.graph
         ok = graph.cut_ok or [True] * len(graph.cut_bytes)  # a cut the program cannot make costs inf
         b = par.micro_batch_size
-        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, graph.boundary_bytes(i, b), spans,
-                                                                  graph.boundary_grad_bytes(i, b))
-                                              if ok[i] else math.inf for i in range(len(graph.cut_bytes))],
-                          par.pp > 1, spans)
+
+        def make() -> list[float]:
+            once: dict[tuple[int, int], float] = {}  # the boundaries of identical blocks carry the same bytes
+            out = []
+            for i in range(len(graph.cut_bytes)):
+                sizes = (graph.boundary_bytes(i, b), graph.boundary_grad_bytes(i, b))
+                if sizes not in once:
+                    once[sizes] = cost.p2p_round_trip(self.cluster, par, sizes[0], spans, sizes[1])
+                out.append(once[sizes] if ok[i] else math.inf)
+            return out
+
+        return self._get("cut", par, make, par.pp > 1, spans)
 
     def floor_bound(self, par: Parallel) -> float:
         """A lower bound of `lower_bound` that needs no TP solve (`cost.unit_time_floor`, and each parameter
         sharded t ways): the search refines it to `lower_bound` only for the configurations it reaches. The margin
-        keeps float rounding on the safe side."""
+        keeps float rounding on the safe side. One lookup for each configuration: its terms are cached by what
+        they depend on (all but the micro-batch count and the chunks a rank)."""
         p, v, m, t, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.tp, par.micro_batch_size
+        key = ("floor_terms", t, b, par.recompute, par.precision, p, par.dp, par.zero)
+        terms = self._cache.get(key)
+        if terms is None:
+            terms = self._cache[key] = self._floor_terms(par)
+        share, least_cut, dp_term = terms
+        per_rank = share
+        if p > 1:
+            per_rank += v * least_cut
+        return ((m + (p - 1) / v) * per_rank + dp_term) * (1 - 1e-9)
+
+    def _floor_terms(self, par: Parallel) -> tuple[float, float, float]:
+        """`floor_bound`'s terms: a rank's share of the unit times, the cheapest boundary, DP traffic + optimizer."""
+        p, t, b = par.pp, par.tp, par.micro_batch_size
         key = ("floor", t, b, par.recompute)
         if key not in self._cache:
             self._cache[key] = sum(cost.unit_time_floor(self.graph, self.cluster, par))
-        per_rank = self._cache[key] / p
+        share = self._cache[key] / p
+        least_cut = 0.0
         if p > 1:
             key = ("floor_cut", t, b, par.precision, p, par.dp)  # `cut_time`'s dependencies
             if key not in self._cache:
                 self._cache[key] = min(self.cut_time(par), default=0.0)
-            per_rank += v * self._cache[key]
+            least_cut = self._cache[key]
         if ("floor_params", t) not in self._cache:
             self._cache["floor_params", t] = cost.stage_param_count(self.graph, par, self._all_sharded,
                                                                     range(len(self.graph.units)))
@@ -229,7 +252,7 @@ class _Costs:
             spans = par.spans_nodes("dp", self.cluster.gpus_per_node)
             self._cache[key] = (cost.dp_comm_time(self.cluster, par, params, spans)
                                 + cost.optimizer_time(self.cluster, par, params))
-        return ((m + (p - 1) / v) * per_rank + self._cache[key]) * (1 - 1e-9)
+        return share, least_cut, self._cache[key]
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
@@ -272,7 +295,7 @@ class _Costs:
         v = par.chunks_per_rank
         chunks = par.pp * v
         per_param = cost.model_state_bytes(1, par).total  # ZeRO model states are linear in the parameters
-        static = [per_param * n for n in self.params(par)]
+        static = self._get("shards", par, lambda: [per_param * n for n in self.params(par)], "static", per_param)
         extra_any, extra_last = self.extra(par)
         # Chunk k runs on rank k % p. With v chunks a rank, each chunk gets 1/v of the memory (`predict` checks
         # the rank's exact total afterwards).
@@ -303,16 +326,19 @@ class _Costs:
         return None if part is None else [tuple(b) for b in part.bounds]
 
     def free_split(self, par: Parallel, chunks: int) -> list[tuple[int, int]] | None:
-        """The least-time split into `chunks` stages with no memory limit (cached)."""
-        def make():
-            n = len(self.graph.units)
-            part = partition_stages(self.times(par), self.cut_time(par), [0.0] * n, [0.0] * n, num_stages=chunks,
-                                    in_flight=[0.0] * chunks, mem_limit=math.inf,
-                                    first_required=len(self.graph.first_unit_required),
-                                    last_required=len(self.graph.last_unit_required))
-            return None if part is None else [tuple(b) for b in part.bounds]
-
-        return self._get("free", par, make, chunks, par.pp > 1, par.spans_nodes("pp", self.cluster.gpus_per_node))
+        """The least-time split into `chunks` stages with no memory limit (cached; one `FreeSplits` serves every
+        chunk count of the same unit and boundary times)."""
+        graph = self.graph
+        spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
+        splits = self._get("free", par, lambda: (FreeSplits(self.times(par), self.cut_time(par),
+                                                            first_required=len(graph.first_unit_required),
+                                                            last_required=len(graph.last_unit_required)), {}),
+                           par.pp > 1, spans)
+        splitter, done = splits
+        if chunks not in done:
+            bounds = splitter.split(chunks)
+            done[chunks] = None if bounds is None else [tuple(b) for b in bounds]
+        return done[chunks]
 
 
 def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size: int, pins: Pins | None = None,
