@@ -260,7 +260,7 @@ class _Costs:
         p, t, b = par.pp, par.tp, par.micro_batch_size
         key = ("floor", t, b, par.recompute)
         if key not in self._cache:
-            self._cache[key] = sum(cost.unit_time_floor(self.graph, self.cluster, par))
+            self._cache[key] = sum(cost.unit_time_floor(self.graph, self.cluster, par, memo=self._memo))
         share = self._cache[key] / p
         least_cut = 0.0
         if p > 1:
@@ -323,7 +323,8 @@ class _Costs:
         extra_any, extra_last = self.extra(par)
         # Chunk k runs on rank k % p. With v chunks a rank, each chunk gets 1/v of the memory (`predict` checks
         # the rank's exact total afterwards).
-        in_flight = [cost.in_flight(par, k % par.pp) for k in range(chunks)]
+        per_rank = [cost.in_flight(par, r) for r in range(par.pp)]
+        in_flight = [per_rank[k % par.pp] for k in range(chunks)]
         extra = [extra_any] * (chunks - 1) + [extra_last]
         # Two necessary conditions, cheap next to the DP, that rule out most configurations that cannot fit:
         # summed over the chunks, memory is at least all static memory plus all activations at the fewest
