@@ -89,7 +89,7 @@ class Parallel:
     def validate(self, where: str = "parallel") -> None:
         """Each field in its range, and the batching consistent: the global batch divides into dp x micro-batch
         x micro-batches, and interleaving needs pp >= 2, v >= 2 and m a multiple of p."""
-        for f in fields(self):
+        for f in _fields(type(self)):
             _check_value(f, getattr(self, f.name), where)
         if self.world_size > MAX_GPUS:
             raise PartcError(f"{where}: {self.world_text()} GPUs, more than partc plans for ({MAX_GPUS:,})")
@@ -114,7 +114,7 @@ class Parallel:
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.degrees().values())
+        return math.prod(getattr(self, axis) for axis in MESH_AXES)
 
     @property
     def num_stages(self) -> int:
@@ -217,6 +217,12 @@ def group_spans_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
 
 
 @functools.cache
+def _fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    """`dataclasses.fields(cls)`, looked up once (`Parallel.validate` runs for every configuration searched)."""
+    return fields(cls)
+
+
+@functools.cache
 def _value_rule(f: dataclasses.Field) -> tuple[type, Any, Any, Any]:
     """(type, choices, min, max) of a field, read from its metadata once (the search validates every
     configuration it considers: 62,244 at 529.6B)."""
@@ -226,6 +232,9 @@ def _value_rule(f: dataclasses.Field) -> tuple[type, Any, Any, Any]:
 
 def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
     typ, choices, lo, hi = _value_rule(f)
+    if (type(value) is typ and (choices is None or value in choices) and (lo is None or lo <= value)
+            and (hi is None or value <= hi)):
+        return  # the common case: every test passes
     if typ is int and (not isinstance(value, int) or isinstance(value, bool)):
         raise PartcError(f"{where}.{f.name} must be an integer, got {value!r}")
     if typ is str and not isinstance(value, str):

@@ -140,36 +140,46 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
     return out
 
 
-def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel) -> list[float]:
+def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel, memo: dict | None = None) -> list[float]:
     """A lower bound of `unit_times` under any TP styles, without a TP solve: per layer the cheapest style, the
     attention core and the non-layer ops split or not, whichever is cheaper, and no TP collectives. (Each term of
-    `_forward_times` is at least its least value over the styles; compute grows with the forward and core times.)"""
+    `_forward_times` is at least its least value over the styles; compute grows with the forward and core times.)
+    `memo` keeps each unit's forward and core floors, which do not depend on the recomputation, across calls."""
     t, b = par.tp, par.micro_batch_size
     out = []
     seen: dict[tuple, float] = {}
+    memo = {} if memo is None else memo
     for unit in graph.units:
         key = (unit.signature if unit.kind == "block" else unit.fqn, unit.fwd_flops, unit.memory_bytes,
                unit.op_saved_bytes, unit.op_saved_bytes_replicated, len(unit.core_gemms))
         if key not in seen:
-            fwd = 0.0
-            for fqn in unit.layers:
-                layer = graph.layers[fqn]
-                fwd += min(hw.memory_time(cluster, layer.memory_bytes * b / (t if style == "colwise" else 1))
-                           + (0.0 if layer.kind == "embedding" else
-                              sum(hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT[style], degree=t)
-                                  for g in layer.gemms))
-                           for style in TP_STYLES)
-            core = min(sum(hw.gemm_time(cluster, g, micro_batch_size=b, split=split, degree=t)
-                           for g in unit.core_gemms) for split in (None, "batch"))
-            share = 1.0
-            if t > 1 and unit.op_saved_bytes > 0:
-                rep = unit.op_saved_bytes_replicated
-                share = min(1.0, (rep + (unit.op_saved_bytes - rep) / t) / unit.op_saved_bytes)
-            fwd += core + hw.memory_time(cluster, unit.memory_bytes * b * share)
+            if ("floor", t, b, key) not in memo:
+                memo["floor", t, b, key] = _forward_floor(graph, cluster, t, b, unit)
+            fwd, core = memo["floor", t, b, key]
             mode = recompute_mode(unit, par)
             seen[key] = 3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
         out.append(seen[key])
     return out
+
+
+def _forward_floor(graph: ModelGraph, cluster: Cluster, t: int, b: int, unit: Unit) -> tuple[float, float]:
+    """`unit_time_floor`'s forward and attention-core seconds of one unit (the least over the TP styles)."""
+    fwd = 0.0
+    for fqn in unit.layers:
+        layer = graph.layers[fqn]
+        fwd += min(hw.memory_time(cluster, layer.memory_bytes * b / (t if style == "colwise" else 1))
+                   + (0.0 if layer.kind == "embedding" else
+                      sum(hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT[style], degree=t)
+                          for g in layer.gemms))
+                   for style in TP_STYLES)
+    core = min(sum(hw.gemm_time(cluster, g, micro_batch_size=b, split=split, degree=t)
+                   for g in unit.core_gemms) for split in (None, "batch"))
+    share = 1.0
+    if t > 1 and unit.op_saved_bytes > 0:
+        rep = unit.op_saved_bytes_replicated
+        share = min(1.0, (rep + (unit.op_saved_bytes - rep) / t) / unit.op_saved_bytes)
+    fwd += core + hw.memory_time(cluster, unit.memory_bytes * b * share)
+    return fwd, core
 
 
 def unit_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None) -> list[float]:

@@ -25,7 +25,7 @@ from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import RECOMPUTE, SCHEDULES, ZERO_STAGES, Parallel, Pins, check_pins
 from partc.passes import cost
-from partc.passes.stages import partition_stages, stage_memory
+from partc.passes.stages import FreeSplits, partition_stages, stage_memory
 from partc.passes.tp import TPSolution, solve_tp
 
 
@@ -73,16 +73,25 @@ def max_stages(graph: ModelGraph) -> int:
 def _configs(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch: int, pins: Pins) -> Iterator[Parallel]:
     """Every Parallel the pins allow, in a fixed order (ties in the search go to the first): degrees, then the
     micro-batch size, then the memory and schedule policies."""
+    for values in _config_values(graph, cluster, gpus, global_batch, pins):
+        yield Parallel(**values)
+
+
+def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch: int,
+                   pins: Pins) -> Iterator[dict]:
+    """`_configs`' fields, without building (and validating) a `Parallel`: the search builds one only for the
+    configurations it reaches (a few thousand of 62,244 at 529.6B)."""
     n_units = len(graph.units)
+    pinned = pins.pinned().items()
+    precision = pins.precision or "bf16"
     for dp, tp, pp in _degrees(cluster, gpus, global_batch, pins, n_units):
         per_replica = global_batch // dp
         for b in divisors(per_replica):
             for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
-                par = Parallel(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
-                               schedule=schedule, virtual_stages=v, recompute=recompute,
-                               precision=pins.precision or "bf16")
-                if pins.allows(par):
-                    yield par
+                values = dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
+                              schedule=schedule, virtual_stages=v, recompute=recompute, precision=precision)
+                if all(values[name] == value for name, value in pinned):
+                    yield values
 
 
 def _degrees(cluster: Cluster, gpus: int, global_batch: int, pins: Pins, n_units: int):
@@ -127,7 +136,7 @@ _INDEPENDENT = {
     "acts": ("dp", "zero", *_PIPELINE),  # activations a micro-batch leaves: (tp, b, recompute)
     "extra": ("dp", *_PIPELINE),  # ZeRO's working memory depends on the stage, not on dp
     "cut": ("dp", "zero", "recompute", *_PIPELINE),  # + pp > 1 and whether a pipeline hop crosses nodes
-    "free": ("dp", "zero", *_PIPELINE),  # + the chunk count, pp > 1 and the pipeline hop's nodes
+    "free": ("dp", "zero", *_PIPELINE),  # + pp > 1 and the pipeline hop's nodes (then the chunk count)
 }
 
 _KEPT = {name: tuple(sorted({f.name for f in fields(Parallel)} - set(independent)))
@@ -201,35 +210,73 @@ class _Costs:
         graph = self.graph
         ok = graph.cut_ok or [True] * len(graph.cut_bytes)  # a cut the program cannot make costs inf
         b = par.micro_batch_size
-        return self._get("cut", par, lambda: [cost.p2p_round_trip(self.cluster, par, graph.boundary_bytes(i, b), spans,
-                                                                  graph.boundary_grad_bytes(i, b))
-                                              if ok[i] else math.inf for i in range(len(graph.cut_bytes))],
-                          par.pp > 1, spans)
+
+        def make() -> list[float]:
+            once: dict[tuple[int, int], float] = {}  # the boundaries of identical blocks carry the same bytes
+            out = []
+            for i in range(len(graph.cut_bytes)):
+                sizes = (graph.boundary_bytes(i, b), graph.boundary_grad_bytes(i, b))
+                if sizes not in once:
+                    once[sizes] = cost.p2p_round_trip(self.cluster, par, sizes[0], spans, sizes[1])
+                out.append(once[sizes] if ok[i] else math.inf)
+            return out
+
+        return self._get("cut", par, make, par.pp > 1, spans)
 
     def floor_bound(self, par: Parallel) -> float:
         """A lower bound of `lower_bound` that needs no TP solve (`cost.unit_time_floor`, and each parameter
         sharded t ways): the search refines it to `lower_bound` only for the configurations it reaches. The margin
         keeps float rounding on the safe side."""
-        p, v, m, t, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.tp, par.micro_batch_size
+        return self._floor_bound(par.__getattribute__, lambda: par)
+
+    def _floor_bound(self, get, make) -> float:
+        """`floor_bound` of the configuration whose fields `get(name)` reads; `make()` builds its `Parallel`,
+        needed only when a term is not cached yet (they are cached by what they depend on: all but the micro-batch
+        count and the chunks a rank)."""
+        p, t, b, dp, precision = get("pp"), get("tp"), get("micro_batch_size"), get("dp"), get("precision")
+        v = get("virtual_stages") if get("schedule") == "interleaved-1f1b" else 1  # `Parallel.chunks_per_rank`
+        m = get("global_batch_size") // (dp * b)  # `Parallel.num_microbatches`
+        key = ("floor_rank", t, b, get("recompute"), precision, p, dp)
+        rank = self._cache.get(key)
+        if rank is None:
+            rank = self._cache[key] = self._floor_rank(make())
+        share, least_cut = rank
+        per_rank = share
+        if p > 1:
+            per_rank += v * least_cut
+        key = ("floor_dp", t, b, dp, get("zero"), p, precision)
+        dp_term = self._cache.get(key)
+        if dp_term is None:
+            par = make()
+            params = self._floor_params(par) / p
+            spans = par.spans_nodes("dp", self.cluster.gpus_per_node)
+            dp_term = self._cache[key] = (cost.dp_comm_time(self.cluster, par, params, spans)
+                                          + cost.optimizer_time(self.cluster, par, params))
+        return ((m + (p - 1) / v) * per_rank + dp_term) * (1 - 1e-9)
+
+    def _floor_rank(self, par: Parallel) -> tuple[float, float]:
+        """`floor_bound`'s rank terms: its share of the unit times (at each layer's cheapest style), and the
+        cheapest boundary (0 without a pipeline)."""
+        p, t, b = par.pp, par.tp, par.micro_batch_size
         key = ("floor", t, b, par.recompute)
         if key not in self._cache:
-            self._cache[key] = sum(cost.unit_time_floor(self.graph, self.cluster, par))
-        per_rank = self._cache[key] / p
+            self._cache[key] = sum(cost.unit_time_floor(self.graph, self.cluster, par, memo=self._memo))
+        share = self._cache[key] / p
+        least_cut = 0.0
         if p > 1:
             key = ("floor_cut", t, b, par.precision, p, par.dp)  # `cut_time`'s dependencies
             if key not in self._cache:
                 self._cache[key] = min(self.cut_time(par), default=0.0)
-            per_rank += v * self._cache[key]
+            least_cut = self._cache[key]
+        return share, least_cut
+
+    def _floor_params(self, par: Parallel) -> int:
+        """Parameters on one GPU with every layer sharded t ways (the fewest a TP plan leaves)."""
+        t = par.tp
         if ("floor_params", t) not in self._cache:
             self._cache["floor_params", t] = cost.stage_param_count(self.graph, par, self._all_sharded,
                                                                     range(len(self.graph.units)))
-        key = ("floor_dp", t, b, par.dp, par.zero, p, par.precision)
-        if key not in self._cache:
-            params = self._cache["floor_params", t] / p
-            spans = par.spans_nodes("dp", self.cluster.gpus_per_node)
-            self._cache[key] = (cost.dp_comm_time(self.cluster, par, params, spans)
-                                + cost.optimizer_time(self.cluster, par, params))
-        return ((m + (p - 1) / v) * per_rank + self._cache[key]) * (1 - 1e-9)
+        return self._cache["floor_params", t]
 
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
@@ -272,11 +319,12 @@ class _Costs:
         v = par.chunks_per_rank
         chunks = par.pp * v
         per_param = cost.model_state_bytes(1, par).total  # ZeRO model states are linear in the parameters
-        static = [per_param * n for n in self.params(par)]
+        static = self._get("shards", par, lambda: [per_param * n for n in self.params(par)], "static", per_param)
         extra_any, extra_last = self.extra(par)
         # Chunk k runs on rank k % p. With v chunks a rank, each chunk gets 1/v of the memory (`predict` checks
         # the rank's exact total afterwards).
-        in_flight = [cost.in_flight(par, k % par.pp) for k in range(chunks)]
+        per_rank = [cost.in_flight(par, r) for r in range(par.pp)]
+        in_flight = [per_rank[k % par.pp] for k in range(chunks)]
         extra = [extra_any] * (chunks - 1) + [extra_last]
         # Two necessary conditions, cheap next to the DP, that rule out most configurations that cannot fit:
         # summed over the chunks, memory is at least all static memory plus all activations at the fewest
@@ -303,16 +351,31 @@ class _Costs:
         return None if part is None else [tuple(b) for b in part.bounds]
 
     def free_split(self, par: Parallel, chunks: int) -> list[tuple[int, int]] | None:
-        """The least-time split into `chunks` stages with no memory limit (cached)."""
-        def make():
-            n = len(self.graph.units)
-            part = partition_stages(self.times(par), self.cut_time(par), [0.0] * n, [0.0] * n, num_stages=chunks,
-                                    in_flight=[0.0] * chunks, mem_limit=math.inf,
-                                    first_required=len(self.graph.first_unit_required),
-                                    last_required=len(self.graph.last_unit_required))
-            return None if part is None else [tuple(b) for b in part.bounds]
+        """The least-time split into `chunks` stages with no memory limit (cached; one `FreeSplits` serves every
+        chunk count of the same unit and boundary times)."""
+        graph = self.graph
+        spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
+        splits = self._get("free", par, lambda: (FreeSplits(self.times(par), self.cut_time(par),
+                                                            first_required=len(graph.first_unit_required),
+                                                            last_required=len(graph.last_unit_required)), {}),
+                           par.pp > 1, spans)
+        splitter, done = splits
+        if chunks not in done:
+            bounds = splitter.split(chunks)
+            done[chunks] = None if bounds is None else [tuple(b) for b in bounds]
+        return done[chunks]
 
-        return self._get("free", par, make, chunks, par.pp > 1, par.spans_nodes("pp", self.cluster.gpus_per_node))
+
+def _builder(values: dict):
+    """A function that builds the `Parallel` of `values` once, when first called."""
+    built: list[Parallel] = []
+
+    def make() -> Parallel:
+        if not built:
+            built.append(Parallel(**values))
+        return built[0]
+
+    return make
 
 
 def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size: int, pins: Pins | None = None,
@@ -322,7 +385,7 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
     check_pins(pins, gpus, num_units=len(graph.units), max_stages=max_stages(graph))
     mem_limit = cluster.usable_memory_bytes
     costs = _Costs(graph, cluster, tp_pins)
-    configs = list(_configs(graph, cluster, gpus, global_batch_size, pins))
+    configs = list(_config_values(graph, cluster, gpus, global_batch_size, pins))
     if not configs and pins.dp is not None and global_batch_size % (pins.dp * (pins.micro_batch_size or 1)):
         raise PartcError(f"global batch size {global_batch_size} is not divisible by dp x micro-batch size = "
                          f"{pins.dp} x {pins.micro_batch_size or 1}")
@@ -331,8 +394,10 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
                          f"{global_batch_size} (it must be divisible by dp x micro-batch size)")
     # In the order of `lower_bound` (ties: the order of enumeration, which is deterministic). Each configuration
     # enters with `floor_bound`, no more than its `lower_bound` and without a TP solve, and is refined to it when
-    # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`.
-    queue = [(costs.floor_bound(par), i, False, par) for i, par in enumerate(configs)]
+    # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`. Only then is its
+    # `Parallel` built.
+    queue = [(costs._floor_bound(values.__getitem__, _builder(values)), i, False, values)
+             for i, values in enumerate(configs)]
     heapq.heapify(queue)
     best: list[tuple[float, int, Candidate]] = []  # max-heap by step time via negation
     evaluated = 0
@@ -341,12 +406,14 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
     # then (until something fits: after that, no such candidate is reported).
     unfit: list[tuple[Parallel, TPSolution, list[tuple[int, int]], cost.Prediction | None]] = []
     while queue:
-        lb, i, exact, par = heapq.heappop(queue)
+        lb, i, exact, item = heapq.heappop(queue)
         if prune and len(best) >= keep and lb > -best[0][0]:
             break
-        if not exact:
+        if not exact:  # `item` holds the fields: its Parallel enters with `lower_bound`
+            par = Parallel(**item)
             heapq.heappush(queue, (costs.lower_bound(par), i, True, par))
             continue
+        par = item
         tp = costs.tp(par)
         bounds = costs.split_stages(par, mem_limit=mem_limit)
         evaluated += 1

@@ -72,19 +72,82 @@ def span_matrices(time: Sequence[float], cut_time: Sequence[float], static_mem: 
         return None
 
     # 1. Matrices over (start s, end e), 0 <= s < e <= n; inf where e <= s.
-    pt = np.concatenate(([0.0], np.cumsum(np.asarray(time, dtype=float))))
     ps = np.concatenate(([0.0], np.cumsum(np.asarray(static_mem, dtype=float))))
     pa = np.concatenate(([0.0], np.cumsum(np.asarray(act_mem, dtype=float))))
+    times = time_matrix(time, cut_time)
+    static = ps[None, :] - ps[:, None]
+    act = pa[None, :] - pa[:, None]
+    return n, p, extra, times, static, act
+
+
+def time_matrix(time: Sequence[float], cut_time: Sequence[float]) -> np.ndarray:
+    """T[s, e] = time_k(s, e), an (n + 1) x (n + 1) matrix, inf where e <= s."""
+    n = len(time)
+    pt = np.concatenate(([0.0], np.cumsum(np.asarray(time, dtype=float))))
     cut = np.asarray(cut_time, dtype=float)
     front = np.zeros(n + 1)  # front[s] = cut_time[s-1]: paid by a stage that starts at 0 < s < n
     front[1:n] = cut
     back = np.zeros(n + 1)  # back[e] = cut_time[e-1]: paid by a stage that ends at 0 < e < n
     back[1:n] = cut
     valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
-    times = np.where(valid, (pt[None, :] - pt[:, None]) + front[:, None] + back[None, :], INF)
-    static = ps[None, :] - ps[:, None]
-    act = pa[None, :] - pa[:, None]
-    return n, p, extra, times, static, act
+    return np.where(valid, (pt[None, :] - pt[:, None]) + front[:, None] + back[None, :], INF)
+
+
+class FreeSplits:
+    """`partition_stages` without a memory limit for one list of unit times and any number of stages, with the
+    same answers (the tests compare them). Without memory, stage k's times are T's whatever the stage count, so the
+    min-max DP's prefix (step 2: best_k over the full matrix, one NumPy step each) is computed once for all stage
+    counts, and the tie-break (step 3) runs over the full matrix, restricted to the rows a split within T* can
+    reach. Each min and max is exact and each sum adds the same two numbers as `partition_stages`, so the splits
+    are the same bit for bit."""
+
+    def __init__(self, time: Sequence[float], cut_time: Sequence[float], *, first_required: int = 0,
+                 last_required: int = 0):
+        n = len(time)
+        assert len(cut_time) == max(n - 1, 0), "per-unit lists differ"
+        assert 0 <= first_required <= n and 0 <= last_required <= n
+        self.n, self.first_required, self.last_required = n, first_required, last_required
+        self.times = time_matrix(time, cut_time)
+        first = self.times[0].copy()
+        first[:max(first_required, 1)] = INF  # stage 0 ends at or after the units required on it
+        self._prefix = [first]  # _prefix[k][e]: the least max time of stages 0..k covering units [0, e)
+
+    def split(self, num_stages: int) -> list[tuple[int, int]] | None:
+        """The bounds `partition_stages` returns for `num_stages` stages and no memory limit (None: no split)."""
+        n, p, a, z, times = self.n, num_stages, self.first_required, self.last_required, self.times
+        assert p >= 1, p
+        if n == 0 or p > n or (p > 1 and a > n - z):
+            return None
+        if p == 1:
+            return None if times[0, n] == INF else [(0, n)]
+        while len(self._prefix) < p - 1:
+            self._prefix.append(np.maximum(self._prefix[-1][:, None], times).min(axis=0))
+        # The last stage [s, n) starts at or before the units required on it.
+        t_star = float(np.maximum(self._prefix[p - 2][:n - z + 1], times[:n - z + 1, n]).min())
+        if t_star == INF:
+            return None
+        squares = np.where(times <= t_star, times, INF)
+        squares *= squares
+        # costs[k][i]: the least sum of squares of stages k..p-1 covering [k + i, n), each within T*; stage k
+        # starts at k + i and ends at k + 1 + j, 0 <= i, j < w (`partition_stages`' windows).
+        w = n - p + 1
+        costs = [None] * p
+        costs[p - 1] = squares[p - 1:n, n].copy()
+        costs[p - 1][max(n - z - p + 2, 0):] = INF  # the last stage starts at or before the units required on it
+        for k in range(p - 2, 0, -1):
+            costs[k] = (squares[k:k + w, k + 1:k + 1 + w] + costs[k + 1][None, :]).min(axis=1)
+        bounds, s = [], 0
+        for k in range(p - 1):
+            row = squares[s, k + 1:k + 1 + w] + costs[k + 1]
+            if k == 0:
+                row[:max(a - 1, 0)] = INF  # stage 0 ends at or after the units required on it
+            target = row.min()
+            assert target < INF  # the split that reached T* is within every mask
+            e = k + 1 + int(np.flatnonzero(row <= target + 1e-12 * abs(target))[0])  # earliest of (near-)equal ends
+            bounds.append((s, e))
+            s = e
+        bounds.append((s, n))
+        return bounds
 
 
 def partition_stages(time: Sequence[float], cut_time: Sequence[float], static_mem: Sequence[float],

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from partc.passes.stages import partition_stages, span_matrices
+from partc.passes.stages import FreeSplits, partition_stages, span_matrices
 
 INF = float("inf")
 
@@ -242,3 +242,28 @@ def test_larger_instances_match_the_dense_dp():
         assert (got.bounds, got.max_time, got.stage_times, got.stage_mem) == (
             want["bounds"], want["max_time"], want["stage_times"], want["stage_mem"])
     assert found > 150
+
+
+def test_free_splits_equal_partition_stages_without_a_memory_limit():
+    """`FreeSplits` (one prefix DP for every stage count) returns `partition_stages`' bounds at an infinite limit,
+    float times included (near-ties, cuts the program cannot make at inf), for every stage count of each input."""
+    rng = random.Random(1)
+    compared = splits = 0
+    for trial in range(300):
+        n = rng.randint(1, 24)
+        if trial % 3 == 0:  # identical blocks between an embedding and a head, as a GPT's units
+            block = rng.uniform(0.5, 2.0)
+            time = [rng.uniform(0.1, 1.0)] + [block] * (n - 2) + [rng.uniform(0.1, 3.0)] if n > 2 else [block] * n
+        else:
+            time = [rng.choice([rng.randint(0, 9), rng.uniform(0, 9)]) for _ in range(n)]
+        cut = [rng.choice([0.0, 0.1, 0.3, 1 / 3, INF if rng.random() < 0.1 else 0.2]) for _ in range(n - 1)]
+        a, z = rng.randint(0, min(3, n)), rng.randint(0, min(3, n))
+        free = FreeSplits(time, cut, first_required=a, last_required=z)
+        for p in rng.sample(range(1, n + 2), min(n + 1, 8)):
+            want = partition_stages(time, cut, [0.0] * n, [0.0] * n, num_stages=p, in_flight=[0.0] * p,
+                                    mem_limit=INF, first_required=a, last_required=z)
+            got = free.split(p)
+            assert got == (None if want is None else want.bounds), (time, cut, a, z, p)
+            compared += 1
+            splits += want is not None
+    assert compared > 1500 and splits > 1000
