@@ -193,7 +193,8 @@ def inner_split(nodes: list[Node], params: dict[Node, str]) -> InnerSplit | str:
             state[n] = R
             continue
         if not isinstance(val, (torch.Tensor, list, tuple)):
-            continue  # an assertion (`_assert_tensor_metadata`): the program skips it
+            state[n] = R  # an assertion (`_assert_tensor_metadata`): the program skips it
+            continue
         if any(state[a] == P for a in tensors):
             why = _partial_rule(n, state)
             if why:

@@ -106,9 +106,12 @@ CONFIGS = {
     "pp2": (1, 2, 1, 0, 1, 4),
     "dp2_z3": (1, 1, 2, 3, 1, 4),
     "tp2": (2, 1, 1, 0, 2, 4),  # attention split (Megatron), the router and the experts replicated
+    "tp2_inner": (2, 1, 1, 0, 2, 4),  # and the experts split inside (gate/up colwise, down rowwise), the router whole
 }
 TP_STYLES = {r"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
              "self_attn.o_proj": "rowwise", "model.embed_tokens": "rowwise", "lm_head": "colwise"}
+INNER = {"tp2_inner": {"mlp.experts": "inner"}}
+"""Styles a config sets besides `TP_STYLES`."""
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
 
@@ -127,7 +130,8 @@ def runs(mixtral_file, tmp_path_factory):
         compile_model(mixtral_file, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, seq_len=S, out_dir=out)
         if tp > 1:  # the Megatron map, set by hand as a user would (`--from-plan`)
             plan = json.loads((out / "plan.json").read_text())
-            plan["tp"] = {fqn: next((s for k, s in TP_STYLES.items() if fqn.endswith(k)), "replicate")
+            styles = {**TP_STYLES, **INNER.get(name, {})}
+            plan["tp"] = {fqn: next((s for k, s in styles.items() if fqn.endswith(k)), "replicate")
                           for fqn in plan["tp"]}
             (tmp / f"{name}.plan.json").write_text(json.dumps(plan))
             compile_model(mixtral_file, gpus=tp * pp * dp, from_plan=str(tmp / f"{name}.plan.json"), seq_len=S,
