@@ -153,3 +153,8 @@ def test_mixtral_trains_like_one_process(runs, mixtral_file, name):
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     assert any(not torch.equal(state[k], init[k]) for k in state if "experts" in k), "the experts must train"
+    if name in INNER:  # each rank holds its half of I of gate, of up and of down: the program ran on expert shards
+        manifest = json.loads((tmp / name / "program" / "manifest.json").read_text())
+        shards = {k: v for k, v in manifest["tp"]["shards"].items() if "experts" in k}
+        assert shards == {f"model.layers.{i}.mlp.experts.{p}": s for i in range(2) for p, s in
+                          (("gate_up_proj", {"dim": 1, "fused": 2}), ("down_proj", {"dim": 2, "fused": 1}))}
