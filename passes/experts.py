@@ -151,7 +151,8 @@ def inner_split(nodes: list[Node], params: dict[Node, str]) -> InnerSplit | str:
     used = [fqn for fqn, _ in weight_dims.values()]
     for ph, fqn in params.items():
         if used.count(fqn) != 1:
-            return f"{fqn} is the weight of {used.count(fqn)} products, not one"
+            return f"{fqn} is the weight of {used.count(fqn)} products, not one" if used.count(fqn) else \
+                f"{fqn} is not the weight of a grouped product"
         chain = next(c for f, c in weight_dims.values() if f == fqn)
         for x, nxt in zip([ph, *chain], [*chain, None]):
             if nxt is not None and len(x.users) != 1:

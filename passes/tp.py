@@ -309,7 +309,7 @@ def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[st
             why[fqn] = f"pattern: a colwise split of its output must be gathered ({layer.split_stop}), which " \
                        f"costs more than the split saves"
         else:
-            told = "Megatron's " + want if want else "a split"
+            told = ("a split inside" if want == "inner" else "Megatron's " + want) if want else "a split"
             why[fqn] = f"cost: the solver found {style} faster here than {told}" if solved else \
                 f"given: the plan sets {style} here, not {told}"
     return why

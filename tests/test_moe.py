@@ -13,13 +13,18 @@ import torch
 from torch import nn
 
 from helpers import assert_close_losses, assert_close_states, run_jobs
+from partc.cluster import PRESETS
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import Pins
+from partc.passes import hw
+from partc.passes.experts import inner_split, param_placeholders
 from partc.passes.export import export_on_meta
+from partc.passes.tp import evaluate_tp, megatron_styles, solve_tp
 from partc.passes.trace import trace
 from partc.runtime.testing import reference_run
+from partc.sharding import GEMM_SPLIT
 
 S, H, I, HEADS, KV_HEADS, E, K, V = 16, 64, 96, 4, 2, 4, 2, 512
 MIXTRAL = f"""
@@ -99,6 +104,124 @@ def test_integer_histc_of_the_meta_trace_runs_on_cpu():
             gm.graph.erase_node(n)
     gm.recompile()
     torch.testing.assert_close(gm(x)[0], IntHistogram()(x), rtol=0, atol=0)
+
+
+def trace_file(path: str, precision: str = "bf16"):
+    spec = load_model_file(path, seq_len=S)
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(1)
+    return trace(build_on_meta(spec), args, kwargs, name=spec.name, seq_len=S, precision=precision).graph
+
+
+def test_experts_split_inside_cost_a_megatron_mlp(mixtral_file, tmp_path):
+    """Split inside at tp 2 (gate and up colwise in two pieces, down rowwise), the experts move what a dense
+    Mistral's Megatron MLP of the same sizes moves: the output all-reduced forward, the input gradient backward;
+    and, backward, the routing weights' gradient (S x k fp32 values: their product with the partial outputs is a
+    partial sum). Each GPU runs half of every expert GEMM."""
+    dense = tmp_path / "mistral.py"
+    dense.write_text(textwrap.dedent(MIXTRAL).replace("Mixtral", "Mistral").replace(
+        f", num_local_experts={E},", ",").replace(f"num_experts_per_tok={K}, ", ""))
+    moe, mlp = trace_file(mixtral_file), trace_file(str(dense))
+    cluster = PRESETS["h100-80g"]
+    experts = moe.layers["model.layers.0.mlp.experts"]
+    assert experts.inner == {"model.layers.0.mlp.experts.gate_up_proj": (1, 2),
+                             "model.layers.0.mlp.experts.down_proj": (2, 1)}
+    assert megatron_styles(moe)["model.layers.0.mlp.experts"] == "inner"
+
+    def mlp_collectives(graph, prefix):
+        sol = evaluate_tp(graph, 2, {f: megatron_styles(graph).get(f, "replicate") for f in graph.layers}, cluster, 1)
+        return sorted((c.kind, c.phase, c.nbytes, c.src.removeprefix(prefix)) for c in sol.collectives[prefix[:-1]]
+                      if c.src.startswith(prefix + "mlp") or c.src.endswith("post_attention_layernorm"))
+
+    got = mlp_collectives(moe, "model.layers.0.")
+    want = mlp_collectives(mlp, "model.layers.0.")
+    assert want == [("all_reduce", "bwd", S * H * 2, "post_attention_layernorm"),
+                    ("all_reduce", "fwd", S * H * 2, "mlp.down_proj")]
+    assert got == sorted([("all_reduce", "bwd", S * H * 2, "post_attention_layernorm"),
+                          ("all_reduce", "fwd", S * H * 2, "mlp.experts"),
+                          ("all_reduce", "bwd", S * K * 4, "mlp.gate")])
+    assert [g.inner_split for g in experts.gemms] == ["n", "k"]  # gate/up's n = 2I, down's k = I: FLOPs / tp
+    whole = sum(hw.gemm_time(cluster, g) for g in experts.gemms)
+    split = sum(hw.gemm_time(cluster, g, split=GEMM_SPLIT["inner"], degree=2) for g in experts.gemms)
+    assert split < whole
+    assert [hw.gemm_time(cluster, g, split="inner", degree=2) for g in experts.gemms] == \
+        [hw.gemm_time(cluster, g, split=g.inner_split, degree=2) for g in experts.gemms]
+
+
+def test_solver_splits_experts_when_it_pays(tmp_path, mixtral_file):
+    """At a realistic width the solver splits the experts inside; at the tiny one the all-reduces cost more than
+    the GEMMs they save, and tp_why says so."""
+    wide = tmp_path / "wide.py"
+    wide.write_text(textwrap.dedent(MIXTRAL).replace(f"hidden_size={H}", "hidden_size=1024").replace(
+        f"intermediate_size={I}", "intermediate_size=4096"))
+    cluster = PRESETS["h100-80g"]
+    sol = solve_tp(trace_file(str(wide)), 2, cluster, 1)
+    assert [sol.styles[f"model.layers.{i}.mlp.experts"] for i in range(2)] == ["inner", "inner"]
+    assert "model.layers.0.mlp.experts" not in sol.why
+    sol = solve_tp(trace_file(mixtral_file), 2, cluster, 1)
+    assert sol.styles["model.layers.0.mlp.experts"] == "replicate"
+    assert sol.why["model.layers.0.mlp.experts"] == "cost: the solver found replicate faster here than a split inside"
+
+
+class PackedExperts(nn.Module):
+    """Experts as Hugging Face packs them (gate and up in one parameter), and variants the split must refuse."""
+
+    def __init__(self, variant: str = ""):
+        super().__init__()
+        self.variant = variant
+        self.gate_up = nn.Parameter(torch.empty(4, 2 * 8, 16, dtype=torch.bfloat16))
+        self.down = nn.Parameter(torch.empty(4, 16, 8, dtype=torch.bfloat16))
+        if variant == "bias":
+            self.bias = nn.Parameter(torch.empty(16, dtype=torch.bfloat16))
+        if variant == "together":
+            self.down_both = nn.Parameter(torch.empty(4, 16, 2 * 8, dtype=torch.bfloat16))
+
+    def forward(self, x, offs, weights):
+        h = torch._grouped_mm(x, self.gate_up.transpose(-2, -1), offs=offs)
+        if self.variant == "bias":
+            h = h + self.bias
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, self.down.transpose(-2, -1), offs=offs)
+        if self.variant == "together":  # a product of gate and up still packed: rank r's half of each piece
+            y = y + torch._grouped_mm(h, self.down_both.transpose(-2, -1), offs=offs)  # is not its half of 2I
+        y = y * weights
+        if self.variant == "relu":
+            y = torch.relu(y)
+        if self.variant == "residual":
+            y = y + x
+        return y.sum(0)
+
+
+@pytest.mark.parametrize("variant, why", [
+    ("", None),
+    ("bias", "bias is not the weight of a grouped product"),
+    ("relu", "aten.relu.default: op not known to be linear"),
+    ("residual", "aten.add.Tensor: adds a whole tensor to a partial sum"),
+    ("together", "aten._grouped_mm.default: multiplies the pieces of a packed product still together"),
+])
+def test_split_inside_is_proved_or_refused(variant, why):
+    model = PackedExperts(variant).to("meta")
+    meta = dict(device="meta")
+    ep = export_on_meta(model, (torch.empty(32, 16, dtype=torch.bfloat16, **meta),
+                                torch.empty(4, dtype=torch.int32, **meta),
+                                torch.empty(32, 1, dtype=torch.bfloat16, **meta)), {})
+    split = inner_split([n for n in ep.graph.nodes if n.op == "call_function"], param_placeholders(ep))
+    if why is None:
+        assert split.params == {"gate_up": (1, 2), "down": (2, 1)}
+        assert sorted(split.gemms.values()) == ["k", "n"]
+    else:
+        assert split == why
+
+
+def test_inner_on_a_plain_layer_is_refused(mixtral_file):
+    graph = trace_file(mixtral_file)
+    styles = {f: "replicate" for f in graph.layers}
+    for fqn, why in (("model.layers.0.self_attn.q_proj", "it holds no packed weights"),
+                     ("model.layers.0.mlp.gate", "it holds no packed weights")):
+        with pytest.raises(PartcError, match=f"layer {fqn} .* cannot be split inside: {why}"):
+            evaluate_tp(graph, 2, {**styles, fqn: "inner"}, PRESETS["h100-80g"], 1)
+    with pytest.raises(PartcError, match=r"inner needs its intermediate dim \(96\) divisible by tp=5"):
+        evaluate_tp(graph, 5, {**styles, "model.layers.0.mlp.experts": "inner"}, PRESETS["h100-80g"], 1)
 
 
 # name: (tp, pp, dp, zero, micro-batch size, global batch)
