@@ -10,9 +10,11 @@ import textwrap
 
 import pytest
 import torch
+from click.testing import CliRunner
 from torch import nn
 
 from helpers import assert_close_losses, assert_close_states, run_jobs
+from partc.cli.main import main
 from partc.cluster import PRESETS
 from partc.compile import compile_model
 from partc.errors import PartcError
@@ -281,3 +283,12 @@ def test_mixtral_trains_like_one_process(runs, mixtral_file, name):
         shards = {k: v for k, v in manifest["tp"]["shards"].items() if "experts" in k}
         assert shards == {f"model.layers.{i}.mlp.experts.{p}": s for i in range(2) for p, s in
                           (("gate_up_proj", {"dim": 1, "fused": 2}), ("down_proj", {"dim": 2, "fused": 1}))}
+
+
+@pytest.mark.slow  # uses the runs above
+def test_summary_says_the_experts_are_split_inside(runs, mixtral_file):
+    result = CliRunner().invoke(main, ["compile", mixtral_file, "--gpus", "2", "--seq-len", str(S), "--from-plan",
+                                       str(runs / "tp2_inner.plan.json"), "-o", str(runs / "cli")])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "experts" in line)
+    assert "2 layers split inside over tp=2" in row, result.output
