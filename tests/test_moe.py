@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from helpers import assert_close_losses, assert_close_states, run_jobs
+from helpers import assert_close_losses, assert_close_states, assert_comm_matches_plan, run_jobs
 from partc.cli.main import main
 from partc.cluster import PRESETS
 from partc.compile import compile_model
@@ -278,6 +278,8 @@ def test_mixtral_trains_like_one_process(runs, mixtral_file, name):
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     assert any(not torch.equal(state[k], init[k]) for k in state if "experts" in k), "the experts must train"
+    if name.startswith("tp"):  # what the program all-reduced is what the plan priced (experts split inside or not)
+        assert assert_comm_matches_plan(tmp / name, got["comm"]) > 0
     if name in INNER:  # each rank holds its half of I of gate, of up and of down: the program ran on expert shards
         manifest = json.loads((tmp / name / "program" / "manifest.json").read_text())
         shards = {k: v for k, v in manifest["tp"]["shards"].items() if "experts" in k}
