@@ -263,6 +263,11 @@ def runs(mixtral_file, tmp_path_factory):
                           out_dir=out)
         jobs.append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{name}.init.pt"),
                      "result": str(tmp / f"{name}.pt"), **SGD})
+    # A checkpoint saved with the experts split inside (gate and up stored as pieces) resumes under dp 2 ZeRO-3.
+    jobs += [{"out": str(tmp / "tp2_inner"), "steps": 2, "init": str(tmp / "tp2_inner.init.pt"), "save": str(tmp / "ck"),
+              "result": str(tmp / "ck_first.pt"), **SGD},
+             {"out": str(tmp / "dp2_z3"), "steps": 4, "load": str(tmp / "ck"), "result": str(tmp / "ck_resumed.pt"),
+              **SGD}]
     run_jobs(2, jobs, tmp)
     return tmp
 
@@ -285,6 +290,17 @@ def test_mixtral_trains_like_one_process(runs, mixtral_file, name):
         shards = {k: v for k, v in manifest["tp"]["shards"].items() if "experts" in k}
         assert shards == {f"model.layers.{i}.mlp.experts.{p}": s for i in range(2) for p, s in
                           (("gate_up_proj", {"dim": 1, "fused": 2}), ("down_proj", {"dim": 2, "fused": 1}))}
+
+
+@pytest.mark.slow  # uses the runs above
+def test_checkpoint_of_split_experts_resumes_unsplit(runs, mixtral_file):
+    init = torch.load(runs / "tp2_inner.init.pt", weights_only=True)
+    losses, state = reference_run(mixtral_file, init, steps=4, seed=0, global_batch_size=4, seq_len=S, **SGD)
+    first = torch.load(runs / "ck_first.pt", weights_only=True)
+    resumed = torch.load(runs / "ck_resumed.pt", weights_only=True)
+    assert resumed["start"] == 2
+    assert_close_losses(first["losses"] + resumed["losses"], losses)
+    assert_close_states(resumed["state"], state)
 
 
 @pytest.mark.slow  # uses the runs above
