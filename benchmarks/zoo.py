@@ -20,7 +20,7 @@ tiny one of the same code (2 layers or stages, hidden size 32-64, dropout off). 
     dp 2 ZeRO-3  the same, data parallel over 2 ranks with ZeRO-3
     tp 2         the same, tensor parallel over 2 ranks with Megatron-LM's map set by hand, as a user would with
                  ``--from-plan`` (`MEGATRON`: attention's query/key/value and the MLP's first layers colwise, their
-                 output projections rowwise, everything else whole; a tiny model is too small for the solver to split
+                 output projections rowwise, a mixture of experts' experts split inside, everything else whole; a tiny model is too small for the solver to split
                  anything itself): "ok (6 split)" says 6 layers were split; a map partc refuses shows its error
 
 A tiny run is "ok" when each step's loss equals `partc.runtime.testing.reference_run` (the whole model in one
@@ -67,10 +67,12 @@ MEGATRON = {
                r"wi_1|linear1)$",
     "rowwise": r"(o_proj|out_proj|down_proj|dense_4h_to_h|fc2|c_proj|(attention|self_attention|attn)\.dense|"
                r"attention\.output\.dense|(^|\.)output\.dense|wo|(^|\.)(o|proj)|linear2)$",
+    "inner": r"(^|\.)experts$",
 }
 """Megatron-LM's tensor-parallel map by layer name across the families: the inputs of attention (query, key, value,
 fused or not) and of the MLP (first layer, gate, up) split by output features, the projections after them by input
-features. Layers of other names stay whole."""
+features; a mixture of experts' packed experts split inside, each as a Megatron MLP (`partc.passes.experts`). Layers
+of other names stay whole."""
 
 
 def megatron_map(layers: dict[str, str]) -> dict[str, str]:

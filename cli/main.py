@@ -200,6 +200,10 @@ def print_summary(result, plan_path: Path) -> None:
                        f"x {par['num_microbatches']} micro-batches")
     sched = par["schedule"] + (f" (v={par['virtual_stages']})" if par["virtual_stages"] > 1 else "")
     t.add_row("schedule", f"{sched}, recompute {par['recompute']}")
+    inner = [f for f, style in plan["tp"].items() if style == "inner"]
+    if inner:  # a mixture of experts (`partc.passes.experts`)
+        t.add_row("experts", f"{len(inner)} layers split inside over tp={par['tp']} (gate and up colwise, down "
+                             f"rowwise, the output all-reduced once)")
     t.add_row("step time", f"{pred['step_time_s']:.3f} s")
     unit = model.get("throughput_unit", "tokens")
     t.add_row("throughput", f"{pred[f'{unit}_per_s']:,.0f} {unit}/s")

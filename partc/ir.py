@@ -36,6 +36,8 @@ class Gemm:
     """Bytes of an operand element: 2 runs at the cluster's 16-bit tensor-core rate, 4 at its fp32 rate."""
     fused: bool = False
     """Part of a fused kernel (attention): operands and product stay on chip, its HBM traffic is its kernel's."""
+    inner_split: str | None = None
+    """The dimension (``n`` or ``k``) an ``inner`` split of its layer divides (`Layer.inner`); None: none."""
 
     @property
     def flops(self) -> float:
@@ -71,9 +73,13 @@ class Layer:
     fused: int = 1
     """How many tensors the output is split into along features (3 for a fused QKV projection)."""
     split_stop: str = ""
-    """Linear layers: the first op past which the shard analysis cannot carry a colwise split of the output
+    """Linear layers (and layers that multiply by packed weights, for their ``inner`` split): the first op past which the shard analysis cannot carry a colwise split of the output
     (``aten.unbind.int (unbind): unbind along the split dimension``), where a colwise output gets gathered; empty
     when the split reaches the next layers (or the layer is not a Linear)."""
+    inner: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Layers of kind ``other`` that a TP style ``inner`` can split inside (a mixture of experts' packed weights,
+    `partc.passes.experts`): parameter FQN -> (dim, fused pieces) of its split. Empty when it cannot; for a layer
+    whose ops multiply by its weights, `split_stop` then says why."""
     gemms: list[Gemm] = field(default_factory=list)
     fwd_flops: float = 0.0
     out_bytes: int = 0

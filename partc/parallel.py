@@ -30,7 +30,10 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 PRECISIONS = ("bf16", "fp32")
-TP_STYLES = ("colwise", "rowwise", "replicate")
+TP_STYLES = ("colwise", "rowwise", "replicate", "inner")
+"""Tensor-parallel styles of a layer (`partc.passes.tp`): Megatron-LM's colwise and rowwise splits of a Linear or an
+Embedding, whole, and ``inner``: a layer split inside as Megatron splits an MLP, its first products colwise and its
+last rowwise, its output a partial sum (a mixture of experts' packed weights, `partc.passes.experts`)."""
 
 MESH_AXES = ("pp", "dp", "tp")
 """The device mesh's axes, outermost first; each is also the name of a degree of `Parallel`."""

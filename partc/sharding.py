@@ -5,9 +5,9 @@ initializes, checkpoints and gathers those shards. Both read the layouts from he
 
 - `Shard`: a parameter split along `dim` over the tp ranks, in `fused` pieces each split separately (a fused QKV
   projection: every rank gets its own heads of q, of k and of v). `shard_tensor` / `unshard_tensor` convert.
-- `param_shard`: how a layer's TP style (``colwise``, ``rowwise``, ``replicate``) splits each of its parameters.
+- `param_shard`: how a layer's TP style (``colwise``, ``rowwise``, ``replicate``, ``inner``) splits each of its parameters.
 - `GEMM_SPLIT`: which dimension of a layer's GEMM a style splits (colwise: the output features n; rowwise: the
-  inner dimension k, leaving partial sums).
+  inner dimension k, leaving partial sums; inner: each GEMM its own, n for the first products, k for the last).
 - `TPLayout`: for one tp rank, every parameter FQN (every alias of a tied weight) -> its split, local and whole
   shapes, and `take` / `gather` between whole tensors and shards. With tp = 1 nothing is split.
 """
@@ -22,8 +22,9 @@ from torch import Tensor
 
 from partc.ir import Layer
 
-GEMM_SPLIT = {"replicate": None, "colwise": "n", "rowwise": "k"}
-"""TP style -> the GEMM dimension it splits (`partc.passes.hw.gemm_time`'s ``split``)."""
+GEMM_SPLIT = {"replicate": None, "colwise": "n", "rowwise": "k", "inner": "inner"}
+"""TP style -> the GEMM dimension it splits (`partc.passes.hw.gemm_time`'s ``split``; ``inner``: each GEMM's own,
+`Gemm.inner_split`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,6 +50,9 @@ def unshard_tensor(parts: list[torch.Tensor], shard: Shard) -> torch.Tensor:
 def param_shard(layer: Layer, fqn: str, style: str) -> Shard | None:
     """How `style` splits parameter `fqn` of `layer` (None: whole)."""
     name = fqn.rpartition(".")[2]
+    if style == "inner":
+        dim_pieces = layer.inner.get(fqn)
+        return Shard(dim=dim_pieces[0], fused=dim_pieces[1]) if dim_pieces else None
     conv1d = layer.type == "Conv1D"
     fused = layer.fused if style == "colwise" else 1
     if layer.kind == "embedding":

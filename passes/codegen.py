@@ -300,14 +300,18 @@ def _manifest(ep: torch.export.ExportedProgram, a: Assignment, io: _GraphIO, rw:
     user_input_names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     shards = {alias: {"dim": sh.dim, "fused": sh.fused}
               for fqn, sh in rw.shards.items() for alias in aliases.get(fqn, [fqn])}
-    # Parameters of fused projections (q, k and v in one weight), whatever their style: a checkpoint stores them
-    # as [pieces, rows / pieces, ...] so that their TP split is a plain split and any plan can read them back.
+    # Parameters of fused projections (q, k and v in one weight; experts' gate and up), whatever their style: a
+    # checkpoint stores them as [pieces, rows / pieces, ...] so that their TP split is a plain split and any plan can
+    # read them back.
     fused = {}
     for layer in layers.values():
         for fqn in layer.params if layer.fused > 1 else ():
             sh = param_shard(layer, fqn, "colwise")
             if sh is not None and sh.fused > 1:
                 fused[fqn] = {"dim": sh.dim, "pieces": sh.fused}
+        for fqn, (dim, pieces) in layer.inner.items():  # packed experts' gate and up (`partc.passes.experts`)
+            if pieces > 1:
+                fused[fqn] = {"dim": dim, "pieces": pieces}
     return {
         "tp": {"degree": plan.parallel.tp, "shards": shards, "fused": fused},
         "model_path": model_path, "entry": entry, "micro_batch_size": plan.parallel.micro_batch_size,

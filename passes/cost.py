@@ -55,8 +55,10 @@ def style_of(tp: TPPlan | None, layer_fqn: str) -> str:
 
 
 def is_split(par: Parallel, tp: TPPlan | None, unit: Unit) -> bool:
-    """True when TP shards this unit: some layer is colwise/rowwise and t > 1 (then its heads are split too)."""
-    return par.tp > 1 and any(style_of(tp, f) != "replicate" for f in unit.layers)
+    """True when TP shards this unit: some layer is colwise/rowwise and t > 1 (then its heads are split too).
+    Experts split inside (``inner``) do not split the heads; their GEMMs are split by `Gemm.inner_split`, and what
+    their ops save is counted whole (`Unit.saved_bytes_replicated`), a bound from above."""
+    return par.tp > 1 and any(style_of(tp, f) not in ("replicate", "inner") for f in unit.layers)
 
 
 def recompute_mode(unit: Unit, par: Parallel) -> str:

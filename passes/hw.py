@@ -51,7 +51,9 @@ def gemm_bytes(batch: float, m: float, n: float, k: float, dtype_bytes: int = AC
 def gemm_time(cluster: Cluster, gemm: Gemm, *, micro_batch_size: int = 1, split: str | None = None,
               degree: int = 1) -> float:
     """Seconds for one GEMM of a micro-batch, optionally split `degree` ways along ``m``, ``n``, ``k`` or
-    ``batch`` (tensor parallelism)."""
+    ``batch`` (tensor parallelism); ``inner``: along the GEMM's own `Gemm.inner_split` (an ``inner`` layer's)."""
+    if split == "inner":
+        split = gemm.inner_split
     batch, m, n, k = gemm.batch, gemm.m, gemm.n, gemm.k
     if gemm.batch_scales:
         batch *= micro_batch_size

@@ -5,7 +5,9 @@ Styles and the state of a layer's output (Shoeybi et al. 2019, "Megatron-LM", se
     replicate -> R (replicated)     colwise -> S (sharded on the feature dim)     rowwise -> P (partial sums)
 
 An Embedding rowwise shards the vocabulary (masked lookup, output P); colwise shards the embedding dim (output S).
-Norms and other layers are replicate only. A consumer needs its input in state R (colwise, replicate) or S
+A layer of packed expert weights may be ``inner`` (`passes.experts`): split inside as a Megatron MLP, it reads its
+input whole and hands back a P gradient, as colwise does, and gives P, as rowwise does. Norms and other layers are
+replicate only. A consumer needs its input in state R (colwise, replicate) or S
 (rowwise) and hands back its input gradient in state P (colwise: Megatron's "f", identity forward and all-reduce
 backward), S (rowwise) or R (replicate). The loss is a replicate consumer of every layer without out-edges;
 graph inputs (token ids) are R and need no gradient.
@@ -52,7 +54,7 @@ from partc.sharding import GEMM_SPLIT, param_shard
 
 from . import hw
 
-STATE = {"replicate": "R", "colwise": "S", "rowwise": "P"}
+STATE = {"replicate": "R", "colwise": "S", "rowwise": "P", "inner": "P"}
 NS = 1e9  # CP-SAT costs are integer nanoseconds: options within a few ns count as equal, then tie-breaks decide
 SEED = 0
 
@@ -100,7 +102,9 @@ class _Source:
 
 
 def _group_error(layer: Layer, style: str, tp: int) -> str | None:
-    if layer.kind == "embedding":
+    if style == "inner":  # each packed piece of each weight split alike: the intermediate dim
+        size, what = min(layer.params[p][d] // n for p, (d, n) in layer.inner.items()), "intermediate dim"
+    elif layer.kind == "embedding":
         size, what = (layer.out_features, "vocabulary") if style == "rowwise" else (layer.in_features, "embedding dim")
     elif style == "colwise":
         size = layer.col_groups or layer.out_features
@@ -121,6 +125,11 @@ def style_error(layer: Layer, style: str, tp: int) -> str | None:
         return f"layer {layer.fqn}: unknown TP style {style!r}; expected one of {', '.join(TP_STYLES)}"
     if style == "replicate":
         return None
+    if style == "inner":
+        if not layer.inner:
+            why = layer.split_stop or "it holds no packed weights that grouped products multiply by (experts)"
+            return f"layer {layer.fqn} ({layer.type}) cannot be split inside: {why}"
+        return _group_error(layer, style, tp)
     if layer.kind not in ("linear", "embedding"):
         return f"layer {layer.fqn} ({layer.type}, {layer.kind}) can only be replicate, not {style}"
     if layer.kind == "linear" and not layer.gemms:
@@ -131,14 +140,14 @@ def style_error(layer: Layer, style: str, tp: int) -> str | None:
 
 def allowed_styles(layer: Layer, tp: int) -> list[str]:
     """Styles `layer` may take at degree `tp`, replicate first."""
-    return [s for s in ("replicate", "colwise", "rowwise") if style_error(layer, s, tp) is None]
+    return [s for s in ("replicate", "colwise", "rowwise", "inner") if style_error(layer, s, tp) is None]
 
 
 def _needs(layer: Layer, style: str) -> tuple[str, str | None]:
     """(input state, input-gradient state) of a consumer; an Embedding reads ids and returns no gradient."""
     if layer.kind == "embedding":
         return "R", None
-    return {"colwise": ("R", "P"), "rowwise": ("S", "S"), "replicate": ("R", "R")}[style]
+    return {"colwise": ("R", "P"), "rowwise": ("S", "S"), "replicate": ("R", "R"), "inner": ("R", "P")}[style]
 
 
 # The collectives, as rules over the source's state and four facts about who reads it (Megatron's f and g, and
@@ -222,15 +231,16 @@ def _readers(phase: str, kind: str, consumers: list[str], needs: list[tuple[str,
     return [c for c, (_, grad, _) in zip(consumers, needs) if grad == want]
 
 
-def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str]) -> str:
+def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str], reader_style: str = "colwise") -> str:
     who = readers[0] + (f" and {len(readers) - 1} more" if len(readers) > 1 else "") if readers else "the loss"
     if phase == "fwd":
         if kind == "all_gather":
             return f"gather the feature shards of colwise {src.fqn} for {who}"
-        what = "masked lookups of vocab-parallel" if src.kind == "embedding" else "partial outputs of rowwise"
+        what = "masked lookups of vocab-parallel" if src.kind == "embedding" else \
+            "partial outputs of split-inside" if style == "inner" else "partial outputs of rowwise"
         return f"sum {what} {src.fqn}"
     if kind == "all_reduce":
-        return f"sum partial input gradients of colwise {who} into {style} {src.fqn}"
+        return f"sum partial input gradients of {reader_style} {who} into {style} {src.fqn}"
     return f"gather sharded input gradients of rowwise {who} for {style} {src.fqn}"
 
 
@@ -242,6 +252,7 @@ def megatron_styles(graph: ModelGraph) -> dict[str, str]:
     reaches another Linear of its unit still split is colwise, and those it reaches rowwise (in execution order: a
     layer already rowwise is not colwise too); an Embedding rowwise (the vocabulary)."""
     out = {f: "rowwise" for f, layer in graph.layers.items() if layer.kind == "embedding"}
+    out.update({f: "inner" for f, layer in graph.layers.items() if layer.inner})  # experts: a Megatron MLP each
     pairs = {}
     for e in graph.edges:  # pairs inside one unit (qkv -> proj, fc1 -> fc2), not a block's output -> the head
         if e.shard_ok and e.src != e.dst and graph.layers[e.src].unit == graph.layers[e.dst].unit:
@@ -273,7 +284,11 @@ def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[st
     why = {}
     for fqn, layer in graph.layers.items():
         style, want = styles[fqn], pattern.get(fqn)
-        if layer.kind not in ("linear", "embedding"):
+        if layer.kind == "other" and layer.split_stop and style == "replicate":
+            why[fqn] = f"pattern: it multiplies by packed weights (experts) but cannot be split inside " \
+                       f"({layer.split_stop})"
+            continue
+        if layer.kind not in ("linear", "embedding") and not layer.inner:
             if layer.kind == "other":
                 why[fqn] = f"kind: a {layer.type} layer is always whole (tensor parallelism splits Linear and " \
                            f"Embedding layers)"
@@ -294,7 +309,7 @@ def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[st
             why[fqn] = f"pattern: a colwise split of its output must be gathered ({layer.split_stop}), which " \
                        f"costs more than the split saves"
         else:
-            told = "Megatron's " + want if want else "a split"
+            told = ("a split inside" if want == "inner" else "Megatron's " + want) if want else "a split"
             why[fqn] = f"cost: the solver found {style} faster here than {told}" if solved else \
                 f"given: the plan sets {style} here, not {told}"
     return why
@@ -320,8 +335,11 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
             needs = [(*_needs(graph.layers[c], styles[c]), ok) for c, ok in src.consumers.items()]
             for phase, kind in _conversions(STATE[style], _facts(needs, src.loss)).items():
                 readers = _readers(phase, kind, list(src.consumers), needs)
+                inner = {styles[r] == "inner" for r in readers}
+                reader_style = "colwise" if inner == {False} else "split-inside" if inner == {True} else \
+                    "colwise or split-inside"
                 coll = Collective(kind=kind, phase=phase, nbytes=src.nbytes, src=src.layer,
-                                  reason=_reason(phase, kind, layer, style, readers))
+                                  reason=_reason(phase, kind, layer, style, readers, reader_style))
                 collectives.setdefault(layer.unit, []).append(coll)
                 unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + hw.collective_time(
                     cluster, kind, src.nbytes * b, tp, spans_nodes=_spans_nodes(cluster, tp))

@@ -35,6 +35,7 @@ from torch.fx import Node
 from partc.errors import PartcError
 from partc import collectives as C
 from partc.ir import Layer
+from partc.passes.experts import inner_split
 from partc.passes.shard import BATCHED_OPS, VIEW_OPS, shard_rule, slice_piece
 from partc.sharding import Shard, param_shard
 
@@ -82,6 +83,8 @@ class _Rewriter:
         for spec in ep.graph_signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
                 self.param_of[placeholders[spec.arg.name]] = spec.target
+        self.inner = self._inner_states()
+        """Nodes of the layers split inside (``inner``) -> their state (`partc.passes.experts.InnerSplit.states`)."""
 
     # ------------------------------------------------------------------ helpers
     def _insert(self, after: Node, fn, args: tuple, why: str, anchor: Node, local: torch.Tensor, state) -> Node:
@@ -142,12 +145,12 @@ class _Rewriter:
         self.memo[key] = node
         return node
 
-    def copy_to_tp(self, x: Node, user: Node) -> Node:
+    def copy_to_tp(self, x: Node, user: Node, style: str = "colwise") -> Node:
         key = (x, "copy")
         if key not in self.memo:
             self.memo[key] = self._insert(
                 x, C.copy_to_tp, (x,),
-                f"input of colwise {self._where(user)}: identity forward, all-reduce of its gradient backward",
+                f"input of {style} {self._where(user)}: identity forward, all-reduce of its gradient backward",
                 user, self.val[x], R)
         return self.memo[key]
 
@@ -216,6 +219,8 @@ class _Rewriter:
         layer_name = self.node_layer.get(node)
         layer = self.layers.get(layer_name) if layer_name else None
         style = self.styles.get(layer_name, "replicate") if layer else "replicate"
+        if layer is not None and style == "inner":
+            return self._inner_node(node, layer)
         if layer is not None and style != "replicate":
             kind = self._weight_op(node, layer)
             if kind is not None:
@@ -225,6 +230,61 @@ class _Rewriter:
             self._replace_inputs(node, {a: self.need(a, R, node) for a in node.all_input_nodes})
             return self._run_local(node, R)
         self._generic(node)
+
+    def _inner_states(self) -> dict[Node, object]:
+        """Every node of a layer split inside -> its state, from the analysis of the graph as exported."""
+        nodes: dict[str, list[Node]] = {}
+        for n in self.graph.nodes:
+            if n.op == "call_function" and self.styles.get(self.node_layer.get(n, "")) == "inner":
+                nodes.setdefault(self.node_layer[n], []).append(n)
+        out = {}
+        for fqn, ns in nodes.items():
+            layer = self.layers[fqn]
+            params = {ph: p for ph, p in self.param_of.items() if p in layer.params}
+            split = inner_split(ns, params)
+            if isinstance(split, str):
+                raise PartcError(f"tensor parallelism: {fqn} cannot be split inside: {split}; set tp[{fqn!r}] to "
+                                 f"'replicate'")
+            assert split.params == layer.inner, (fqn, split.params, layer.inner)
+            out.update(split.states)
+        return out
+
+    def _inner_node(self, node: Node, layer: Layer) -> None:
+        """One op of a layer split inside (`partc.passes.experts`): its inputs from outside the layer whole, the
+        floating ones through `copy_to_tp` (their gradients are partial sums); split ops on local shapes; a partial
+        sum that leaves the layer all-reduced once (`reduce_from_tp`), before its first reader outside."""
+        state = self.inner.get(node, R)
+        if not isinstance(node.meta.get("val"), (torch.Tensor, list, tuple)):
+            return None  # an assertion on the traced tensor (`_assert_tensor_metadata`): the program skips it
+        for a in node.all_input_nodes:
+            if a in self.inner or a in self.param_of or not isinstance(self.val.get(a), torch.Tensor):
+                continue
+            whole = self.need(a, R, node)
+            node.replace_input_with(a, self.copy_to_tp(whole, node, "split-inside")
+                                    if whole.meta["val"].is_floating_point() else whole)
+        if state == R or state == P:
+            self._run_local(node, state)
+        elif isinstance(state, tuple):
+            self._rewrite_sizes(node, None)
+            self._run_local(node, _Multi(state))
+        else:
+            self._rewrite_sizes(node, state)
+            self._run_local(node, state)
+        glob, local = node.meta.get("val"), self.val[node]
+        if isinstance(glob, torch.Tensor):
+            want = list(glob.shape) if state in (R, P) else \
+                _local_shape(glob.shape, state, self.t, f"{node.name} ({layer.fqn})")
+            if list(local.shape) != want:
+                raise PartcError(f"tensor parallelism: {node.target} ({node.name}, in {layer.fqn}) gives local "
+                                 f"shape {list(local.shape)}, expected {want}; set tp[{layer.fqn!r}] to 'replicate'")
+        outside = [u for u in node.users if u not in self.inner]
+        if state == P and outside:
+            out = self._insert(node, C.reduce_from_tp, (node,),
+                               f"sum the partial outputs of {layer.fqn}, split inside (all-reduce forward, identity "
+                               f"backward)", node, local, R)
+            for u in outside:
+                u.replace_input_with(node, out)
+        return None
 
     def _replace_inputs(self, node: Node, mapping: dict[Node, Node]) -> None:
         for old, new in mapping.items():

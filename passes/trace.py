@@ -25,6 +25,7 @@ from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
 from partc.precision import cast_floating, cast_parameters, compute_dtype
 from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
+from partc.passes.experts import mark_inner, param_placeholders
 from partc.passes.export import export_on_meta, norms_on_any_batch
 from partc.passes.measure import NodeStats, measure, stack_fqns
 from partc.passes.shard import ShardAnalysis
@@ -204,6 +205,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     shard = ShardAnalysis(ep.graph, a.node_layer, linear_out)  # 4. where a colwise split flows without collectives
     layers = _layers(a, shard, counted)                    # 5. layers: shapes, split groups, fused pieces
     units = _costs(a, stats, layers, shard, layer_out)     # 6. per-node costs into layers and units
+    mark_inner(ep.graph, a.node_layer, param_placeholders(ep), layers, stats)  # experts: split inside
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
