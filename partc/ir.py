@@ -73,7 +73,8 @@ class Layer:
     split_stop: str = ""
     """Linear layers: the first op past which the shard analysis cannot carry a colwise split of the output
     (``aten.unbind.int (unbind): unbind along the split dimension``), where a colwise output gets gathered; empty
-    when the split reaches the next layers (or the layer is not a Linear)."""
+    when the split reaches the next layers (or the layer is not a Linear). An nn.MultiheadAttention kept whole
+    (kind ``other``): why (``pattern: ...``)."""
     gemms: list[Gemm] = field(default_factory=list)
     fwd_flops: float = 0.0
     out_bytes: int = 0
