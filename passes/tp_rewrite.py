@@ -19,7 +19,9 @@ split features into heads, transposes, attention over heads, softmax over anothe
 rewritten to the local shape (``view(x, [b, s, 96, 128])`` -> ``[b, s, 96/t, 128]``), whole operands are sliced to
 the local part (`scatter_to_tp`), and every op is re-run on meta tensors to check the local shape. An op that
 is not provably per-shard gets its inputs gathered (`gather_from_tp`); a local shape that does not come out as
-expected fails the compile with the op and its module named.
+expected fails the compile with the op and its module named. A view is read on each rank's part
+(`passes.shard.view_split`): heads merged behind the batch (nn.MultiheadAttention's (L, B*H, D) at B samples) are
+held as B pieces, as a fused projection's output is held as 3.
 """
 
 from __future__ import annotations
