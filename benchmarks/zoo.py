@@ -62,17 +62,17 @@ CLUSTER = "h100-80g"
 TINY_RUNS = {"pp 2": (1, 2, 1, 0), "dp 2 ZeRO-3": (1, 1, 2, 3), "tp 2": (2, 1, 1, 0)}
 
 MEGATRON = {
-    "colwise": r"(q_proj|k_proj|v_proj|qkv_proj|query_key_value|(^|\.)(query|key|value|qkv|q|k|v)|query_proj|key_proj|"
-               r"value_proj|gate_proj|up_proj|gate_up_proj|dense_h_to_4h|fc1|c_attn|c_fc|intermediate\.dense|wi|wi_0|"
-               r"wi_1|linear1)$",
+    "colwise": r"(q_proj|k_proj|v_proj|qkv_proj|query_key_value|(^|\.)(query|key|value|qkv|q|k|v|self_attn)|"
+               r"query_proj|key_proj|value_proj|gate_proj|up_proj|gate_up_proj|dense_h_to_4h|fc1|c_attn|c_fc|"
+               r"intermediate\.dense|wi|wi_0|wi_1|linear1)$",
     "rowwise": r"(o_proj|out_proj|down_proj|dense_4h_to_h|fc2|c_proj|(attention|self_attention|attn)\.dense|"
                r"attention\.output\.dense|(^|\.)output\.dense|wo|(^|\.)(o|proj)|linear2)$",
     "inner": r"(^|\.)experts$",
 }
 """Megatron-LM's tensor-parallel map by layer name across the families: the inputs of attention (query, key, value,
 fused or not) and of the MLP (first layer, gate, up) split by output features, the projections after them by input
-features; a mixture of experts' packed experts split inside, each as a Megatron MLP (`partc.passes.experts`). Layers
-of other names stay whole."""
+features (an nn.MultiheadAttention named self_attn is the Linear of its packed q, k and v); a mixture of experts'
+packed experts split inside, each as a Megatron MLP (`partc.passes.experts`). Layers of other names stay whole."""
 
 
 def megatron_map(layers: dict[str, str]) -> dict[str, str]:

@@ -73,9 +73,11 @@ class Layer:
     fused: int = 1
     """How many tensors the output is split into along features (3 for a fused QKV projection)."""
     split_stop: str = ""
-    """Linear layers (and layers that multiply by packed weights, for their ``inner`` split): the first op past which the shard analysis cannot carry a colwise split of the output
-    (``aten.unbind.int (unbind): unbind along the split dimension``), where a colwise output gets gathered; empty
-    when the split reaches the next layers (or the layer is not a Linear)."""
+    """Linear layers (and layers that multiply by packed weights, for their ``inner`` split): the first op past
+    which the shard analysis cannot carry a colwise split of the output (``aten.unbind.int (unbind): unbind along
+    the split dimension``), where a colwise output gets gathered; empty
+    when the split reaches the next layers (or the layer is not a Linear). An nn.MultiheadAttention kept whole
+    (kind ``other``): why (``pattern: ...``)."""
     inner: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Layers of kind ``other`` that a TP style ``inner`` can split inside (a mixture of experts' packed weights,
     `partc.passes.experts`): parameter FQN -> (dim, fused pieces) of its split. Empty when it cannot; for a layer

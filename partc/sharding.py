@@ -47,12 +47,19 @@ def unshard_tensor(parts: list[torch.Tensor], shard: Shard) -> torch.Tensor:
     return torch.cat([torch.cat([s[i] for s in split], dim=shard.dim) for i in range(shard.fused)], dim=shard.dim)
 
 
+def weight_names(layer: Layer) -> tuple[str, str]:
+    """(weight, bias) parameter names of a linear layer: nn.MultiheadAttention, a Linear of its packed
+    in-projection (q, k and v: 3 fused pieces), holds them as ``in_proj_weight`` and ``in_proj_bias``."""
+    return ("in_proj_weight", "in_proj_bias") if layer.type == "MultiheadAttention" else ("weight", "bias")
+
+
 def param_shard(layer: Layer, fqn: str, style: str) -> Shard | None:
     """How `style` splits parameter `fqn` of `layer` (None: whole)."""
     name = fqn.rpartition(".")[2]
     if style == "inner":
         dim_pieces = layer.inner.get(fqn)
         return Shard(dim=dim_pieces[0], fused=dim_pieces[1]) if dim_pieces else None
+    weight, bias = weight_names(layer)
     conv1d = layer.type == "Conv1D"
     fused = layer.fused if style == "colwise" else 1
     if layer.kind == "embedding":
@@ -61,11 +68,11 @@ def param_shard(layer: Layer, fqn: str, style: str) -> Shard | None:
         return Shard(dim=0) if style == "rowwise" else Shard(dim=1) if style == "colwise" else None
     if layer.kind != "linear" or style == "replicate":
         return None
-    if name == "weight":
+    if name == weight:
         if style == "colwise":
             return Shard(dim=1 if conv1d else 0, fused=fused)
         return Shard(dim=0 if conv1d else 1)
-    if name == "bias" and style == "colwise":
+    if name == bias and style == "colwise":
         return Shard(dim=0, fused=fused)
     return None
 

@@ -91,7 +91,7 @@ def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> tuple[
                 return dst_group[0], dst[dst_group[0]]
             if src_group[0] == dim and len(dst_group) == 1:
                 return dst_group[0], src[dim]
-            if src_group == [d for d in range(i0, i) if src[d] != 1] and len(dst_group) == len(src_group):
+            if [src[d] for d in src_group] == [dst[d] for d in dst_group]:
                 # Same dims, only size-1 dims moved.
                 return dst_group[src_group.index(dim)], None
             return None, None
@@ -137,6 +137,14 @@ def _taken_apart(node: Node, d: int) -> bool:
             ok = _taken_apart(user, b if d == a else a if d == b else d)
         elif t in (aten.clone.default, aten.contiguous.default, aten.alias.default):
             ok = _taken_apart(user, d)
+        elif t is aten.unsqueeze.default:  # nn.MultiheadAttention: unsqueeze(0).transpose(0, -2).squeeze(-2)
+            ok = _taken_apart(user, d + (_norm_dim(user.args[1], ndim + 1) <= d))
+        elif t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            shape = _shape(node) or ()
+            given = range(ndim) if len(user.args) < 2 else user.args[1] if isinstance(user.args[1], (list, tuple)) \
+                else [user.args[1]]
+            gone = {_norm_dim(a, ndim) for a in given if shape[_norm_dim(a, ndim)] == 1}
+            ok = d not in gone and _taken_apart(user, d - sum(1 for a in gone if a < d))
         elif t in (aten.unbind.int, aten.select.int):
             ok = _norm_dim(user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), ndim) == d
         elif t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
@@ -146,6 +154,45 @@ def _taken_apart(node: Node, d: int) -> bool:
         if not ok:
             return False
     return True
+
+
+def view_split(src: tuple[int, ...], dst: tuple[int, ...], dim: int, pieces: int, t: int
+               ) -> tuple[int, int] | None:
+    """Where a split survives a view of each rank's part: (out dim, out pieces), or None.
+
+    The input's dim `dim` is split over `t` ranks in `pieces` equal pieces, each split separately (1: one chunk
+    per rank; 3: a fused projection's q, k and v). The view is read on the common refinement of both shapes
+    (their dims cut into factors that are contiguous in both): a rank holds a contiguous part of the outermost
+    factor f of a piece when t divides f, so the split lands on the dim holding f, in as many pieces as the
+    factors before f in that dim (the batch merged before the heads: nn.MultiheadAttention's (L, B, E) ->
+    (L, B*H, D)). The local view is then the same view with f/t in place of f."""
+    dst = list(dst)
+    if -1 in dst:
+        dst[dst.index(-1)] = math.prod(src) // max(math.prod(s for s in dst if s != -1), 1)
+    n = src[dim]
+    if n % pieces or (n // pieces) % t:
+        return None
+    shape = list(src[:dim]) + ([pieces] if pieces > 1 else []) + [n // pieces] + list(src[dim + 1:])
+    split = dim + (pieces > 1)
+    factors = []  # (src dim, dst dim, size) in element order
+    i = j = 0
+    rs, rd = (shape[0] if shape else 1), (dst[0] if dst else 1)
+    while i < len(shape) and j < len(dst):
+        if rs == 1 or rd == 1:
+            i, j = i + (rs == 1), j + (rd == 1)
+            rs = shape[i] if rs == 1 and i < len(shape) else rs
+            rd = dst[j] if rd == 1 and j < len(dst) else rd
+            continue
+        f = min(rs, rd)
+        if max(rs, rd) % f:
+            return None
+        factors.append((i, j, f))
+        rs, rd = rs // f, rd // f
+    first = next((k for k, (a, _, _) in enumerate(factors) if a == split), None)
+    if first is None or factors[first][2] % t:
+        return None
+    out = factors[first][1]
+    return out, math.prod(f for a, b, f in factors[:first] if b == out)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -283,14 +330,14 @@ def shard_rule(node: Node, dims: dict, ins: list[Node]):
         return out, 0, 1, ""
     if t is aten.native_dropout.default:
         return (dim, dim), 0, 1, ""
-    if t in VIEW_OPS:
+    if t in VIEW_OPS or t is aten.unflatten.int:
         split = view_pieces(node, in_shape, out_shape, dim)
         if split is not None:
             return split
         out, groups = view_dim_map(in_shape, out_shape, dim)
         if out is None:
             return None, 0, 1, f"view {list(in_shape)} -> {list(out_shape)} moves the split dimension"
-        g = groups if (groups is not None and len(out_shape) > len(in_shape) and groups != in_shape[dim]) else 0
+        g = groups if (groups is not None and groups != in_shape[dim]) else 0  # features split into (heads, ...)
         return out, g, 1, ""
     if t is aten.transpose.int:
         a, b = (_norm_dim(d, len(in_shape)) for d in node.args[1:3])

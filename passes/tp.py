@@ -131,7 +131,8 @@ def style_error(layer: Layer, style: str, tp: int) -> str | None:
             return f"layer {layer.fqn} ({layer.type}) cannot be split inside: {why}"
         return _group_error(layer, style, tp)
     if layer.kind not in ("linear", "embedding"):
-        return f"layer {layer.fqn} ({layer.type}, {layer.kind}) can only be replicate, not {style}"
+        why = f" ({layer.split_stop.partition(': ')[2]})" if layer.split_stop else ""
+        return f"layer {layer.fqn} ({layer.type}, {layer.kind}) can only be replicate, not {style}{why}"
     if layer.kind == "linear" and not layer.gemms:
         return f"layer {layer.fqn}: the model never calls it; its parent uses its weight directly " \
                f"(nn.MultiheadAttention's out_proj), so it can only be replicate, not {style}"
@@ -290,8 +291,8 @@ def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[st
             continue
         if layer.kind not in ("linear", "embedding") and not layer.inner:
             if layer.kind == "other":
-                why[fqn] = f"kind: a {layer.type} layer is always whole (tensor parallelism splits Linear and " \
-                           f"Embedding layers)"
+                why[fqn] = layer.split_stop or f"kind: a {layer.type} layer is always whole (tensor parallelism " \
+                                               f"splits Linear and Embedding layers)"
             continue
         if style == want or (want is None and style != "replicate"):
             continue

@@ -19,7 +19,9 @@ split features into heads, transposes, attention over heads, softmax over anothe
 rewritten to the local shape (``view(x, [b, s, 96, 128])`` -> ``[b, s, 96/t, 128]``), whole operands are sliced to
 the local part (`scatter_to_tp`), and every op is re-run on meta tensors to check the local shape. An op that
 is not provably per-shard gets its inputs gathered (`gather_from_tp`); a local shape that does not come out as
-expected fails the compile with the op and its module named.
+expected fails the compile with the op and its module named. A view is read on each rank's part
+(`passes.shard.view_split`): heads merged behind the batch (nn.MultiheadAttention's (L, B*H, D) at B samples) are
+held as B pieces, as a fused projection's output is held as 3.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from partc.errors import PartcError
 from partc import collectives as C
 from partc.ir import Layer
 from partc.passes.experts import inner_split
-from partc.passes.shard import BATCHED_OPS, VIEW_OPS, shard_rule, slice_piece
-from partc.sharding import Shard, param_shard
+from partc.passes.shard import BATCHED_OPS, VIEW_OPS, shard_rule, slice_piece, view_split
+from partc.sharding import Shard, param_shard, weight_names
 
 aten = torch.ops.aten
 R, P = "R", "P"
@@ -60,6 +62,10 @@ def _local_shape(shape, dim: int, t: int, what: str) -> list[int]:
                          f"divisible by tp={t}")
     shape[dim] //= t
     return shape
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
 
 
 class _Multi(tuple):
@@ -200,7 +206,7 @@ class _Rewriter:
 
     def _weight_op(self, node: Node, layer: Layer) -> str | None:
         """The op of a split layer that multiplies by its weight: 'linear', 'addmm', 'embedding' or None."""
-        name = f"{layer.fqn}.weight"
+        name = f"{layer.fqn}.{weight_names(layer)[0]}" if layer.fqn else weight_names(layer)[0]
         # A tied weight may reach the op through any of its names' placeholders.
         weight = next((p for p, f in self.param_of.items() if name in self.aliases.get(f, [f])
                        and p in node.all_input_nodes), None)
@@ -317,6 +323,8 @@ class _Rewriter:
         ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (int, _Multi))]
         if not ins:
             return self._run_local(node, R)
+        if (node.target in VIEW_OPS or node.target is aten.unflatten.int) and isinstance(self.state[ins[0]], int):
+            return self._view(node, ins[0])
         dims = {a: self.state[a] for a in ins}
         out_dim, _groups, fused, why = shard_rule(node, dims, ins)
         # Pieces: an op taking one of `fused` pieces finds it in this rank's part only if the source was split in
@@ -353,12 +361,32 @@ class _Rewriter:
             return self._run_local(node, _Multi(out_dim))
         self._rewrite_sizes(node, out_dim)
         self._run_local(node, out_dim)
+        self._check_local(node, out_dim)
+
+    def _check_local(self, node: Node, out_dim: int) -> None:
+        glob = node.meta.get("val")
         if isinstance(glob, torch.Tensor):
             want = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
             if list(self.val[node].shape) != want:
                 raise PartcError(f"tensor parallelism: {node.target} ({node.name}, in {self._where(node)}) gives "
                                  f"local shape {list(self.val[node].shape)}, expected {want}; the rewrite cannot "
                                  f"prove it correct, so set the layers feeding it to 'replicate'")
+
+    def _view(self, node: Node, x: Node) -> None:
+        """A view (or unflatten) of a split tensor: the split lands where `view_split` proves it on every rank's
+        part, with the pieces it leaves (the batch merged before the heads keeps B pieces, a fused projection
+        viewed as (3, heads, ...) none); else the input is gathered."""
+        split = view_split(tuple(x.meta["val"].shape), tuple(node.meta["val"].shape), self.state[x],
+                           self.pieces.get(x, 1), self.t)
+        if split is None:
+            node.replace_input_with(x, self.need(x, R, node))
+            return self._run_local(node, R)
+        out_dim, pieces = split
+        if pieces > 1:
+            self.pieces[node] = pieces
+        self._rewrite_sizes(node, out_dim)
+        self._run_local(node, out_dim)
+        self._check_local(node, out_dim)
 
     def _rewrite_sizes(self, node: Node, out_dim) -> None:
         glob = node.meta.get("val")
@@ -368,6 +396,12 @@ class _Rewriter:
             local = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
             new = [-1 if s == -1 else local[i] for i, s in enumerate(sizes)]
             node.args = (node.args[0], new, *node.args[2:])
+        elif t is aten.unflatten.int:  # unflatten(x, d, sizes): the sizes are the output's dims d, d+1, ...
+            sizes = list(node.args[2])
+            local = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
+            d = _norm(node.args[1], node.args[0].meta["val"].dim())
+            new = [-1 if s == -1 else local[d + i] for i, s in enumerate(sizes)]
+            node.args = (*node.args[:2], new, *node.args[3:])
         elif t in (aten.slice.Tensor, aten.narrow.default) and \
                 (node.args[1] if len(node.args) > 1 else 0) % glob.dim() == out_dim:
             # One of equal pieces, and the source split in as many (checked in `_generic`): the same piece of the

@@ -125,6 +125,13 @@ class Assignment:
     ordered_layers: list[str]
     by_id: dict[int, list[str]]
     """id(parameter) -> every FQN it goes by (tied parameters have several)."""
+    attention: dict[str, str]
+    """nn.MultiheadAttention FQN -> "" where it is a Linear of its packed in-projection (`_packed_attention`), else
+    why it stays one whole layer."""
+
+    def kind(self, m: str) -> str:
+        """The layer kind of module `m` (`_module_kind`; a self-attention nn.MultiheadAttention is a linear)."""
+        return "linear" if self.attention.get(m) == "" else _module_kind(self.layer_mods[m])
 
 
 def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
@@ -148,7 +155,9 @@ def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
     # parameters beside weight-bearing children (a ViT's class token and positions at its root) owns only the ops
     # that read its own parameters: the rest of its forward is glue between its children, as in a module without
     # parameters (timm's attention core would otherwise be "inside" the root layer, out of the shard analysis).
-    containers = {m for m in layer_names if any(o != m and (not m or o.startswith(m + ".")) for o in layer_names)}
+    # nn.MultiheadAttention, which calls its child out_proj's weight itself, is `_packed_attention`'s to sort out.
+    containers = {m for m in layer_names if any(o != m and (not m or o.startswith(m + ".")) for o in layer_names)
+                  and not isinstance(layer_mods[m], nn.MultiheadAttention)}
     param_owner = {name: fqn.rpartition(".")[0] for name, fqn in ep.graph_signature.inputs_to_parameters.items()}
     node_layer: dict[torch.fx.Node, str] = {}
     node_unit: dict[torch.fx.Node, str | None] = {}
@@ -166,6 +175,7 @@ def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
             if unit is not None:
                 break
         node_unit[n] = unit
+    attention = _packed_attention(ep, layer_mods, node_layer)
     # Execution order of units: by each unit's first op of its own (glue does not count: Whisper's encoder
     # permutes the conv output before it adds embed_positions, and that glue goes with layers.0, which still runs
     # after embed_positions).
@@ -191,7 +201,45 @@ def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
     ordered_layers = sorted(layer_names, key=lambda m: (layer_first.get(m, big), layer_names.index(m)))
 
     return Assignment(nodes=nodes, layer_mods=layer_mods, node_layer=node_layer, node_unit=node_unit,
-                      unit_names=unit_names, unit_kind=dict(unit_list), ordered_layers=ordered_layers, by_id=by_id)
+                      unit_names=unit_names, unit_kind=dict(unit_list), ordered_layers=ordered_layers, by_id=by_id,
+                      attention=attention)
+
+
+def _packed_attention(ep: torch.export.ExportedProgram, layer_mods: dict[str, nn.Module],
+                      node_layer: dict[torch.fx.Node, str]) -> dict[str, str]:
+    """nn.MultiheadAttention calls its projections through its own parameters (``F.multi_head_attention_forward``),
+    so every op of it sits in the MHA module. Under self-attention (query is key is value) its packed
+    ``in_proj_weight`` [3E, E] is read by linear ops alone: those are the MHA layer's own (a Linear of 3 fused
+    pieces), out_proj's linear is out_proj's, and the attention core between them belongs to no layer, as in any
+    other attention (`node_layer` is updated in place). Returns MHA FQN -> "" for those, else why it stays whole
+    (cross-attention splits the weight inside forward)."""
+    params = ep.graph_signature.inputs_to_parameters
+    placeholder = {params[n.name]: n for n in ep.graph.nodes if n.op == "placeholder" and n.name in params}
+    out: dict[str, str] = {}
+    for m, mod in layer_mods.items():
+        if not isinstance(mod, nn.MultiheadAttention):
+            continue
+        prefix = f"{m}." if m else ""
+        w, ow = placeholder.get(f"{prefix}in_proj_weight"), placeholder.get(f"{prefix}out_proj.weight")
+        if not mod._qkv_same_embed_dim or mod.bias_k is not None or w is None or ow is None:
+            out[m] = "pattern: nn.MultiheadAttention with separate q, k and v weights (kdim or vdim) or bias_k " \
+                     "and bias_v is kept whole"
+            continue
+        other = next((u for u in w.users if u.target is not aten.linear.default or u.args[1] is not w), None)
+        if other is not None:
+            out[m] = f"pattern: nn.MultiheadAttention reads its packed in_proj_weight in {other.target}, not in " \
+                     f"one linear (query is not key and value: cross-attention splits the weight in forward); " \
+                     f"only self-attention is split"
+            continue
+        out[m] = ""
+        for n in [n for n, layer in node_layer.items() if layer == m]:
+            if n.target is aten.linear.default and n.args[1] is w:
+                continue
+            if n.target is aten.linear.default and n.args[1] is ow:
+                node_layer[n] = f"{prefix}out_proj"
+            else:
+                del node_layer[n]
+    return out
 
 
 def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[torch.fx.Node, NodeStats], *,
@@ -201,7 +249,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     tied, counted = _tied(a)                               # 2. tied parameters: one canonical name each
     layer_out = _layer_outputs(a)                          # 3. the node that carries each layer's output
     linear_out = {m: layer_out[m] for m in a.ordered_layers
-                  if _module_kind(a.layer_mods[m]) == "linear" and m in layer_out}
+                  if a.kind(m) == "linear" and m in layer_out}
     shard = ShardAnalysis(ep.graph, a.node_layer, linear_out)  # 4. where a colwise split flows without collectives
     layers = _layers(a, shard, counted)                    # 5. layers: shapes, split groups, fused pieces
     units = _costs(a, stats, layers, shard, layer_out)     # 6. per-node costs into layers and units
@@ -256,10 +304,10 @@ def _layers(a: Assignment, shard: ShardAnalysis, counted: set[str]) -> dict[str,
     layers: dict[str, Layer] = {}
     for m in a.ordered_layers:
         mod = a.layer_mods[m]
-        kind = _module_kind(mod)
+        kind = a.kind(m)
         params = {f"{m}.{k}" if m else k: tuple(p.shape) for k, p in mod._parameters.items() if p is not None}
         in_f = out_f = 0
-        w = mod._parameters.get("weight")
+        w = mod._parameters.get("in_proj_weight" if isinstance(mod, nn.MultiheadAttention) else "weight")
         if kind == "linear" and w is not None:
             out_f, in_f = (w.shape[1], w.shape[0]) if type(mod).__name__ == "Conv1D" else (w.shape[0], w.shape[1])
         elif kind == "embedding" and w is not None:
@@ -277,7 +325,8 @@ def _layers(a: Assignment, shard: ShardAnalysis, counted: set[str]) -> dict[str,
         layers[m] = Layer(fqn=m, type=type(mod).__name__, kind=kind, unit=unit, params=params,
                           num_params=sum(_numel(s) for p, s in params.items() if p in counted),
                           in_features=in_f, out_features=out_f, col_groups=col_groups, row_groups=in_f,
-                          fused=fused, split_stop=region.reason if region and not region.valid else "")
+                          fused=fused, split_stop=region.reason if region and not region.valid else
+                          a.attention.get(m, ""))
     # Row groups: a rowwise split must respect the heads of every region that reaches it split.
     for region in shard.regions.values():
         for dst, ok in region.reaches.items():

@@ -344,15 +344,127 @@ def test_timm_attention_splits_its_heads_in_three_pieces(tmp_path):
     assert "gather_from_tp(" not in text and "scatter_to_tp(" not in text
 
 
+@pytest.mark.parametrize("src,dst,dim,pieces,want", [
+    ((16, 2, 64), (16, 8, 16), 2, 1, (1, 2)),  # MHA: (L, B, E) -> (L, B*H, D): the batch merged before the heads
+    ((8, 16, 16), (2, 4, 16, 16), 0, 2, (1, 1)),  # ... and back: (B*H, L, D) -> (B, H, L, D)
+    ((16, 2, 192), (16, 2, 3, 64), 2, 3, (3, 1)),  # a fused qkv unflattened into (3, E): the split on E
+    ((2, 16, 192), (2, 16, 12, 16), 2, 3, (2, 3)),  # ... viewed as 3 * 4 heads: still 3 pieces
+    ((2, 16, 4, 16), (32, 64), 2, 1, (1, 1)),  # heads merged with head_dim: one chunk per rank
+    ((16, 2, 64), (16, 8, 16), 2, 1, None),  # t = 8 does not divide the 4 heads
+    ((2, 3, 8), (3, 2, 8), 1, 1, None),  # no common refinement
+])
+def test_view_split_on_local_parts(src, dst, dim, pieces, want):
+    """Where a split lands after a view of each rank's part, and in how many pieces (t = 2 unless the heads are
+    4 and t = 8)."""
+    from partc.passes.shard import view_split
+
+    t = 8 if want is None and src == (16, 2, 64) else 2
+    assert view_split(src, dst, dim, pieces, t) == want
+
+
+def test_view_that_regroups_the_split_dimension_is_not_read_dim_to_dim():
+    """(B, E) -> (B*H, D) has as many dims on both sides but other sizes: the split does not stay on dim 2."""
+    from partc.passes.shard import view_dim_map
+
+    assert view_dim_map((16, 2, 64), (16, 8, 16), 2) == (None, None)
+    assert view_dim_map((16, 1, 64), (16, 64), 2)[0] == 1  # a size-1 dim dropped
+
+
+class _MHA(torch.nn.Module):
+    def __init__(self, cross: bool = False):
+        super().__init__()
+        self.attn, self.cross = torch.nn.MultiheadAttention(64, 4, batch_first=True), cross
+
+    def forward(self, x):
+        kv = x.flip(1) if self.cross else x
+        return self.attn(x, kv, kv, need_weights=False)[0]
+
+
+def test_multihead_attention_reads_as_a_linear_of_three_pieces_and_out_proj():
+    """Self-attention: the in-proj linear is the MHA layer's, its output unflattened to (3, E) and taken apart
+    through unsqueeze, transpose and squeeze: 3 fused pieces split on 4 heads, reaching out_proj on its input
+    features; out_proj's linear is out_proj's, the core no layer's. Cross-attention splits the weight in forward:
+    the MHA layer stays whole, with its reason."""
+    from partc.passes.shard import ShardAnalysis
+    from partc.passes.trace import _layer_outputs, assign
+
+    model = _MHA()
+    ep = torch.export.export(model, (torch.randn(1, 16, 64),))
+    a = assign(ep, model)
+    assert sorted({(n.target.__name__, a.node_layer[n]) for n in a.node_layer}) == \
+        [("linear.default", "attn"), ("linear.default", "attn.out_proj")]
+    assert (a.attention, a.kind("attn")) == ({"attn": ""}, "linear")
+    region = ShardAnalysis(ep.graph, a.node_layer, _layer_outputs(a)).regions["attn"]
+    assert (region.valid, region.reason, region.fused, region.groups) == (True, "", 3, 4)
+    assert region.reaches == {"attn.out_proj": True}
+
+    model = _MHA(cross=True)
+    ep = torch.export.export(model, (torch.randn(1, 16, 64),))
+    a = assign(ep, model)
+    assert set(a.node_layer.values()) == {"attn"} and a.kind("attn") == "other"
+    assert a.attention["attn"].startswith("pattern: nn.MultiheadAttention reads its packed in_proj_weight in "
+                                          "aten.split_with_sizes.default, not in one linear"), a.attention
+
+
 @pytest.mark.slow
-def test_unsplittable_attention_is_kept_whole_with_a_reason(tmp_path):
-    """nn.MultiheadAttention (packed in_proj_weight; out_proj's weight used by its parent): the solver keeps it
-    whole and the plan says why; a hand-set split is refused in one line, never a crash on local shards."""
+def test_multihead_attention_splits_its_packed_in_projection(tmp_path):
+    """nn.MultiheadAttention under self-attention: in_proj_weight colwise in 3 fused pieces over the 4 heads,
+    out_proj rowwise. The solver weighs them on cost (replicate wins at this tiny size); set by hand at micro-batch
+    2, each rank views its q as (L, B * H/tp, D): the batch merged before its own heads, no collective between.
+    (Training at tp 2 against one process: tests/test_zoo_dist.py.)"""
     mha = write_zoo_model(tmp_path, "mha")
     res = compile_model(mha, gpus=2, pins=Pins(tp=2, pp=1), global_batch_size=2, out_dir=tmp_path / "mha")
-    assert res.plan.tp["blocks.0.attn.out_proj"] == "replicate"
-    assert res.plan.tp_why["blocks.0.attn"].startswith("kind: a MultiheadAttention layer is always whole")
-    assert res.plan.tp_why["blocks.0.attn.out_proj"].startswith("kind: the model never calls it")
-    for style in ("rowwise", "colwise"):
-        with pytest.raises(PartcError, match=r"^layer blocks\.0\.attn\.out_proj: the model never calls it"):
-            _hand_set(mha, tmp_path / f"mha_{style}", {"attn.out_proj": style})
+    attn, out = res.graph.layers["blocks.0.attn"], res.graph.layers["blocks.0.attn.out_proj"]
+    assert (attn.kind, attn.fused, attn.col_groups, attn.split_stop, len(attn.gemms)) == ("linear", 3, 4, "", 1)
+    assert (out.row_groups, len(out.gemms)) == (4, 1)
+    assert res.plan.tp_why["blocks.0.attn"].startswith("cost: "), res.plan.tp_why["blocks.0.attn"]
+    _hand_set(mha, tmp_path / "mha_hand", {"attn": "colwise", "attn.out_proj": "rowwise", "fc1": "colwise",
+                                            "fc2": "rowwise"})
+    manifest = json.loads((tmp_path / "mha_hand" / "program" / "manifest.json").read_text())
+    assert manifest["tp"]["shards"]["blocks.0.attn.in_proj_weight"] == {"dim": 0, "fused": 3}
+    assert manifest["tp"]["shards"]["blocks.0.attn.in_proj_bias"] == {"dim": 0, "fused": 3}
+    assert manifest["tp"]["shards"]["blocks.0.attn.out_proj.weight"] == {"dim": 1, "fused": 1}
+    text = (tmp_path / "mha_hand" / "program" / "stage_0.py").read_text()
+    assert "aten.unflatten.int(linear, -1, [3, 32])" in text
+    assert "aten.view.default(select, [16, 4, 16])" in text  # 2 samples x 2 of the 4 heads
+    assert "aten.view.default(transpose_2, [2, 2, 16, 16])" in text
+    assert "gather_from_tp(" not in text and "scatter_to_tp(" not in text
+
+
+CROSS = """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x):
+            memory = x.flip(1)
+            return self.head(self.attn(x, memory, memory, need_weights=False)[0])
+
+    def model():
+        return Net()
+
+    def example_inputs(batch_size):
+        return (torch.randn(batch_size, 16, 64),)
+"""
+
+
+@pytest.mark.slow
+def test_cross_attention_is_kept_whole_with_a_reason(tmp_path):
+    """nn.MultiheadAttention with query other than key and value splits in_proj_weight inside forward: the plan
+    keeps it whole and says why; a hand-set split is refused in one line."""
+    import textwrap
+
+    path = tmp_path / "cross.py"
+    path.write_text(textwrap.dedent(CROSS))
+    res = compile_model(str(path), gpus=2, pins=Pins(tp=2, pp=1), global_batch_size=2, out_dir=tmp_path / "c")
+    assert res.plan.tp["attn"] == "replicate"
+    assert res.plan.tp_why["attn"].startswith("pattern: nn.MultiheadAttention reads its packed in_proj_weight in "
+                                              "aten.split_with_sizes.default"), res.plan.tp_why["attn"]
+    with pytest.raises(PartcError, match=r"^layer attn \(MultiheadAttention, other\) can only be replicate, not "
+                                         r"colwise \(nn\.MultiheadAttention reads its packed in_proj_weight"):
+        _hand_set(str(path), tmp_path / "c_hand", {"attn": "colwise"})

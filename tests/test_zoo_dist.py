@@ -31,9 +31,12 @@ CONFIGS = {
     # process's (with dp > 1 or more micro-batches they are per micro-batch and rank: compile warns)
     "resnet_pp2": ("resnet", 2, 1, 0, 4, 4, None),
     "timm_vit_tp2": ("timm_vit", 1, 1, 0, 2, 4, None),  # qkv viewed as (3, heads, head_dim): 3 fused pieces
+    # nn.MultiheadAttention: packed in_proj_weight (3 fused pieces); at 2 samples the batch merges before the heads
+    "mha_tp2": ("mha", 1, 1, 0, 2, 4, None),
 }
 TP = {  # name: Megatron's styles, set by hand in plan.json (by name suffix) and compiled --from-plan, at tp 2
     "timm_vit_tp2": {"attn.qkv": "colwise", "attn.proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"},
+    "mha_tp2": {"attn": "colwise", "attn.out_proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"},
 }
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
