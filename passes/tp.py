@@ -285,7 +285,8 @@ def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[st
     why = {}
     for fqn, layer in graph.layers.items():
         style, want = styles[fqn], pattern.get(fqn)
-        if layer.kind == "other" and layer.split_stop and style == "replicate":
+        if layer.kind == "other" and layer.split_stop and style == "replicate" \
+                and not layer.split_stop.startswith("pattern: "):  # not a whole reason of its own (attention's)
             why[fqn] = f"pattern: it multiplies by packed weights (experts) but cannot be split inside " \
                        f"({layer.split_stop})"
             continue
