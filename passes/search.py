@@ -278,6 +278,19 @@ class _Costs:
                                                                     range(len(self.graph.units)))
         return self._cache["floor_params", t]
 
+    def state_floor(self, get, make) -> float:
+        """Bytes one GPU needs at least whatever the TP map and stage split: the model states of 1/p of the model's
+        parameters, each sharded t ways (`_floor_params`; the busiest rank holds at least the average, and model
+        states are linear in the parameters), and the communicators' buffers of its tp, dp and pp groups. Read
+        like `_floor_bound` (`get(name)`, `make()`)."""
+        key = ("state_floor", get("tp"), get("dp"), get("pp"), get("zero"), get("precision"))
+        floor = self._cache.get(key)
+        if floor is None:
+            par = make()
+            floor = self._cache[key] = (cost.model_state_bytes(self._floor_params(par) / par.pp, par).total
+                                        + self.cluster.communicator_bytes * cost.communicators(par, False))
+        return floor
+
     def lower_bound(self, par: Parallel) -> float:
         """A step-time bound no stage split can beat: a rank runs at least 1/p of the unit time and holds at
         least 1/p of the parameters (for DP traffic and the optimizer); with p > 1 each chunk crosses at least
@@ -378,26 +391,19 @@ def _builder(values: dict):
     return make
 
 
-def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size: int, pins: Pins | None = None,
-           tp_pins: dict[str, str] | None = None, keep: int = 6, prune: bool = True) -> SearchResult:
-    """The fastest plan that fits, and the next `keep - 1`."""
-    pins = pins or Pins()
-    check_pins(pins, gpus, num_units=len(graph.units), max_stages=max_stages(graph))
-    mem_limit = cluster.usable_memory_bytes
-    costs = _Costs(graph, cluster, tp_pins)
-    configs = list(_config_values(graph, cluster, gpus, global_batch_size, pins))
-    if not configs and pins.dp is not None and global_batch_size % (pins.dp * (pins.micro_batch_size or 1)):
-        raise PartcError(f"global batch size {global_batch_size} is not divisible by dp x micro-batch size = "
-                         f"{pins.dp} x {pins.micro_batch_size or 1}")
-    if not configs:
-        raise PartcError(f"no parallel configuration of {gpus} GPUs matches the pins and a global batch of "
-                         f"{global_batch_size} (it must be divisible by dp x micro-batch size)")
+def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, prune: bool, state_floor: bool):
+    """`search`'s loop: (the best candidates as a max-heap of (-step time, -index, candidate), the candidates that
+    do not fit in the order evaluated, how many were evaluated). With `state_floor`, a configuration whose model
+    states alone cannot fit (`_Costs.state_floor`) is dropped before its TP solve and stage split."""
     # In the order of `lower_bound` (ties: the order of enumeration, which is deterministic). Each configuration
     # enters with `floor_bound`, no more than its `lower_bound` and without a TP solve, and is refined to it when
     # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`. Only then is its
-    # `Parallel` built.
-    queue = [(costs._floor_bound(values.__getitem__, _builder(values)), i, False, values)
-             for i, values in enumerate(configs)]
+    # `Parallel` built. A configuration whose model states cannot fit leaves before its bound is computed.
+    queue = []
+    for i, values in enumerate(configs):
+        make = _builder(values)
+        if not state_floor or costs.state_floor(values.__getitem__, make) <= mem_limit:
+            queue.append((costs._floor_bound(values.__getitem__, make), i, False, values))
     heapq.heapify(queue)
     best: list[tuple[float, int, Candidate]] = []  # max-heap by step time via negation
     evaluated = 0
@@ -431,7 +437,7 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
         if prune and len(best) >= keep and costs.split_bound(par, bounds) * (1 - 1e-9) > -best[0][0]:
             continue  # this split cannot beat the k-th best (the margin keeps float rounding on the safe side)
         pred = costs.predict(par, bounds)
-        if not cost.fits(cluster, pred.memory_per_gpu):
+        if not cost.fits(costs.cluster, pred.memory_per_gpu):
             unfit.append((par, tp, bounds, pred))
             continue
         cand = Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
@@ -440,6 +446,28 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
             heapq.heappush(best, item)
         elif item > best[0]:
             heapq.heapreplace(best, item)
+    return best, unfit, evaluated
+
+
+def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size: int, pins: Pins | None = None,
+           tp_pins: dict[str, str] | None = None, keep: int = 6, prune: bool = True) -> SearchResult:
+    """The fastest plan that fits, and the next `keep - 1`."""
+    pins = pins or Pins()
+    check_pins(pins, gpus, num_units=len(graph.units), max_stages=max_stages(graph))
+    mem_limit = cluster.usable_memory_bytes
+    costs = _Costs(graph, cluster, tp_pins)
+    configs = list(_config_values(graph, cluster, gpus, global_batch_size, pins))
+    if not configs and pins.dp is not None and global_batch_size % (pins.dp * (pins.micro_batch_size or 1)):
+        raise PartcError(f"global batch size {global_batch_size} is not divisible by dp x micro-batch size = "
+                         f"{pins.dp} x {pins.micro_batch_size or 1}")
+    if not configs:
+        raise PartcError(f"no parallel configuration of {gpus} GPUs matches the pins and a global batch of "
+                         f"{global_batch_size} (it must be divisible by dp x micro-batch size)")
+    best, unfit, evaluated = _run(costs, configs, mem_limit=mem_limit, keep=keep, prune=prune, state_floor=prune)
+    if not best and prune:
+        # Nothing fits: the configurations the memory floor left out are evaluated too, for the one that needs the
+        # least memory (the error message's).
+        best, unfit, evaluated = _run(costs, configs, mem_limit=mem_limit, keep=keep, prune=prune, state_floor=False)
     least: tuple[float, Candidate] | None = None
     for par, tp, bounds, pred in (unfit if not best else []):
         pred = pred or costs.predict(par, bounds)

@@ -156,8 +156,12 @@ def assign(ep: torch.export.ExportedProgram, model: nn.Module) -> Assignment:
     # that read its own parameters: the rest of its forward is glue between its children, as in a module without
     # parameters (timm's attention core would otherwise be "inside" the root layer, out of the shard analysis).
     # nn.MultiheadAttention, which calls its child out_proj's weight itself, is `_packed_attention`'s to sort out.
-    containers = {m for m in layer_names if any(o != m and (not m or o.startswith(m + ".")) for o in layer_names)
-                  and not isinstance(layer_mods[m], nn.MultiheadAttention)}
+    above = set()  # every module above a weight-bearing one (the root "" included)
+    for m in layer_names:
+        while m:
+            m = m.rpartition(".")[0]
+            above.add(m)
+    containers = {m for m in layer_names if m in above and not isinstance(layer_mods[m], nn.MultiheadAttention)}
     param_owner = {name: fqn.rpartition(".")[0] for name, fqn in ep.graph_signature.inputs_to_parameters.items()}
     node_layer: dict[torch.fx.Node, str] = {}
     node_unit: dict[torch.fx.Node, str | None] = {}

@@ -206,6 +206,31 @@ def test_pruning_bound_is_below_every_step_time(case_id):
     assert checked > 50
 
 
+@pytest.mark.parametrize("case", [CASES["long-8-tight"], CASES["wide-8-nodes"], Case("tied", 0.5, 8)])
+def test_state_floor_is_below_every_plans_memory(case):
+    """`state_floor` (how the search drops a configuration before its TP solve) never exceeds the memory a GPU
+    needs under any TP styles and stage split (the least-time split, the solver's styles and random ones), and it
+    drops some configurations of these cases."""
+    graph = gpt_graph(case.graph)
+    cluster = Cluster.from_dict({**case.cluster.to_dict(), "communicator_bytes": 2**20})
+    costs = _Costs(graph, cluster, None)
+    rng = random.Random(0)
+    checked = dropped = 0
+    for par in _configs(graph, cluster, case.gpus, case.gbs, case.pins or Pins()):
+        floor = costs.state_floor(par.__getattribute__, lambda: par)
+        dropped += floor > cluster.usable_memory_bytes
+        bounds = costs.free_split(par, par.num_stages)
+        if bounds is None:
+            continue
+        plans = [costs.tp(par), SimpleNamespace(styles={f: rng.choice(TP_STYLES) for f in graph.layers},
+                                                collectives={})]
+        for plan in plans:
+            mem = cost.predict(graph, cluster, par, plan, bounds).memory_per_gpu.total
+            assert floor <= mem * (1 + 1e-12), (par, floor, mem)
+            checked += 1
+    assert checked > 50 and dropped > 0
+
+
 @pytest.mark.parametrize("name", ["long", "wide", "tied"])
 def test_unit_time_floor_is_below_any_tp_styles(name):
     """`cost.unit_time_floor` (what `floor_bound` orders configurations by before any TP solve) is at most each
