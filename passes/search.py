@@ -26,7 +26,7 @@ from partc.ir import ModelGraph
 from partc.parallel import RECOMPUTE, SCHEDULES, ZERO_STAGES, Parallel, Pins, check_pins
 from partc.passes import cost
 from partc.passes.stages import FreeSplits, partition_stages, stage_memory
-from partc.passes.tp import TPSolution, solve_tp
+from partc.passes.tp import SolveCache, TPSolution, solve_tp
 
 
 MAX_VIRTUAL_STAGES = 8
@@ -151,6 +151,7 @@ class _Costs:
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
         self._cache: dict[tuple, object] = {}
         self._memo: dict[tuple, object] = {}  # `cost.predict`'s per-chunk terms (the TP solve is one per (tp, b))
+        self._tp_cache = SolveCache(graph, cluster)
         # A TP plan whose every layer is colwise: each parameter t ways, the fewest it can have on a GPU.
         self._all_sharded = SimpleNamespace(styles={fqn: "colwise" for fqn in graph.layers}, collectives={})
 
@@ -162,7 +163,8 @@ class _Costs:
 
     def tp(self, par: Parallel) -> TPSolution:
         return self._get("tp", par,
-                         lambda: solve_tp(self.graph, par.tp, self.cluster, par.micro_batch_size, self.tp_pins))
+                         lambda: solve_tp(self.graph, par.tp, self.cluster, par.micro_batch_size, self.tp_pins,
+                                          cache=self._tp_cache))
 
     def parts(self, par: Parallel) -> list[cost.UnitTime]:
         return self._get("parts", par, lambda: cost.unit_time_parts(self.graph, self.cluster, par, self.tp(par)))

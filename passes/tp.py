@@ -224,6 +224,28 @@ def _compute_s(cluster: Cluster, layer: Layer, style: str, tp: int, b: int) -> f
                    for g in layer.gemms)
 
 
+class SolveCache:
+    """What `solve_tp` derives from the graph and the cluster alone, kept across its calls (the search solves every
+    TP degree and micro-batch size of one graph): the layers' sources, the representatives of identical units, and
+    each layer's GEMM seconds by its GEMMs' shapes, style, degree and micro-batch size (identical blocks repeat
+    them). The graph and the cluster must not change while it is in use."""
+
+    def __init__(self, graph: ModelGraph, cluster: Cluster):
+        self.graph, self.cluster = graph, cluster
+        self.sources = _sources(graph)
+        self.rep = representatives(graph)
+        self._shapes = {f: tuple((g.batch, g.m, g.n, g.k, g.batch_scales, g.dtype_bytes, g.fused, g.inner_split)
+                                 for g in layer.gemms) for f, layer in graph.layers.items()}
+        self._seconds: dict[tuple, float] = {}
+
+    def compute_s(self, fqn: str, style: str, tp: int, b: int) -> float:
+        """`_compute_s` of layer `fqn`."""
+        key = (self._shapes[fqn], style, tp, b)
+        if key not in self._seconds:
+            self._seconds[key] = _compute_s(self.cluster, self.graph.layers[fqn], style, tp, b)
+        return self._seconds[key]
+
+
 def _readers(phase: str, kind: str, consumers: list[str], needs: list[tuple[str, str | None, bool]]) -> list[str]:
     """The consumers a collective serves (for its reason)."""
     if phase == "fwd":
@@ -326,13 +348,15 @@ def _spans_nodes(cluster: Cluster, tp: int) -> bool:
 
 
 def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Cluster, b: int, *,
-              given: set[str] | frozenset = frozenset(), solved: bool = True) -> TPSolution:
+              given: set[str] | frozenset = frozenset(), solved: bool = True,
+              cache: SolveCache | None = None) -> TPSolution:
+    cache = cache or SolveCache(graph, cluster)
     unit_time = {u.fqn: 0.0 for u in graph.units}
     collectives: dict[str, list[Collective]] = {u.fqn: [] for u in graph.units}
     for fqn, layer in graph.layers.items():
-        unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + _compute_s(cluster, layer, styles[fqn], tp, b)
+        unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + cache.compute_s(fqn, styles[fqn], tp, b)
     if tp > 1:
-        for src in _sources(graph):
+        for src in cache.sources:
             layer, style = graph.layers[src.layer], styles[src.layer]
             needs = [(*_needs(graph.layers[c], styles[c]), ok) for c, ok in src.consumers.items()]
             for phase, kind in _conversions(STATE[style], _facts(needs, src.loss)).items():
@@ -454,7 +478,7 @@ def _components(choices: dict[str, list[str]], groups: list[list[str]]) -> dict[
 
 
 def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
-                   pins: dict[str, str]) -> tuple[dict[str, str], int]:
+                   pins: dict[str, str], cache: SolveCache | None = None) -> tuple[dict[str, str], int]:
     """(representative layer FQN -> style, the model's time in ns), minimizing the time of the whole model.
 
     The time is a sum of terms, each over the styles of one source layer and its consumers (or of a tied pair), so
@@ -463,8 +487,9 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
     signatures whose layers with a choice match: a block with one more norm or bias table, a stage of another
     width whose costs come out equal)."""
     choices = {r: [pins[r]] if r in pins else allowed_styles(graph.layers[r], tp) for r in dict.fromkeys(rep.values())}
+    cache = cache or SolveCache(graph, cluster)
     distinct = Counter()
-    for src in _sources(graph):
+    for src in cache.sources:
         consumers = tuple(sorted({(rep[c], ok) for c, ok in src.consumers.items()}))
         distinct[(rep[src.layer], src.nbytes, consumers, src.loss)] += 1
     tied = [(sa, sb, rep[a], rep[b]) for sa, sb, a, b in _tied_conflicts(graph, tp)]
@@ -489,14 +514,14 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
     total_ns, choice, solved = 0, {r: c[0] for r, c in choices.items() if len(c) == 1}, {}
     for c in [None, *(c for c in members if len(choices[c]) > 1)]:  # None: the terms without a choice
         reps = [r for r in members.get(c, []) if len(choices[r]) > 1]
-        picked, ns = _solve_component(graph, tp, cluster, b, rep, choices, reps, terms[c], solved)
+        picked, ns = _solve_component(graph, tp, cluster, b, rep, choices, reps, terms[c], solved, cache)
         choice.update(picked)
         total_ns += ns
     return choice, total_ns
 
 
 def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
-                     choices: dict[str, list[str]], reps: list[str], terms: dict, solved: dict):
+                     choices: dict[str, list[str]], reps: list[str], terms: dict, solved: dict, cache: SolveCache):
     """(style of each representative in `reps`, time in ns of `terms`) by CP-SAT; representatives outside
     `reps` have one choice. `solved`: cache key -> (styles in `reps` order, ns) of components solved before."""
     model = cp_model.CpModel()
@@ -535,7 +560,7 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
     compute: Counter = Counter()
     for fqn in terms["layers"]:
         for style in styles_of(rep[fqn]):
-            compute[(rep[fqn], style)] += round(NS * _compute_s(cluster, graph.layers[fqn], style, tp, b))
+            compute[(rep[fqn], style)] += round(NS * cache.compute_s(fqn, style, tp, b))
     const_ns = sum(ns for ns, y in indicators if y is True) + sum(c for (r, _), c in compute.items() if r not in x)
     indicators = [(ns, y) for ns, y in indicators if y is not True]
     compute = {k: c for k, c in compute.items() if k[0] in x}
@@ -582,15 +607,18 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
 
 
 def solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int,
-             pinned: dict[str, str] | None = None) -> TPSolution:
+             pinned: dict[str, str] | None = None, *, cache: SolveCache | None = None) -> TPSolution:
     """The style map of least time per micro-batch at degree `tp`; units of one signature share their styles.
 
-    `pinned` fixes some layers (a pin applies to the same layer in every unit of its signature class).
+    `pinned` fixes some layers (a pin applies to the same layer in every unit of its signature class). `cache`:
+    a `SolveCache` of the same graph and cluster, when the caller solves more than once.
     """
     _check_degree(tp, micro_batch_size)
     pinned = dict(pinned or {})
     _check_styles(graph, pinned, tp, "pinned TP style names")
-    rep = representatives(graph) if tp > 1 else {f: f for f in graph.layers}
+    cache = cache or SolveCache(graph, cluster)
+    assert cache.graph is graph and cache.cluster is cluster, "a SolveCache serves one graph and cluster"
+    rep = cache.rep if tp > 1 else {f: f for f in graph.layers}
     pins: dict[str, str] = {}
     for fqn, style in pinned.items():
         if pins.setdefault(rep[fqn], style) != style:
@@ -599,6 +627,7 @@ def solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int
     if tp == 1:
         choice = {f: pins.get(f, "replicate") for f in graph.layers}
     else:
-        choice, _ = _solve_classes(graph, tp, cluster, micro_batch_size, rep, pins)
+        choice, _ = _solve_classes(graph, tp, cluster, micro_batch_size, rep, pins, cache)
     given = {f for f in graph.layers if rep[f] in pins}
-    return _evaluate(graph, tp, {f: choice[rep[f]] for f in graph.layers}, cluster, micro_batch_size, given=given)
+    return _evaluate(graph, tp, {f: choice[rep[f]] for f in graph.layers}, cluster, micro_batch_size, given=given,
+                     cache=cache)
