@@ -217,9 +217,14 @@ def _boundaries(nodes: list[torch.fx.Node], node_stage: dict[torch.fx.Node, int]
                 used[x] = max(used.get(x, -1), node_stage[n])
     for o in io.outputs:
         used[o] = num_stages  # the model's output leaves the last stage
-    values = io.user_inputs + nodes
-    receives = [io.user_inputs] + [_live(values, produced, used, k) for k in range(1, num_stages)]
-    sends = [_live(values, produced, used, k + 1) for k in range(num_stages - 1)] + [io.outputs]
+    # live[k]: `_live` at boundary k, 0 < k < num_stages (one pass over the values).
+    live: list[list[torch.fx.Node]] = [[] for _ in range(num_stages)]
+    for x in io.user_inputs + nodes:
+        if x in used:
+            for k in range(max(produced[x] + 1, 1), min(used[x], num_stages - 1) + 1):
+                live[k].append(x)
+    receives = [io.user_inputs] + live[1:]
+    sends = [list(x) for x in live[1:]] + [io.outputs]
     return receives, sends
 
 

@@ -25,7 +25,9 @@ def comment(text: str) -> str:
     """`text` as one comment line's content: line breaks (every kind Python or an editor honours) become spaces,
     other control characters go."""
     text = " ".join(str(text).splitlines())
-    return "".join(c if c.isprintable() else " " for c in text).strip()
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else " " for c in text)
+    return text.strip()
 
 
 def doc_text(text: str) -> str:

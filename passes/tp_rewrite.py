@@ -89,6 +89,7 @@ class _Rewriter:
         for spec in ep.graph_signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
                 self.param_of[placeholders[spec.arg.name]] = spec.target
+        self._param_pos = {p: i for i, p in enumerate(self.param_of)}
         self.inner = self._inner_states()
         """Nodes of the layers split inside (``inner``) -> their state (`partc.passes.experts.InnerSplit.states`)."""
 
@@ -208,8 +209,9 @@ class _Rewriter:
         """The op of a split layer that multiplies by its weight: 'linear', 'addmm', 'embedding' or None."""
         name = f"{layer.fqn}.{weight_names(layer)[0]}" if layer.fqn else weight_names(layer)[0]
         # A tied weight may reach the op through any of its names' placeholders.
-        weight = next((p for p, f in self.param_of.items() if name in self.aliases.get(f, [f])
-                       and p in node.all_input_nodes), None)
+        hits = [p for p in node.all_input_nodes if p in self.param_of
+                and name in self.aliases.get(self.param_of[p], [self.param_of[p]])]
+        weight = min(hits, key=self._param_pos.__getitem__, default=None)  # the first placeholder, as declared
         if weight is None:
             return None
         if node.target is aten.linear.default and node.args[1] is weight:
