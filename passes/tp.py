@@ -438,6 +438,14 @@ def _tied_conflicts(graph: ModelGraph, tp: int):
                     yield sa, sb, a, b
 
 
+class _CpModel(cp_model.CpModel):
+    """OR-Tools' model without the deprecated camelCase aliases its constructor sets on every instance (a few ms
+    each, and the search builds a model per component and TP solve): partc calls the snake_case methods only."""
+
+    def _add_pre_pep8_methods(self) -> None:
+        pass
+
+
 def _neg(lit):
     return (not lit) if isinstance(lit, bool) else lit.Not()
 
@@ -524,7 +532,7 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
                      choices: dict[str, list[str]], reps: list[str], terms: dict, solved: dict, cache: SolveCache):
     """(style of each representative in `reps`, time in ns of `terms`) by CP-SAT; representatives outside
     `reps` have one choice. `solved`: cache key -> (styles in `reps` order, ns) of components solved before."""
-    model = cp_model.CpModel()
+    model = _CpModel()
 
     # 1. Variables: x[r][style] per representative layer with a choice (a constant for the others); collective
     #    indicators (defined by boolean constraints as they are created) per distinct source, with the number of
