@@ -185,7 +185,9 @@ class _Recorder:
             self.see(t)
         for t in written:
             self.before_write(t)
-        out = func(*args, **kwargs)
+        out = _meta_normal(func, args, kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         outs = _tensors(out)
         creates = set()
         for t in outs:
@@ -218,6 +220,22 @@ class _Recorder:
                 kills=frozenset({k}) if _covers(tensor) else frozenset(), random=random, seed_ref=_ref(tensor)))
             fn(tensor, *args, **kwargs)  # on meta: nothing; on a real tensor the build made: its values now
         return tensor
+
+
+def _meta_normal(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Tensor | None:
+    """``normal_`` of a floating-point meta tensor with numbers for its mean and std: the tensor, after the check
+    PyTorch makes (std >= 0), without its meta kernel (a Python decomposition that builds the samples' shape, about
+    a millisecond a call; a large model's build makes a thousand). None for any other call."""
+    if func is not torch.ops.aten.normal_.default or kwargs.get("generator") is not None:
+        return None
+    t = args[0]
+    mean = args[1] if len(args) > 1 else kwargs.get("mean", 0)
+    std = args[2] if len(args) > 2 else kwargs.get("std", 1)
+    if not (t.is_meta and t.dtype.is_floating_point and isinstance(mean, (int, float))
+            and isinstance(std, (int, float))):
+        return None
+    torch._check(std >= 0, lambda: f"normal expects std >= 0.0, but found std {std}")
+    return t
 
 
 class _OpRecorder(TorchDispatchMode):

@@ -95,6 +95,30 @@ def test_random_fills_are_seeded_by_the_name_of_the_tensor_they_fill():
     assert torch.equal(got["w"], torch.cat([top, rest]))  # a fill of part of a tensor: seeded by its offset
 
 
+def test_normal_on_meta_is_recorded_without_its_meta_kernel_and_checked():
+    """The record skips `normal_`'s meta kernel (a slow Python decomposition) but keeps its check and its step: the
+    replay draws the same values, a negative std fails as PyTorch says, and an integer tensor gets PyTorch's own
+    error."""
+    class M(nn.Module):
+        def __init__(self, std: float = 0.5, dtype=torch.float32):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(3, 2, dtype=dtype), requires_grad=dtype.is_floating_point)
+            with torch.no_grad():
+                self.w.normal_(1.0, std)
+
+    _, init = record(M)
+    got = _replay(init, ["w"], seed=3)["w"]
+    want = torch.empty(3, 2).normal_(1.0, 0.5, generator=torch.Generator().manual_seed(seed_of(3, "w")))
+    assert torch.equal(got, want)
+    for bad in (lambda: M(std=-1.0), lambda: M(dtype=torch.int64)):
+        with torch.device("meta"), pytest.raises(RuntimeError) as plain:
+            bad()
+        with pytest.raises(RuntimeError) as recorded:
+            record(bad)
+        assert str(recorded.value) == str(plain.value)
+        assert "std >= 0.0, but found std -1.0" in str(plain.value) or "floating-point" in str(plain.value)
+
+
 def test_values_from_data_and_outside_tensors():
     """torch.tensor / as_tensor / new_tensor of Python or NumPy data, from_numpy and legacy constructors keep
     their values, also copied into a parameter; a real tensor the build changes later is copied first."""
