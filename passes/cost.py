@@ -151,9 +151,11 @@ def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel, memo: di
     out = []
     seen: dict[tuple, float] = {}
     memo = {} if memo is None else memo
-    for unit in graph.units:
-        key = (unit.signature if unit.kind == "block" else unit.fqn, unit.fwd_flops, unit.memory_bytes,
-               unit.op_saved_bytes, unit.op_saved_bytes_replicated, len(unit.core_gemms))
+    if "floor_keys" not in memo:  # what each unit's floor depends on (identical blocks share it)
+        memo["floor_keys"] = [(u.signature if u.kind == "block" else u.fqn, u.fwd_flops, u.memory_bytes,
+                               u.op_saved_bytes, u.op_saved_bytes_replicated, len(u.core_gemms))
+                              for u in graph.units]
+    for unit, key in zip(graph.units, memo["floor_keys"]):
         if key not in seen:
             if ("floor", t, b, key) not in memo:
                 memo["floor", t, b, key] = _forward_floor(graph, cluster, t, b, unit)
