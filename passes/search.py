@@ -8,8 +8,10 @@ GPipe and interleaved 1F1B (v chunks a rank). For each, `passes.tp` picks the pe
 Pruning never loses the optimum of the cost model: a candidate is evaluated in full only while a lower bound of
 its step time, (m + (p - 1)/v) * sum(unit times) / p (a rank runs at least its share of the units, m times plus
 the fill/drain slots), is below the k-th best step time found so far; once its stage split is known, the same
-bound with the busiest rank's actual time decides whether `predict` runs. Two necessary memory conditions skip
-the stage DP for configurations that cannot fit. `prune=False` evaluates all of them (the tests compare the two).
+bound with the busiest rank's actual time decides whether `predict` runs. A configuration whose model states alone
+cannot fit (1/p of the parameters, each sharded t ways: `_Costs.state_floor`) is dropped before its TP solve, and
+two necessary memory conditions skip the stage DP for others that cannot fit. `prune=False` evaluates all of them
+(the tests compare the two).
 """
 
 from __future__ import annotations
