@@ -238,13 +238,17 @@ def test_interleaved_beyond_three_chunks_gathers_once(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_tensor_parallel_activations_agree(tmp_path, monkeypatch):
-    """A 1.7B GPT at tp 4, pp 4, where activations dominate a rank's transient memory: every row of every rank
-    agrees, activations included. Under tp the program keeps the inputs of the colwise layers and what follows the
-    rowwise ones (the dropout masks, the residual) whole, and the last stage gathers the logits whole before the
-    loss (the gather's parts are one more copy at its peak)."""
-    monkeypatch.setenv("PARTC_GPT_SIZE", "1.7b")
+    """GPT 1.7B's widths (h 2304, s 2048, V 51200; 8 of its 24 layers, 2 a stage: a rank's activations and its
+    model states both scale with its layers) at tp 4, pp 4, where activations dominate a rank's transient memory:
+    every row of every rank agrees, activations included. Under tp the program keeps the inputs of the colwise
+    layers and what follows the rowwise ones (the dropout masks, the residual) whole, and the last stage gathers
+    the logits whole before the loss (the gather's parts are one more copy at its peak)."""
+    path = tmp_path / "gpt.py"  # examples/gpt.py with one size more: checking 24 layers takes three times as long
+    path.write_text((EXAMPLES / "gpt.py").read_text() + '\nSIZES["1.7b-8"] = GPTConfig(vocab_size=51200, seq_len=2048, '
+                    'heads=24, hidden=2304, layers=8, tie_weights=True)\n')
+    monkeypatch.setenv("PARTC_GPT_SIZE", "1.7b-8")
     out = tmp_path / "tp4"
-    compile_model(str(EXAMPLES / "gpt.py"), gpus=32, global_batch_size=16, out_dir=out,
+    compile_model(str(path), gpus=32, global_batch_size=16, out_dir=out,
                   pins=Pins(tp=4, pp=4, zero=1, micro_batch_size=1, schedule="1f1b", recompute="none"))
     results = check_program(str(out), jobs=2)
     for r in results:
