@@ -364,6 +364,8 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     - full recompute: the backward of a block first rebuilds all its activations (as without recomputation):
       the largest recomputed unit's; selective: the largest recomputed attention core;
     - ZeRO's transient memory (`partc.passes.zero.working_bytes`): gathered units and one unit's gradients;
+    - the backward of one unit at a time (`_backward_bytes`): the gradients it holds besides the saved activations,
+      the largest unit's;
     - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole even when the head is
       colwise, since a loss-parallel head is not assumed; then the gather's parts are one more copy at its peak).
     `shards`: `unit_param_shards`, when the caller has it.
@@ -373,8 +375,10 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     sizes = [sum((shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)).values())
              for u in units]
     last = graph.units[-1]
+    index = {u.fqn: i for i, u in enumerate(graph.units)}
     return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
-                        any(u.fqn == last.fqn for u in units))
+                        any(u.fqn == last.fqn for u in units),
+                        [_backward_bytes(graph, par, tp, index[u.fqn]) for u in units])
 
 
 def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
@@ -388,11 +392,37 @@ def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
     return rebuilt
 
 
+def _backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, i: int) -> float:
+    """Gradients the backward of units[i] holds at its peak for one micro-batch, besides the saved activations: the
+    gradient of the unit's output (the residual stream's; under tp both the 1/t part a pipeline stage receives and
+    the whole it gathers) and the gradient of its largest layer input. The peak comes early in the unit's backward,
+    before the saved tensors are freed: GPT's fc2 makes the gradient of its input (4·b·s·h) while the gradient of
+    the block's output and everything the block saved are held (measured by ``partc check``: +14% on a rank of one
+    block, two micro-batches in flight). The gradients that follow (GELU's, fc1's) are no larger than the saved
+    tensors freed before them. A rowwise layer's input is 1/t; an embedding's (token ids) has no gradient."""
+    b, t = par.micro_batch_size, par.tp
+    out = graph.boundary_grad_bytes(i, b)
+    if t > 1:
+        out += out / t
+    largest = 0.0
+    for fqn in graph.units[i].layers:
+        layer = graph.layers[fqn]
+        if layer.kind == "embedding":
+            continue
+        nbytes = float(layer.out_bytes)
+        if layer.kind == "linear" and layer.out_features > 0:
+            nbytes = layer.out_bytes * layer.in_features / layer.out_features
+            if t > 1 and style_of(tp, fqn) == "rowwise":
+                nbytes /= t
+        largest = max(largest, nbytes * b)
+    return out + largest
+
+
 def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
-                 sizes: Sequence[float], holds_last: bool) -> float:
-    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt` and hold `sizes` parameters on one GPU, the last
-    unit of the model among them if `holds_last`."""
-    extra = max([0.0, *rebuilt])
+                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float]) -> float:
+    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU and hold
+    `backward` in their backward (`_backward_bytes`), the last unit of the model among them if `holds_last`."""
+    extra = max([0.0, *rebuilt]) + max([0.0, *backward])
     extra += zero.working_bytes(par, sizes)
     last = graph.units[-1]
     if holds_last and last.layers:
@@ -624,6 +654,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
     padded_sums = keep(("padded", t, b, par.dp), lambda: [0, *itertools.accumulate(
         sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
     rebuilt = keep(("rebuilt", t, b, par.recompute), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+    backward = keep(("backward", t, b), lambda: [_backward_bytes(graph, par, tp, i) for i in range(len(graph.units))])
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
         idx = [i for lo, hi in chunks for i in range(lo, hi)]
@@ -638,7 +669,8 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             groups_n = len(idx)
         mem = model_state_bytes(params, par)
         extra = keep(("extra", t, b, par.recompute, par.zero, par.precision, tuple(chunks)), lambda: _extra_bytes(
-            graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(graph.units) - 1))
+            graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(graph.units) - 1,
+            [backward[i] for i in idx]))
         mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem
