@@ -395,17 +395,24 @@ def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
 def _backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, i: int) -> float:
     """Gradients the backward of units[i] holds at its peak for one micro-batch, besides the saved activations: the
     gradient of the unit's output (the residual stream's; under tp both the 1/t part a pipeline stage receives and
-    the whole it gathers) and the gradient of its largest layer input. The peak comes early in the unit's backward,
-    before the saved tensors are freed: GPT's fc2 makes the gradient of its input (4·b·s·h) while the gradient of
-    the block's output and everything the block saved are held (measured by ``partc check``: +14% on a rank of one
-    block, two micro-batches in flight). The gradients that follow (GELU's, fc1's) are no larger than the saved
-    tensors freed before them. A rowwise layer's input is 1/t; an embedding's (token ids) has no gradient."""
+    the whole it gathers) and the widest gradient inside it, made early in its backward while everything the unit
+    saved is still held. That is the gradient of a layer's input (GPT's fc2: 4·b·s·h; measured by ``partc check``,
+    14% of a rank holding one block and two micro-batches), or the gradients of the unit's layers that feed that
+    input, which the ops between them make from it (SwiGLU's gate and up, 2·b·s·I, while down's saved input is
+    freed). The gradients that follow are no larger than the saved tensors freed before them. Under tp a rowwise
+    layer's input and a colwise layer's output are 1/t; an embedding's input (token ids) has no gradient."""
     b, t = par.micro_batch_size, par.tp
     out = graph.boundary_grad_bytes(i, b)
     if t > 1:
         out += out / t
+    unit = graph.units[i]
+    fed: dict[str, float] = {}  # layer -> gradients of the unit's layers that feed its input
+    for e in graph.edges:
+        if e.dst in unit.layers and e.src in unit.layers:
+            split = t > 1 and style_of(tp, e.src) == "colwise"
+            fed[e.dst] = fed.get(e.dst, 0.0) + e.bytes / (t if split else 1)
     largest = 0.0
-    for fqn in graph.units[i].layers:
+    for fqn in unit.layers:
         layer = graph.layers[fqn]
         if layer.kind == "embedding":
             continue
@@ -414,7 +421,7 @@ def _backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, i: int)
             nbytes = layer.out_bytes * layer.in_features / layer.out_features
             if t > 1 and style_of(tp, fqn) == "rowwise":
                 nbytes /= t
-        largest = max(largest, nbytes * b)
+        largest = max(largest, nbytes * b, fed.get(fqn, 0.0) * b)
     return out + largest
 
 
