@@ -365,7 +365,7 @@ def measure_backward_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("name", ["gpt", "gpt-nodropout", "llama"])
 def test_backward_gradients_of_a_block(name):
-    """What one block's backward holds besides its saved tensors (`cost._backward_bytes`), measured on the CPU:
+    """What one block's backward holds besides its saved tensors (`cost.unit_backward_bytes`), measured on the CPU:
     the gradient of its output and the widest gradient made early on, while everything the block saved is held:
     GPT fc2's input gradient (4·b·s·h, b·s·h + 4·b·s·h in all); LLaMA's SwiGLU product, whose backward makes the
     gradients of gate and up (2·b·s·I) from down's, while down's saved input goes. Measured at least the prediction,
@@ -377,7 +377,7 @@ def test_backward_gradients_of_a_block(name):
     s, h = graph.seq_len, graph.info["hidden_size"]
     for b in (*MICRO_BATCHES, 8):
         par = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=b, global_batch_size=b)
-        predicted = cost._backward_bytes(graph, par, None, i)
+        predicted = cost.unit_backward_bytes(graph, par, None)[i]
         torch.manual_seed(b)
         measured = measure_backward_bytes(block, torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True))
         assert predicted <= measured <= predicted + 2 * graph.units[i].num_params, (b, measured, predicted)
