@@ -366,17 +366,20 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     - full recompute: the backward of a block first rebuilds all its activations (as without recomputation):
       the largest recomputed unit's; selective: the largest recomputed attention core;
     - ZeRO's transient memory (`partc.passes.zero.working_bytes`): gathered units and one unit's gradients;
+    - the backward of one unit at a time (`unit_backward_bytes`): the gradients it holds besides the saved
+      activations, the largest unit's;
     - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole even when the head is
       colwise, since a loss-parallel head is not assumed; then the gather's parts are one more copy at its peak).
     `shards`: `unit_param_shards`, when the caller has it.
     """
     units = _unit_list(graph, units_in_stage)
-    index = {u.fqn: i for i, u in enumerate(graph.units)} if shards is not None else {}
+    index = {u.fqn: i for i, u in enumerate(graph.units)}
     sizes = [sum((shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)).values())
              for u in units]
     last = graph.units[-1]
+    backward = unit_backward_bytes(graph, par, tp)
     return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
-                        any(u.fqn == last.fqn for u in units))
+                        any(u.fqn == last.fqn for u in units), [backward[index[u.fqn]] for u in units])
 
 
 def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
@@ -390,11 +393,45 @@ def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
     return rebuilt
 
 
+def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[float]:
+    """Gradients the backward of each unit holds at its peak for one micro-batch on one GPU, besides the saved
+    activations: the gradient of the unit's output (the residual stream's; under tp both the 1/t part a pipeline
+    stage receives and the whole it gathers) and the widest gradient inside it, made early in its backward while
+    everything the unit saved is still held. That is the gradient of a layer's input (GPT's fc2: 4·b·s·h; measured
+    by ``partc check``, 14% of a rank holding one block and two micro-batches), or the gradients of the unit's layers
+    that feed that input, which the ops between them make from it (SwiGLU's gate and up, 2·b·s·I, while down's
+    saved input is freed). The gradients that follow are no larger than the saved tensors freed before them. Under
+    tp a rowwise layer's input and a colwise layer's output are 1/t; an embedding's input (token ids) has no
+    gradient. Checked against one block's backward on the CPU (tests/test_activations.py)."""
+    b, t = par.micro_batch_size, par.tp
+    fed: dict[str, float] = {}  # layer -> gradients of the layers of its unit that feed its input
+    for e in graph.edges:
+        if graph.layers[e.src].unit == graph.layers[e.dst].unit:
+            split = t > 1 and style_of(tp, e.src) == "colwise"
+            fed[e.dst] = fed.get(e.dst, 0.0) + e.bytes / (t if split else 1)
+    out = []
+    for i, unit in enumerate(graph.units):
+        grad = graph.boundary_grad_bytes(i, b)
+        largest = 0.0
+        for fqn in unit.layers:
+            layer = graph.layers[fqn]
+            if layer.kind == "embedding":
+                continue
+            nbytes = float(layer.out_bytes)
+            if layer.kind == "linear" and layer.out_features > 0:
+                nbytes = layer.out_bytes * layer.in_features / layer.out_features
+                if t > 1 and style_of(tp, fqn) == "rowwise":
+                    nbytes /= t
+            largest = max(largest, nbytes * b, fed.get(fqn, 0.0) * b)
+        out.append(grad + (grad / t if t > 1 else 0.0) + largest)
+    return out
+
+
 def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
-                 sizes: Sequence[float], holds_last: bool) -> float:
-    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt` and hold `sizes` parameters on one GPU, the last
-    unit of the model among them if `holds_last`."""
-    extra = max([0.0, *rebuilt])
+                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float]) -> float:
+    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU and hold
+    `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`."""
+    extra = max([0.0, *rebuilt]) + max([0.0, *backward])
     extra += zero.working_bytes(par, sizes)
     last = graph.units[-1]
     if holds_last and last.layers:
@@ -626,6 +663,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
     padded_sums = keep(("padded", t, b, par.dp), lambda: [0, *itertools.accumulate(
         sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
     rebuilt = keep(("rebuilt", t, b, par.recompute), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+    backward = keep(("backward", t, b), lambda: unit_backward_bytes(graph, par, tp))
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
         idx = [i for lo, hi in chunks for i in range(lo, hi)]
@@ -640,7 +678,8 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             groups_n = len(idx)
         mem = model_state_bytes(params, par)
         extra = keep(("extra", t, b, par.recompute, par.zero, par.precision, tuple(chunks)), lambda: _extra_bytes(
-            graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(graph.units) - 1))
+            graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(graph.units) - 1,
+            [backward[i] for i in idx]))
         mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem

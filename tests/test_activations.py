@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 
 from helpers import EXAMPLES
@@ -332,6 +333,55 @@ def test_gpt_block_against_korthikanti(dropout):
         block[layers] = measure_saved_bytes(model, *case.inputs(2))
     assert (block[3] - block[2]) / 2 == formula + ln_stats
 
+
+
+def measure_backward_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """The most a backward of `block` holds at once besides what its forward left (the saved tensors, the output):
+    the gradient of its output (what a pipeline stage receives) and every activation or temporary it makes, at its
+    peak. Parameters' gradients are made there too (the plan charges one unit's as ZeRO's working memory)."""
+    working = ("Activation", "Temp")  # torch's MemTracker kinds of what is neither a parameter, buffer nor gradient
+    tracker = MemTracker()
+    tracker.track_external(block)
+    most = [0]
+
+    def held() -> int:
+        return sum(snap.get(k, 0) for snap in tracker._curr_mem_snap.values() for k in working)
+
+    update = tracker._update_snap
+
+    def update_snap(*args, **kwargs):
+        update(*args, **kwargs)
+        most[0] = max(most[0], held())
+
+    tracker._update_snap = update_snap
+    with tracker:
+        y = block(x)
+        grad = torch.randn_like(y)
+        before = held() - grad.untyped_storage().nbytes()
+        most[0] = 0
+        y.backward(grad)
+    return most[0] - before
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt-nodropout", "llama"])
+def test_backward_gradients_of_a_block(name):
+    """What one block's backward holds besides its saved tensors (`cost.unit_backward_bytes`), measured on the CPU:
+    the gradient of its output and the widest gradient made early on, while everything the block saved is held:
+    GPT fc2's input gradient (4·b·s·h, b·s·h + 4·b·s·h in all); LLaMA's SwiGLU product, whose backward makes the
+    gradients of gate and up (2·b·s·I) from down's, while down's saved input goes. Measured at least the prediction,
+    and at most that and the block's parameters' compute-dtype gradients (made at the same time; the plan charges
+    them as ZeRO's working memory)."""
+    case, graph, model, blocks = traced(name)
+    i = next(k for k, u in enumerate(graph.units) if u.fqn == blocks[1])
+    block = model.get_submodule(blocks[1])
+    s, h = graph.seq_len, graph.info["hidden_size"]
+    for b in (*MICRO_BATCHES, 8):
+        par = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=b, global_batch_size=b)
+        predicted = cost.unit_backward_bytes(graph, par, None)[i]
+        torch.manual_seed(b)
+        measured = measure_backward_bytes(block, torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True))
+        assert predicted <= measured <= predicted + 2 * graph.units[i].num_params, (b, measured, predicted)
+        assert predicted >= 5 * b * s * h * 2  # the output's gradient and a 4h-wide one (GPT), 2 x 176 (LLaMA)
 
 # --- the table ------------------------------------------------------------------------------------------------
 

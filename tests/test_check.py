@@ -302,3 +302,23 @@ def test_last_stage_lets_each_input_go_after_its_backward(tmp_path, monkeypatch)
     boundary = 4 * 64 * 64 * 2  # one micro-batch's input to the last stage: b x s x h in bf16
     # was 6 boundaries more; what grows is the step's batch (targets: b x s int64 a micro-batch, 1/16 boundary)
     assert abs(measured[1] - measured[0]) < 2 * boundary, measured
+
+
+@pytest.mark.slow
+def test_backward_gradients_of_a_one_block_rank_agree(tmp_path, monkeypatch):
+    """tiny-deep at tp 4, pp 4, 32 samples a micro-batch: the middle ranks hold one block, pipeline rank 2 two
+    micro-batches of it. Its peak is in a backward, at fc2's: everything the block saved for both micro-batches, and
+    the gradients of the block's output (received 1/t, gathered whole) and of fc2's input (4·b·s·h), 1.4 MB that the
+    plan did not charge (8.98 MB predicted, 10.22 MB measured: 12% under). The plan charges one unit's backward
+    gradients on every rank (`partc.passes.cost.unit_backward_bytes`): every row of every rank agrees."""
+    monkeypatch.setenv("PARTC_GPT_SIZE", "tiny-deep")
+    torch.set_num_threads(1)
+    out = tmp_path / "mid"
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=16, global_batch_size=128, out_dir=out,
+                  pins=Pins(tp=4, pp=4, dp=1, zero=1, micro_batch_size=32, schedule="1f1b"))
+    assert [s.modules for s in read_plan(out / "plan.json").stages][1:3] == [["blocks.3"], ["blocks.4"]]
+    results = check_program(str(out), jobs=1)
+    for r in results:
+        assert all(row.agrees for row in r.rows()), [row for row in r.rows() if not row.agrees]
+    rank2 = next(row for row in results[2].rows() if row.what == "memory activations")
+    assert rank2.measured > 8 * 2**20 and abs(rank2.error) < 0.05, rank2  # what is compared: beyond the slack
