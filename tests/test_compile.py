@@ -6,6 +6,7 @@ inputs (``input_ids``, or ``pixel_values`` for ViT) and traces them on meta as t
 whole ``partc compile``.
 """
 
+import gc
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from helpers import EXAMPLES, HF_MODELS, GiB
 from partc.cli.main import main
 from partc.cluster import Cluster
 from partc.compile import compile_model
+from partc.errors import PartcError
 from partc.model_file import build_on_meta
 from partc.parallel import Pins
 from partc.passes.tp import style_error
@@ -83,6 +85,23 @@ def test_hf_models_compile_unmodified(name, gpus, hf_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("enabled", [True, False])
+def test_compile_pauses_the_cyclic_collector_and_restores_it(enabled, monkeypatch):
+    """The collector is off while a compile runs (its heap would be walked again at every automatic collection) and
+    back as it was afterwards, also when the compile fails."""
+    monkeypatch.setenv("PARTC_GPT_SIZE", "tiny")
+    seen = []
+    (gc.enable if enabled else gc.disable)()
+    try:
+        compile_model(str(EXAMPLES / "gpt.py"), gpus=2, on_phase=lambda i, what: seen.append(gc.isenabled()))
+        assert seen and not any(seen) and gc.isenabled() == enabled
+        with pytest.raises(PartcError):
+            compile_model(str(EXAMPLES / "gpt.py"), gpus=0)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
+
+
 def test_compile_is_deterministic_across_processes(tmp_path):
     """Byte-identical plan.json from a fresh interpreter (another hash seed) and from this one."""
     model = str(EXAMPLES / "gpt.py")
