@@ -343,6 +343,14 @@ def in_flight(par: Parallel, rank: int) -> float:
     return min(warmup + 1, m * v) / v
 
 
+def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]], acts: Sequence[float]
+                ) -> list[float]:
+    """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`)."""
+    b, t = par.micro_batch_size, par.tp
+    return [sum(acts[lo:hi]) + (graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)) / t
+            for lo, hi in chunks]
+
+
 def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequence[tuple[int, int]],
                      acts: Sequence[float]) -> float:
     """What the micro-batches in flight on pipeline rank `rank` hold at its peak: each forward in flight holds its
@@ -351,8 +359,7 @@ def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequen
     that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
     the gradient it received."""
     b, t = par.micro_batch_size, par.tp
-    held = [sum(acts[lo:hi]) + (graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)) / t
-            for lo, hi in chunks]
+    held = _held_bytes(graph, par, chunks, acts)
     if par.chunks_per_rank == 1:
         return in_flight(par, rank) * held[0]
     grad = [graph.boundary_grad_bytes(hi - 1, b) / t for lo, hi in chunks]
@@ -361,7 +368,7 @@ def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequen
 
 def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
                       units_in_stage: Sequence[int] | Sequence[Unit],
-                      shards: list[dict[str, int]] | None = None) -> float:
+                      shards: list[dict[str, int]] | None = None, *, last: bool = True) -> float:
     """Transient working memory of a stage besides the saved activations, for one micro-batch:
     - full recompute: the backward of a block first rebuilds all its activations (as without recomputation):
       the largest recomputed unit's; selective: the largest recomputed attention core;
@@ -370,16 +377,17 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
       activations, the largest unit's;
     - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole even when the head is
       colwise, since a loss-parallel head is not assumed; then the gather's parts are one more copy at its peak).
-    `shards`: `unit_param_shards`, when the caller has it.
+    `shards`: `unit_param_shards`, when the caller has it. `last` False: in a micro-batch's backward before the last
+    (`zero.working_bytes`; the search bounds every stage by the last one's, the larger).
     """
     units = _unit_list(graph, units_in_stage)
     index = {u.fqn: i for i, u in enumerate(graph.units)}
     sizes = [sum((shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)).values())
              for u in units]
-    last = graph.units[-1]
+    last_unit = graph.units[-1]
     backward = unit_backward_bytes(graph, par, tp)
     return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
-                        any(u.fqn == last.fqn for u in units), [backward[index[u.fqn]] for u in units])
+                        any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last)
 
 
 def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
@@ -428,11 +436,12 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
 
 
 def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
-                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float]) -> float:
+                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float], last: bool = True) -> float:
     """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU and hold
-    `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`."""
+    `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`;
+    `last` False: in a micro-batch's backward before the last (`zero.working_bytes`)."""
     extra = max([0.0, *rebuilt]) + max([0.0, *backward])
-    extra += zero.working_bytes(par, sizes)
+    extra += zero.working_bytes(par, sizes, last=last)
     last = graph.units[-1]
     if holds_last and last.layers:
         head = graph.layers[last.layers[-1]]
@@ -677,10 +686,18 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             padded = (float(sum(padded_sums[hi] - padded_sums[lo] for lo, hi in chunks)), 0.0)
             groups_n = len(idx)
         mem = model_state_bytes(params, par)
-        extra = keep(("extra", t, b, par.recompute, par.zero, par.precision, tuple(chunks)), lambda: _extra_bytes(
-            graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx], idx[-1] == len(graph.units) - 1,
-            [backward[i] for i in idx]))
-        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra
+        def extra(last: bool = True) -> float:
+            return keep(("extra", t, b, par.recompute, par.zero, par.precision, tuple(chunks), last),
+                        lambda: _extra_bytes(graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx],
+                                             idx[-1] == len(graph.units) - 1, [backward[i] for i in idx], last))
+
+        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra()
+        if v == 1 and par.zero < 2 and in_flight(par, r) > 1:
+            # Below ZeRO-2 the reduction's fp32 input is made in the last micro-batch's backward, when only that
+            # micro-batch is in flight; the backwards before it only fold a compute-dtype gradient. (Interleaved:
+            # other chunks' micro-batches may still be in flight then, so the larger charge stays.)
+            mem.activations = max(_in_flight_bytes(graph, par, r, chunks, acts) + extra(last=False),
+                                  _held_bytes(graph, par, chunks, acts)[0] + extra())
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem
 

@@ -59,14 +59,16 @@ def model_state_bytes(num_params: float, par: Parallel) -> tuple[float, float, f
     return psi * MASTER_BYTES / n, psi * MASTER_BYTES / n, psi * ADAM_BYTES / n
 
 
-def working_bytes(par: Parallel, unit_params: Iterable[float]) -> float:
+def working_bytes(par: Parallel, unit_params: Iterable[float], *, last: bool = True) -> float:
     """Transient memory of ZeRO on top of the model states, by the sizes (parameters on this GPU) of the FSDP units
     the rank runs: ZeRO-3 gathers two units at a time (the current and the prefetched one) and reduces one unit's
     gradient (compute-dtype, then fp32 for the reduce-scatter); ZeRO 2 reduces one unit's gradient each
-    micro-batch; ZeRO 0 and 1 fold one unit's compute-dtype gradient into the fp32 accumulation each micro-batch, and
-    after the last one copy a unit's accumulation into the fp32 input of its reduction (the larger of the two:
-    measured by ``partc check``, 2 bytes a parameter of the largest unit more than the bf16 gradient alone, on the
-    last stage of the 1T GPT at tp 8, where one block is 1G parameters)."""
+    micro-batch; ZeRO 0 and 1 fold one unit's compute-dtype gradient into the fp32 accumulation each micro-batch
+    (in place: FSDP's ``unsharded_accumulated_grad += grad``), and in the last micro-batch's backward copy a unit's
+    accumulation into the fp32 input of its reduction (the larger of the two: measured by ``partc check``, 2 bytes a
+    parameter of the largest unit more than the bf16 gradient alone, on the last stage of the 1T GPT at tp 8, where
+    one block is 1G parameters). `last` False: below ZeRO-2, a micro-batch's backward before the last (the fold
+    only)."""
     sizes = sorted(unit_params, reverse=True) or [0.0]
     c = compute_bytes(par.precision)
     grad = c + (MASTER_BYTES if c != MASTER_BYTES else 0)
@@ -74,7 +76,7 @@ def working_bytes(par: Parallel, unit_params: Iterable[float]) -> float:
         return c * sum(sizes[:2]) + grad * sizes[0]
     if par.zero == 2:
         return grad * sizes[0]
-    return max(c, MASTER_BYTES) * sizes[0]
+    return (max(c, MASTER_BYTES) if last else c) * sizes[0]
 
 
 def padded_numel(shape: tuple[int, ...], n: int) -> int:
