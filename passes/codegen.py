@@ -5,12 +5,14 @@
 
 The exported graph (at the plan's micro-batch size: exported graphs carry concrete shapes) is rewritten in place
 for the plan's TP styles (`partc.passes.tp_rewrite`), then split: a node goes with its unit (glue with the first
-unit that uses it), a unit with its stage. Each unit becomes a function of straight-line ATen code, and each
-stage's ``forward`` calls its units in order through ``run``:
+unit that uses it), a unit with its stage. Each unit becomes a function of straight-line ATen code that lets each
+value go after its last use (``del``, as eager PyTorch frees an intermediate: a Python local would hold it to the
+unit's end), and each stage's ``forward`` calls its units in order through ``run``:
 
     def blocks_0(p, embedding, *, device):
         # blocks.0.attn.qkv  gpt.py:71  q, k, v = self.qkv(x).split(h, dim=-1)
         linear_1 = aten.linear.default(layer_norm, p['blocks.0.attn.qkv.weight'], p['blocks.0.attn.qkv.bias'])
+        del layer_norm
         ...
 
     def forward(p, input_ids, *, device, run=call):
@@ -344,11 +346,28 @@ def _stack_source_line(stack_trace: str | None) -> str:
     return "" if frame is None else f"{os.path.basename(frame.filename)}:{frame.lineno}  {frame.line}"
 
 
+def _frees(reads: list[list], *, keep: set, order: list) -> list[list]:
+    """For each statement of a function (the values it reads, and the one it makes), the values to ``del`` after it:
+    those no later statement reads, in `order`, less `keep` (what the function returns). None after the last
+    statement: the ``return`` that follows lets them go."""
+    last = {x: i for i, xs in enumerate(reads) for x in xs}
+    out: list[list] = [[] for _ in reads]
+    for x in order:
+        if x in last and x not in keep and last[x] < len(reads) - 1:
+            out[last[x]].append(x)
+    return out
+
+
 def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], selective: bool) -> list[str]:
     """The body of one unit's function: a comment with the module and the model's source line above each run of
-    statements from one line, one statement a line."""
+    statements from one line, one statement a line, and after a statement a ``del`` of the values it read last (as
+    eager PyTorch lets them go: a unit holds no more than its outputs and what autograd saves)."""
+    values = unit.inputs + unit.nodes
+    local = set(values)
+    frees = _frees([[x for x in (*n.all_input_nodes, n) if x in local] for n in unit.nodes],
+                   keep=set(unit.outputs), order=values)
     lines, prev = [], None
-    for n in unit.nodes:
+    for n, gone in zip(unit.nodes, frees):
         module = (stack_fqns(n) or [""])[-1]
         src = _source_line(n)
         text = "# " + comment(f"{module or '(model)'}" + (f"  {src}" if src else ""))
@@ -364,8 +383,10 @@ def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], se
                          "activations")
             lines.append(f"{names[n]} = checkpoint({em.function(n)}, {em.args(n)}, use_reentrant=False)")
             em.needs.add("checkpoint")
-            continue
-        lines.append(f"{names[n]} = {em.call(n)}")
+        else:
+            lines.append(f"{names[n]} = {em.call(n)}")
+        if gone:
+            lines.append(f"del {', '.join(names[x] for x in gone)}")
     lines.append(f"return {tuple_expr([names[x] for x in unit.outputs])}" if unit.outputs else "return ()")
     return lines
 
@@ -383,11 +404,16 @@ def _render(code: StageCode, plan: Plan, names: dict[torch.fx.Node, str], model_
                       f'    """Unit{"s" if len(unit.units) > 1 else ""} {doc_text(what)}."""',
                       *(f"    {line}" for line in body)]
     calls = []
-    for unit in code.units:
+    held = code.inputs + [names[x] for unit in code.units for x in unit.outputs]  # what forward holds, in order
+    frees = _frees([[names[x] for x in (*unit.inputs, *unit.outputs)] for unit in code.units],
+                   keep=set(code.outputs), order=held)
+    for unit, gone in zip(code.units, frees):
         args = "".join(f", {names[x]}" for x in unit.inputs)
         key = repr(unit.units[0]) if len(unit.units) == 1 else repr(tuple(unit.units))
         call = f"run({key}, {unit.name}, p{args}, device=device)"
         calls.append(f"    {tuple_expr([names[x] for x in unit.outputs])} = {call}" if unit.outputs else f"    {call}")
+        if gone:
+            calls.append(f"    del {', '.join(gone)}")
     inputs = "".join(n + ", " for n in code.inputs)
     receive = []
     for name, shape in code.gathered.items():

@@ -322,3 +322,34 @@ def test_backward_gradients_of_a_one_block_rank_agree(tmp_path, monkeypatch):
         assert all(row.agrees for row in r.rows()), [row for row in r.rows() if not row.agrees]
     rank2 = next(row for row in results[2].rows() if row.what == "memory activations")
     assert rank2.measured > 8 * 2**20 and abs(rank2.error) < 0.05, rank2  # what is compared: beyond the slack
+
+
+@pytest.mark.slow
+def test_split_tensor_parallel_program_frees_like_eager(tmp_path, monkeypatch):
+    """tiny-deep at tp 4, pp 4, 32 samples a micro-batch, with Megatron's split styles (qkv and fc1 colwise, proj and
+    fc2 rowwise). A generated unit held each intermediate in a Python local to its end: each block's rowwise partial
+    sums, their all-reduced copies and the bias adds stayed alive with its output, and the middle ranks measured
+    7.87 / 5.88 MB of activations against 6.66 / 4.66 MB predicted (+15%, +21%). The program now deletes each value
+    after its last use (`partc.passes.codegen`): every row of every rank agrees."""
+    from helpers import megatron_style
+
+    monkeypatch.setenv("PARTC_GPT_SIZE", "tiny-deep")
+    torch.set_num_threads(1)
+    first = tmp_path / "first"
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=16, global_batch_size=128, out_dir=first,
+                  pins=Pins(tp=4, pp=4, dp=1, zero=1, micro_batch_size=32, schedule="1f1b"))
+    data = json.loads((first / "plan.json").read_text())
+    data["tp"] = {f: megatron_style(f, vocab=False) or style for f, style in data["tp"].items()}
+    data.pop("tp_why", None)
+    (tmp_path / "split.json").write_text(json.dumps(data))
+    out = tmp_path / "split"
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=16, from_plan=str(tmp_path / "split.json"), out_dir=out)
+    tp = read_plan(out / "plan.json").tp
+    assert [tp[f"blocks.3.{n}"] for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")] == \
+        ["colwise", "rowwise", "colwise", "rowwise"]
+    results = check_program(str(out), jobs=1)
+    for r in results:
+        assert all(row.agrees for row in r.rows()), [row for row in r.rows() if not row.agrees]
+    for r in results[1:3]:  # what is compared: beyond the slack, where the held intermediates showed
+        row = next(row for row in r.rows() if row.what == "memory activations")
+        assert row.measured > 4 * 2**20 and abs(row.error) < 0.05, row

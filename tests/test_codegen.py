@@ -1,5 +1,6 @@
 """The generated stage programs, run one after another in one process, equal the model (outputs and grads)."""
 
+import ast
 import json
 from pathlib import Path
 
@@ -112,3 +113,55 @@ def test_selective_recompute_checkpoints_the_attention_core(tmp_path):
     got.square().sum().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[n], msg=n)
+
+
+def _frees_after_last_read(fn: ast.FunctionDef) -> int:
+    """Check one generated function: every local it does not return (its tensor arguments included) is deleted in
+    the ``del`` right after the statement that reads it last (or makes it, if none reads it), in the order the
+    function defines them; none after the last statement, which the return follows. Returns how many it deletes."""
+    *body, ret = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    assert isinstance(ret, ast.Return)
+    returned = {n.id for n in ast.walk(ret) if isinstance(n, ast.Name)}
+    order = [a.arg for a in fn.args.args + fn.args.kwonlyargs if a.arg not in ("p", "device", "run")]
+    stmts = [s for s in body if not isinstance(s, ast.Delete)]
+    last = {}
+    for i, s in enumerate(stmts):
+        for n in ast.walk(s):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id not in order:
+                order.append(n.id)
+            if isinstance(n, ast.Name) and n.id in order:
+                last[n.id] = i
+    dels = {}  # index of the statement a del follows -> the names it deletes
+    i = -1
+    for s in body:
+        if isinstance(s, ast.Delete):
+            assert i not in dels, ast.unparse(s)  # one del line a statement
+            dels[i] = [t.id for t in s.targets]
+        else:
+            i += 1
+    want = {}
+    for x in order:
+        if x not in returned and last[x] < len(stmts) - 1:
+            want.setdefault(last[x], []).append(x)
+    assert dels == want, fn.name
+    return sum(len(v) for v in dels.values())
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_units_let_each_value_go_after_its_last_use(tmp_path, recompute):
+    """A unit's function drops each intermediate (and each argument) after the statement that reads it last, as
+    eager PyTorch frees it, and the stage's forward each unit's output once no later unit reads it: a Python local
+    would hold it to the function's end (+15-21% activations on the middle ranks of a split-TP GPT)."""
+    out = tmp_path / "out"
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=2, global_batch_size=4, out_dir=out,
+                  pins=Pins(pp=2, dp=1, micro_batch_size=2, schedule="1f1b", recompute=recompute))
+    counts = {}
+    for f in ("stage_0.py", "stage_1.py"):
+        functions = ast.parse((out / "program" / f).read_text()).body
+        counts |= {(f, fn.name): _frees_after_last_read(fn) for fn in functions
+                   if isinstance(fn, ast.FunctionDef) and fn.name not in ("call", "outputs")}
+    assert all(counts[f, b] > 10 for f, b in [("stage_0.py", "blocks_0"), ("stage_1.py", "blocks_2")]), counts
+    assert counts["stage_0.py", "forward"] == 3, counts  # ids after tok, the two embeddings after blocks.0
+    text = (out / "program" / "stage_0.py").read_text()
+    assert "    (add_2,) = run('blocks.0', blocks_0, p, embedding, embedding_1, device=device)\n" \
+           "    del embedding, embedding_1\n" in text
