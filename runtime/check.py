@@ -42,7 +42,7 @@ import math
 import multiprocessing
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -168,16 +168,29 @@ class Row:
                 "error": self.error, "agrees": self.agrees}
 
 
-def representatives(par: Parallel) -> list[int]:
-    """Global ranks checked: one per pipeline rank, at dp and tp coordinate 0."""
-    return [par.rank_of(pp=r, dp=0, tp=0) for r in range(par.pp)]
+def representatives(par: Parallel, pp_ranks: Iterable[int] | None = None) -> list[int]:
+    """Global ranks checked: one per pipeline rank (all of them, or those of `pp_ranks`, in order), at dp and tp
+    coordinate 0."""
+    if pp_ranks is None:
+        chosen = range(par.pp)
+    else:
+        chosen = sorted(set(pp_ranks))
+        outside = [r for r in chosen if not 0 <= r < par.pp]
+        if not chosen:
+            raise PartcError("--pp-ranks names no pipeline rank")
+        if outside:
+            raise PartcError(f"--pp-ranks: pipeline rank {outside[0]} is not in the plan, whose pipeline ranks are "
+                             f"0 to {par.pp - 1}")
+    return [par.rank_of(pp=r, dp=0, tp=0) for r in chosen]
 
 
 def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float = SLACK_BYTES, jobs: int = 1,
+                  pp_ranks: Iterable[int] | None = None,
                   progress: Callable[[int, int], None] | None = None,
                   started: Callable[[int], None] | None = None) -> list[RankCheck]:
-    """Check every representative of the program in `out_dir` (`check_rank`), `jobs` of them at a time, in processes
-    of their own. `started(n)` is told how many there are; `progress(done, rank)` is called
+    """Check every representative of the program in `out_dir` (`check_rank`), or those of the pipeline ranks
+    `pp_ranks` (a 16-stage plan's first and last ranks hold the embeddings and the loss: checking those two takes an
+    eighth of the time), `jobs` of them at a time, in processes of their own. `started(n)` is told how many there are; `progress(done, rank)` is called
     when a check starts (done: how many finished) and with rank -1 at the end."""
     if dist.is_initialized():
         raise PartcError("partc check runs in a process of its own, outside torchrun")
@@ -186,7 +199,7 @@ def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float 
     files = read_program(out_dir)
     predicted_ranks(files)  # user errors before minutes of work
     Cluster.from_dict(files.plan.cluster)
-    ranks = representatives(files.plan.parallel)
+    ranks = representatives(files.plan.parallel, pp_ranks)
     if started is not None:
         started(len(ranks))
     tell = progress or (lambda done, rank: None)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from helpers import EXAMPLES, run_jobs, write_hf_model
 from partc._torch import FSDPRefType
-from partc.cli.main import main
+from partc.cli.main import _rank_list, main
 from partc.compile import compile_model
 from partc.parallel import Pins
 from partc.plan import read_plan
@@ -216,6 +216,29 @@ def test_jobs_check_ranks_in_processes_of_their_own(plans, checked):
     want = checked[name]
     assert [(r.rank, r.comm_bytes, r.memory_bytes) for r in got] == \
         [(r.rank, r.comm_bytes, r.memory_bytes) for r in want]
+
+
+@pytest.mark.slow
+def test_pp_ranks_checks_only_those_ranks(plans, checked):
+    """--pp-ranks 1: the last pipeline rank alone, measured as in the full check; out of range: one line, exit 2."""
+    name = "gpt_pp2_dp2_z1"
+    result = CliRunner().invoke(main, ["check", str(plans[name]), "--pp-ranks", "1", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["pp_ranks_checked"] == [1] and [r["rank"] for r in report["ranks"]] == [checked[name][1].rank]
+    assert report["ranks"][0]["comm_bytes"] == checked[name][1].comm_bytes
+    result = CliRunner().invoke(main, ["check", str(plans[name]), "--pp-ranks", "0,2"])
+    assert result.exit_code == 2, result.output
+    lines = [l for l in result.output.splitlines() if l.startswith("error:")]
+    assert lines == ["error: --pp-ranks: pipeline rank 2 is not in the plan, whose pipeline ranks are 0 to 1"], \
+        result.output
+
+
+def test_pp_ranks_syntax_is_checked_before_the_plan(tmp_path):
+    assert _rank_list("0-2,1,4") == [0, 1, 2, 1, 4] and _rank_list(None) is None
+    result = CliRunner().invoke(main, ["check", str(tmp_path / "missing"), "--pp-ranks", "3-1"])
+    assert result.exit_code == 2 and "'3-1' is not a rank or a range" in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.slow
