@@ -140,4 +140,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from record import recorded
+
+    sys.exit(main() if "--child" in sys.argv else recorded("compile_time", main))

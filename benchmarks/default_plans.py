@@ -55,4 +55,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from record import recorded
+
+    recorded("default_plans", main)

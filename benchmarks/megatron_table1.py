@@ -206,4 +206,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from record import recorded
+
+    recorded("megatron_table1", main)

@@ -155,4 +155,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from record import recorded
+
+    sys.exit(main() if "--worker" in sys.argv else recorded("pipeline_bubble", main))

@@ -563,4 +563,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from record import recorded
+
+    sys.exit(recorded("zoo", main, markdown=True))
