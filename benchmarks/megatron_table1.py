@@ -10,7 +10,7 @@ in Megatron-LM's examples/sc21/run_table_1.sh, the script behind the table (``MB
 (ZeRO-1 moves the same gradient bytes as the paper's all-reduce) and the TP styles and stage split. The last
 columns show the plan partc picks when b and v are left to it as well. The published iteration time is
 F / (n · TFLOP/s per GPU), F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) the FLOPs the paper counts per iteration
-(recompute forward included; ``shared/reference/calibration.md`` section 1).
+(recompute forward included, as the paper counts them).
 
 This file is also the model file it compiles (``partc compile benchmarks/megatron_table1.py``): examples/gpt.py's
 GPT at ``PARTC_GPT_SIZE``, with Megatron-LM's default dropout of 0.1 after the embedding, on the attention
@@ -65,7 +65,7 @@ def example_targets(batch_size: int) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One row of Narayanan et al. 2021, Table 1 (calibration.md section 1)."""
+    """One row of Narayanan et al. 2021, Table 1."""
 
     size: str
     """Key of examples/gpt.py's SIZES."""
