@@ -84,3 +84,25 @@ def test_no_dated_measurements_in_code():
     found = [f"{p.relative_to(ROOT)}:{i}" for p in CODE
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, found
+
+
+def test_benchmark_results_are_dated_and_never_overwritten(tmp_path, monkeypatch, capsys):
+    import datetime
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from record import recorded
+
+    monkeypatch.delenv("PARTC_BENCH_RESULTS", raising=False)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--fast"])
+    for k in range(2):
+        assert recorded("bench", lambda: print(f"| row | {k} |") or 3, directory=tmp_path) == 3
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    first, second = tmp_path / f"bench-{day}.md", tmp_path / f"bench-{day}-2.md"
+    assert sorted(tmp_path.iterdir()) == sorted([first, second])
+    assert "| row | 0 |" in first.read_text() and "| row | 1 |" in second.read_text()
+    assert "bench.py --fast` (exit status 3)" in first.read_text() and "load average" in first.read_text()
+    assert "| row | 1 |" in capsys.readouterr().out  # the terminal still gets it
+    monkeypatch.setenv("PARTC_BENCH_RESULTS", "0")
+    recorded("bench", lambda: None, directory=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 2
