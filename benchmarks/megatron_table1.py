@@ -2,6 +2,8 @@
 
     python benchmarks/megatron_table1.py            # all 10 rows, about a minute (tracing the big models on meta)
 
+Each run writes what it prints to benchmarks/results/megatron_table1-<date>.md as well (`record.py`).
+
 For each row: the GPT of examples/gpt.py at that size, compiled for `a100-80g` with the paper's run pinned,
 ``--gpus n --tp t --pp p --global-batch-size B --recompute full --micro-batch-size b`` and
 ``--schedule interleaved-1f1b`` with v virtual stages where the run interleaved (``1f1b`` otherwise): b and v as

@@ -3,6 +3,8 @@ model parallelism against PTD-P (tensor + pipeline + data parallelism), 174.6B a
 
     python benchmarks/megatron_table2.py            # all 12 rows, about 2 minutes (two traces on meta)
 
+Each run writes what it prints to benchmarks/results/megatron_table2-<date>.md as well (`record.py`).
+
 Each row is compiled for `a100-80g` (math attention, as Megatron-LM ran in 2021; see megatron_table1.py) with the
 run's choices pinned: ZeRO-3 over all GPUs (tp = pp = 1) with the row's micro-batch size, or PTD-P's t and p with
 micro-batch 1, full recomputation in both; the search picks the rest (the schedule and its v for PTD-P). The
