@@ -12,55 +12,8 @@ this process, and prints per rank: seconds, the measured peak against the plan's
     hf-llama3-8b benchmarks/models/hf_llama3_8b.py (Hugging Face transformers, from its config), 8 x h100-80g
     gpt-1t       PARTC_GPT_SIZE=1008b examples/gpt.py (Megatron-LM's Table 1 1T GPT), 3072 x a100-80g
 
-Measured 2026-11-30 on the development machine (2 CPU cores shared with other jobs, so wall seconds run 2-5x the CPU
-seconds; torch 2.13 CPU), with `partc check OUT --format json` (GPT-3, every rank) and `check_rank` (LLaMA):
-
-GPT-3 175B / 512 A100 (default plan: dp 8, tp 4, pp 16, ZeRO-1, interleaved 1F1B v = 3, 128 micro-batches of 1),
-`partc check OUT --jobs 2 --format json`: 12.9 min wall (shared with two benchmarks), 21.3 min CPU for the 16
-pipeline ranks (64-122 s wall a rank, two at a time). **Exit 0: agrees and fits.** Traffic equals the plan's byte for
-byte on every rank (dp 16.3-17.4, tp 193.3-219.6, pp 16.2-19.3 GB), and so do parameters, gradients and optimizer
-states (6.8 / 10.9 / 2.7 GB on a middle rank); activations within 0.2% on every rank (rank 0: 47.5 GB, plan 47.4);
-peak within 2.1% (rank 0: 68.2 GB, plan 69.2; needed with the communicators 69.5 of 80.5 GB usable).
-
-The previous default plan (dp 16, tp 4, pp 8, v = 6, 64 micro-batches) was checked three times this session. First
-(27.6 min wall): dp traffic 3.7x the plan's (torch's interleaved schedule kept 3 of the 6 chunks gathered and gathered
-the others again), activations 1.7-1.8x (receive buffers kept for every micro-batch and chunk, 8.9 GB on rank 0),
-three ranks not fitting. After the runtime's schedule (`partc.runtime.schedule`: each chunk gathered once a step,
-receive buffers only while used) and the cost model's walk of the schedule's order (`partc.passes.schedule`), ZeRO-1
-gradients at 4 bytes a parameter, and the check no longer counting what its tracker's hooks kept alive: traffic and
-model states equal to the byte, activations 1.4x (under tp 4). After tensor parallelism's whole tensors (the inputs
-of colwise layers and what follows rowwise ones: Korthikanti et al.'s "10"), the logit gather, and scattered
-boundaries held as copies of their 1/t part: agrees (activations within 2.8%) and fits (80.1 of 80.5 GB). Then the
-1T GPT's last stage showed ZeRO-1's fp32 reduction input (4 bytes a parameter of the largest unit, charged as 2);
-charged, that plan needs 0.8 GB more and no longer fits, so the search now picks the plan above.
-
-LLaMA-2 70B / 64 H100 (default plan: dp 64, ZeRO-3, pp 1, full recomputation, 2 micro-batches of 4): 195 s wall,
-57 s CPU, one pipeline rank. Agrees and fits: dp traffic 1103.6 GB = the plan's byte for byte (332 all-gathers,
-166 reduce-scatters); params, grads and optimizer states equal the plan's; activations 41.1 GB (plan 44.4, -7.5%);
-peak 58.3 GB (plan 61.6, -5.4%).
-
-Hugging Face LLaMA-3 8B / 8 H100 (default plan, 2026-12-01: dp 4, pp 2, ZeRO-1, interleaved 1F1B v = 5, 128
-micro-batches of 4 sequences of 1024 tokens), `check_time.py --cases hf-llama3-8b`: 427 s and 318 s of CPU for the two
-pipeline ranks (1713 s and 552 s wall on a machine loaded 4-8 by other jobs; 5.7 min wall for both at load ~2 the day
-before). **Both agree and fit**: dp and pp traffic equal the plan's byte for byte (rank 0: 25.4 and 82.7 GB), params,
-grads and optimizer states equal; activations -3.3% and -4.6% (31.69 and 30.61 GiB against 32.76 and 32.08), peak
-67.17 and 62.44 GiB against 68.25 and 63.90. Two gaps closed for it, each found by this check:
-- pp traffic was -2.1%: the rotary tables (cos, sin: 1 x s x head_dim, the same for every sample) cross each pipeline
-  boundary once a micro-batch, and the cost model, which traces one sample, charged them per sample, 4x at b = 4. The
-  trace now tells what carries the batch (`partc.passes.cuts`: what depends on a user input or on a size of 1, as
-  Hugging Face's causal mask, expanded to the batch) from what does not (`ModelGraph.cut_fixed_bytes`); a tiny
-  Hugging Face LLaMA at b = 2 is exact to the byte (was -7.1%; tests/test_check.py).
-- the last stage's activations were +10.5% (35.0 GB against 31.4, v = 3): torch's schedule keeps each micro-batch's
-  loss to the end of the step, and a loss's graph ended in the gradient accumulator of the stage's received input,
-  so the last stage held every micro-batch's input (b x s x h) to the end of the step, growing with the number of
-  micro-batches (a runtime leak, not only a measurement). The runtime now detaches each loss after its backward
-  (`partc.runtime.schedule.PipeStage`; tests/test_check.py: the last rank's activations no longer grow with m).
-
-GPT 1T / 3072 A100 (default plan: dp 12, tp 8, pp 32, ZeRO-1, 1F1B, 256 micro-batches of 1), `--pp-ranks 0 31` (the
-first and the last of 32; all 32 take about an hour here): 58 s and 103 s a rank. Both agree and fit: traffic and
-model states equal to the byte; rank 0 activations 38.67 GiB (plan 38.44), peak -3.6%; rank 31 activations 7.35 GiB
-(plan 7.19), peak 33.96 (plan 33.90). Before ZeRO-1's fp32 reduction input was charged, rank 31's activations were
-+27.1% (plan 5.36 GiB).
+`main` writes what it prints to a dated file under benchmarks/results/ (`record.py`); the results of earlier runs,
+and what each found, are there too.
 """
 
 from __future__ import annotations
@@ -135,4 +88,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from record import recorded
+
+    sys.exit(recorded("check_time", main))

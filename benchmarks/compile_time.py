@@ -3,8 +3,10 @@
     python benchmarks/compile_time.py                   # 1.7B, 18.4B, 175B, 529.6B, 1008B (several minutes)
     python benchmarks/compile_time.py --sizes 1.7b 175b --runs 2
 
+Each run writes what it prints to benchmarks/results/compile_time-<date>.md as well (`record.py`).
+
 Each row compiles examples/gpt.py at ``PARTC_GPT_SIZE`` (Megatron-LM's Table 1 sizes, Narayanan et al. 2021, and
-GPT-3 175B) for the GPU count of that row of Table 1 (175B: 512 GPUs, the README's command) on ``a100-80g``, with
+GPT-3 175B) for the GPU count of that row of Table 1 (175B: 512 GPUs, the README's quick start) on ``a100-80g``, with
 `partc compile`'s defaults: nothing pinned (the whole search runs), the default global batch (about 2M tokens, a
 multiple of the GPU count), and the program written to a temporary directory. Columns are `compile_model`'s
 timings, in seconds of wall time:
@@ -140,4 +142,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from record import recorded
+
+    sys.exit(main() if "--child" in sys.argv else recorded("compile_time", main))

@@ -2,6 +2,8 @@
 
     python benchmarks/default_plans.py          # three compiles on meta, a few minutes on 2 cores
 
+Each run writes what it prints to benchmarks/results/default_plans-<date>.md as well (`record.py`).
+
 GPT-3 175B on 512 A100-80GB (examples/gpt3_175b.py), LLaMA-2 70B on 64 H100-80GB (examples/llama.py at
 ``llama2-70b``, 4096 tokens) and a 1T GPT on 3072 A100-80GB (examples/gpt.py at ``1008b``, Megatron-LM's Table 1
 model), each at partc's default global batch (about 4M tokens: `partc.compile.default_global_batch`). Each row is
@@ -55,4 +57,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from record import recorded
+
+    recorded("default_plans", main)

@@ -2,6 +2,8 @@
 
     python benchmarks/megatron_table1.py            # all 10 rows, about a minute (tracing the big models on meta)
 
+Each run writes what it prints to benchmarks/results/megatron_table1-<date>.md as well (`record.py`).
+
 For each row: the GPT of examples/gpt.py at that size, compiled for `a100-80g` with the paper's run pinned,
 ``--gpus n --tp t --pp p --global-batch-size B --recompute full --micro-batch-size b`` and
 ``--schedule interleaved-1f1b`` with v virtual stages where the run interleaved (``1f1b`` otherwise): b and v as
@@ -10,7 +12,7 @@ in Megatron-LM's examples/sc21/run_table_1.sh, the script behind the table (``MB
 (ZeRO-1 moves the same gradient bytes as the paper's all-reduce) and the TP styles and stage split. The last
 columns show the plan partc picks when b and v are left to it as well. The published iteration time is
 F / (n · TFLOP/s per GPU), F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) the FLOPs the paper counts per iteration
-(recompute forward included; ``shared/reference/calibration.md`` section 1).
+(recompute forward included, as the paper counts them).
 
 This file is also the model file it compiles (``partc compile benchmarks/megatron_table1.py``): examples/gpt.py's
 GPT at ``PARTC_GPT_SIZE``, with Megatron-LM's default dropout of 0.1 after the embedding, on the attention
@@ -65,7 +67,7 @@ def example_targets(batch_size: int) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One row of Narayanan et al. 2021, Table 1 (calibration.md section 1)."""
+    """One row of Narayanan et al. 2021, Table 1."""
 
     size: str
     """Key of examples/gpt.py's SIZES."""
@@ -206,4 +208,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from record import recorded
+
+    recorded("megatron_table1", main)

@@ -3,11 +3,13 @@ model parallelism against PTD-P (tensor + pipeline + data parallelism), 174.6B a
 
     python benchmarks/megatron_table2.py            # all 12 rows, about 2 minutes (two traces on meta)
 
+Each run writes what it prints to benchmarks/results/megatron_table2-<date>.md as well (`record.py`).
+
 Each row is compiled for `a100-80g` (math attention, as Megatron-LM ran in 2021; see megatron_table1.py) with the
 run's choices pinned: ZeRO-3 over all GPUs (tp = pp = 1) with the row's micro-batch size, or PTD-P's t and p with
 micro-batch 1, full recomputation in both; the search picks the rest (the schedule and its v for PTD-P). The
 published TFLOP/s per GPU counts F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per iteration, so the published
-iteration time is F / (n · TFLOP/s) (calibration.md section 1).
+iteration time is F / (n · TFLOP/s) (as for Table 1, megatron_table1.py).
 
 What the table shows: ZeRO-3's traffic per step does not shrink with the GPU count (each micro-batch gathers every
 parameter twice and reduce-scatters every gradient), while its compute per GPU does (the global batch is fixed), so
@@ -15,7 +17,7 @@ its throughput collapses as GPUs are added; PTD-P's traffic stays inside TP grou
 
 Two predictions for the ZeRO-3 rows: partc's own plan (FSDP2 over NCCL rings that use every InfiniBand adapter of a
 node, fp32 gradient reduction), and `deepspeed_2021_s`, the program the paper measured as its published times imply
-(fp16 gradients, one adapter's bandwidth a GPU). README "How partc predicts" discusses the gap.
+(fp16 gradients, one adapter's bandwidth a GPU). docs/cost-model.md ("Validation") discusses the gap.
 """
 
 from __future__ import annotations
@@ -149,4 +151,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from record import recorded
+
+    recorded("megatron_table2", main)

@@ -3,6 +3,8 @@
     python benchmarks/pipeline_bubble.py                         # p in {2, 4}, m in {2, 4, 8, 16}, CPU
     python benchmarks/pipeline_bubble.py --pp 4 --microbatches 4 8 --forward-ms 20 --json bubble.json
 
+Each run writes what it prints to benchmarks/results/pipeline_bubble-<date>.md as well (`record.py`).
+
 Each pipeline rank runs stages of fixed cost: forward sleeps `forward_ms` per micro-batch and backward twice that
 (the usual 1:2 ratio), so the measurement is the schedule's, not the machine's (sleeping ranks leave the CPU to
 the others; gloo's point-to-point messages are 64 floats). A rank's busy time is the sum of its forward and
@@ -155,4 +157,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from record import recorded
+
+    sys.exit(main() if "--worker" in sys.argv else recorded("pipeline_bubble", main))

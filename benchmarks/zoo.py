@@ -4,6 +4,8 @@
     python benchmarks/zoo.py --families falcon opt --skip-tiny
     python benchmarks/zoo.py --skip-full --timeout 120 --gpus 64
 
+Each run writes what it prints to benchmarks/results/zoo-<date>.md as well (`record.py`).
+
 Each family is a model file this script writes into a temporary directory: a Hugging Face model built from its
 config class at the published size (nothing downloaded; partc builds it on the meta device), or plain torch, and a
 tiny one of the same code (2 layers or stages, hidden size 32-64, dropout off). Columns:
@@ -563,4 +565,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from record import recorded
+
+    sys.exit(recorded("zoo", main, markdown=True))

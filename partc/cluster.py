@@ -1,6 +1,6 @@
 """Clusters: the GPU, its node and its network, as the cost model sees them.
 
-Rates are datasheet figures (``shared/reference/calibration.md`` section 4) times an achievable fraction
+Rates are datasheet figures (NVIDIA's A100/H100/H200 datasheets; docs/cost-model.md) times an achievable fraction
 that belongs to the hardware, never to a model. A cluster is a preset name or a JSON file with the same
 fields (any field omitted takes the ``a100-80g`` value).
 """
@@ -168,8 +168,8 @@ def _check_number(name: str, value) -> str | None:
     return f"a finite number >= {low:g}" if high == math.inf else f"a number from {low:g} to {high:g}"
 
 
-# Datasheet rates from calibration.md section 4 (NVLink: per direction; InfiniBand: 8x 200 Gb/s HDR per 8-GPU
-# node = 25 GB/s per GPU each way; NDR 400 Gb/s = 50 GB/s for Hopper nodes). The achievable fractions (the
+# Datasheet rates (NVIDIA's, docs/cost-model.md "The hardware"; NVLink: per direction; InfiniBand: 8x 200 Gb/s
+# HDR per 8-GPU node = 25 GB/s per GPU each way; NDR 400 Gb/s = 50 GB/s for Hopper nodes). The achievable fractions (the
 # field defaults) are A100's, calibrated against Megatron-LM's Table 1 (benchmarks/megatron_table1.py); the
 # Hopper presets take them unmeasured, with their own datasheet rates and SM count.
 PRESETS: dict[str, Cluster] = {

@@ -12,8 +12,8 @@ The mesh is torchtitan's: axes ``MESH_AXES`` = (``pp``, ``dp``, ``tp``), outermo
     global rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 
 A new dimension (say, context parallelism ``cp``) is a field here, with its mesh axis in `MESH_AXES` if it has one;
-the cost model, the search space and the runtime's ``apply_*`` for it read the field (see the README's
-architecture section).
+the cost model, the search space and the runtime's ``apply_*`` for it read the field (see
+docs/adding-a-dimension.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The cost model: time and memory of a plan on a cluster, as pure functions over the IR.
 
-Sources (``shared/reference/calibration.md``): Narayanan et al. 2021, "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM" (section 1: bubble, in-flight micro-batches, TP/PP traffic, model
-FLOPs); Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (section 2:
-activation bytes); Rajbhandari et al. 2020, "ZeRO" (section 3: model states, DP traffic). Hardware rates come
+Sources (docs/cost-model.md cites each): Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM" (bubble, in-flight micro-batches, TP/PP traffic, model FLOPs; Table 1);
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (activation bytes,
+Table 2); Rajbhandari et al. 2020, "ZeRO" (model states, Figure 1; DP traffic, section 7). Hardware rates come
 from `passes.hw`. The IR is per sample and unsharded: here it is multiplied by the micro-batch size b and divided
-by the TP degree t. Symbols as in calibration.md: b, s, h, a, t, p, m, v, Ψ, N_d.
+by the TP degree t. Symbols as in the papers: b, s, h, a, t, p, m, v, Ψ, N_d.
 
 The mesh is `partc.parallel.MESH_AXES` (torchtitan's ("pp", "dp", "tp"), tp innermost): a TP group crosses nodes
 when t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop when the world exceeds one node
@@ -13,10 +13,10 @@ when t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop wh
 (`Parallel.ranks_per_node`, `hw.link`); a pipeline hop sends 1/t of the boundary from each TP rank and all-gathers
 it (scatter/gather, `p2p_round_trip`).
 
-Validated (benchmarks/megatron_table1.py, tests/test_calibration.py): Megatron-LM's Table 1 iteration times within
-5% per row (mean 2.6%); Table 2's PTD-P rows (benchmarks/megatron_table2.py); activation bytes against autograd's
-saved tensors (tests/test_activations.py); every collective's payload against the runtime's (the multi-process
-tests).
+Validated (the figures in docs/cost-model.md and benchmarks/results/): Megatron-LM's Table 1 iteration times
+(benchmarks/megatron_table1.py, tests/test_calibration.py); Table 2's PTD-P rows (benchmarks/megatron_table2.py);
+activation bytes against autograd's saved tensors (tests/test_activations.py); every collective's payload against
+the runtime's (the multi-process tests).
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def in_flight(par: Parallel, rank: int) -> float:
     and torch.distributed.pipelining's schedules run W = (v - 1)·p + 2·(p - 1 - i) chunk forwards before the first
     backward, then one more; a chunk is 1/v of the rank, so min(W + 1, m·v) / v. For rank 0, p + (p - 1)/v =
     p·(1 + (p - 1)/(p·v)): Korthikanti et al.'s factor, whose "m" is the number of interleaved chunks (v here),
-    not of micro-batches as calibration.md section 2 reads. Later ranks hold more than (p - i)·(1 + ...)."""
+    not of micro-batches. Later ranks hold more than (p - i)·(1 + ...)."""
     p, m = par.pp, par.num_microbatches
     assert 0 <= rank < p, rank
     if par.schedule == "gpipe":

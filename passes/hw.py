@@ -5,7 +5,7 @@ GEMMs follow the roofline: the larger of the compute time, FLOPs / (peak · effi
 wave quantization of the output tiles over the SMs and with a short inner dimension (`gemm_efficiency`).
 Memory-bound kernels move their bytes at HBM bandwidth · memory efficiency.
 
-Collectives follow NCCL's ring algorithms (calibration.md section 5): with S bytes, n ranks, bus bandwidth B
+Collectives follow NCCL's ring algorithms (nccl-tests' doc/PERFORMANCE.md): with S bytes, n ranks, bus bandwidth B
 and per-step latency a,
     all-reduce              2(n-1)/n * S/B + 2(n-1) a
     all-gather, reduce-scatter (n-1)/n * S/B + (n-1) a     (S = the full, gathered tensor)

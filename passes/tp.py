@@ -28,8 +28,8 @@ These are the collectives `passes.tp_rewrite` writes into the program: a rowwise
 (then split where a reader needs it split), and a colwise reader of a split tensor gets it gathered, its P
 gradient all-reduced.
 
-Seconds: collective  passes.hw.collective_time(cluster, kind, bytes * b, t)  (ring formulas, calibration.md
-section 5), bytes = the source's output per sample (the largest of its out-edges, else `Layer.out_bytes`);
+Seconds: collective  passes.hw.collective_time(cluster, kind, bytes * b, t)  (ring formulas, nccl-tests'
+performance notes), bytes = the source's output per sample (the largest of its out-edges, else `Layer.out_bytes`);
 compute  3 * sum of passes.hw.gemm_time over the layer's GEMMs (forward + backward, backward = 2 x forward as in
 Narayanan et al. 2021), colwise splitting n and rowwise k. time_s = compute + collectives, per micro-batch.
 

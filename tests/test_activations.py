@@ -19,7 +19,7 @@ counts that kernel's internals at the input's precision (a GPU's unfused 16-bit 
 measurement. The CPU's default flash kernel saves only q, k, v, the output and the log-sum-exp: the trace with
 ``fused_attention=True`` predicts it (measured below).
 
-What the comparison shows (see also README "How partc predicts"):
+What the comparison shows (see also docs/cost-model.md, "Validation"):
 - at b = 1, none / selective / full match to the byte for the GPT and LLaMA (the ViT within 2%), except the GPT
   under full recomputation, whose embedding sum (tok + pos, outside every module) the layer graph gives to
   blocks.0: the IR keeps both embedding outputs as blocks.0's input where a module-level checkpoint keeps their
@@ -302,7 +302,7 @@ def test_fused_attention_predicts_the_flash_kernel(recompute, b):
 
 @pytest.mark.parametrize("dropout", [0.1, 0.0])
 def test_gpt_block_against_korthikanti(dropout):
-    """Per transformer block, t = 1 (Korthikanti et al. 2022, calibration.md section 2), and the part tensor
+    """Per transformer block, t = 1 (Korthikanti et al. 2022, Table 2), and the part tensor
     parallelism leaves whole:
         dropout on:  s·b·h·(34 + 5·a·s/h)    (1-byte masks)      selective: 34·s·b·h
         dropout off: s·b·h·(32 + 2·a·s/h)    (no masks: -2·sbh; attention -3·a·s²·b: its mask and output)

@@ -1,4 +1,4 @@
-"""partc's predicted iteration time against Megatron-LM's published Table 1 (calibration.md section 1).
+"""partc's predicted iteration time against Megatron-LM's published Table 1 (Narayanan et al. 2021).
 
 The rows and the way each is compiled are those of ``benchmarks/megatron_table1.py``, which prints all ten. Tracing
 a model on meta takes 1-8 s and grows with its depth, so this test keeps the suite fast with the six rows up to

@@ -1,4 +1,4 @@
-"""The cost model against the published formulas of calibration.md, on hand-built IR (single process, fast)."""
+"""The cost model against the published formulas of docs/cost-model.md, on hand-built IR (single process, fast)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def megatron_tp(graph: ModelGraph, *, s: int, h: int) -> FakeTP:
     return tp
 
 
-# --- 1. ZeRO model states (calibration.md section 3) ---------------------------------------------------------
+# --- 1. ZeRO model states (Rajbhandari et al. 2020, Figure 1) ----------------------------------------------
 
 
 # The ZeRO paper's table for the 7.5B model at N_d = 64 (120 / 31.4 / 16.6 / 1.9 GB) assumes 16-bit gradients;
@@ -88,7 +88,7 @@ def test_zero_split_by_kind():
     assert (f0.params, f0.grads, f0.optimizer) == pytest.approx((8 * psi, 4 * psi, 8 * psi))
 
 
-# --- 2. Activations (Korthikanti et al., calibration.md section 2) --------------------------------------------
+# --- 2. Activations (Korthikanti et al. 2022, Table 2) --------------------------------------------------
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])

@@ -4,7 +4,7 @@ which 12.9B run per token) built from its config, nothing downloaded; partc buil
     partc compile benchmarks/models/hf_mixtral_8x7b.py --gpus 16 --cluster h100-80g
 
 Without ``example_inputs`` partc synthesizes ``input_ids`` (``--seq-len``, default min(1024, max positions)). The
-experts run Hugging Face's default ``grouped_mm`` implementation (README, "How partc predicts": mixture of experts).
+experts run Hugging Face's default ``grouped_mm`` implementation (docs/cost-model.md, "Time": mixture of experts).
 Under tensor parallelism they are split inside, each as a Megatron MLP (TP style ``inner``, `partc.passes.experts`):
 ``--tp 2`` gives dp 1 tp 2 pp 8 at a predicted MFU of 35.5%; the search keeps tp 1 pp 16 (41.9%).
 """
