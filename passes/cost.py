@@ -2,8 +2,8 @@
 
 Sources (docs/cost-model.md cites each): Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM" (bubble, in-flight micro-batches, TP/PP traffic, model FLOPs; Table 1);
-Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (activation bytes,
-Table 2); Rajbhandari et al. 2020, "ZeRO" (model states, Figure 1; DP traffic, section 7). Hardware rates come
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (activation bytes
+per layer, section 4); Rajbhandari et al. 2020, "ZeRO" (model states, Figure 1; DP traffic, section 7). Hardware rates come
 from `passes.hw`. The IR is per sample and unsharded: here it is multiplied by the micro-batch size b and divided
 by the TP degree t. Symbols as in the papers: b, s, h, a, t, p, m, v, Ψ, N_d.
 
