@@ -24,9 +24,10 @@ import json
 import math
 from pathlib import Path
 
-from partc import timeline
+from partc import output, timeline
 from partc.cluster import Cluster
 from partc.errors import PartcError
+from partc.plan import read_plan
 
 GiB = 2 ** 30
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -201,13 +202,16 @@ def _timeline_svg(step: timeline.Step, p: int, v: int, id_: str, t_lo: float, t_
 
 def _timeline(plan: dict) -> str:
     par = plan["parallel"]
+    if not all("timeline_s" in r for r in plan["predicted"].get("ranks", [])):
+        return ('<p class="note">This plan.json was written by a partc without the step\'s timeline: compile it '
+                'again (partc compile --from-plan OUT/plan.json) to draw it.</p>')
     step, p, v, m = _step_of(plan)
     slot = step.slot_fwd_s + step.slot_bwd_s
-    legend = _legend([("forward compute", COLORS["fwd"]), ("backward compute (and recomputation)", COLORS["bwd"]),
-                      ("tensor-parallel collectives", COLORS["tp"]), ("pipeline send/receive", COLORS["pp"]),
+    legend = _legend([("forward", COLORS["fwd"]), ("backward (+ recomputation)", COLORS["bwd"]),
+                      ("TP collectives", COLORS["tp"]), ("pipeline send/receive", COLORS["pp"]),
                       ("waiting for the slowest rank", COLORS["wait"]),
-                      ("data-parallel traffic (exposed)", COLORS["dp"]), ("optimizer step", COLORS["optimizer_step"]),
-                      ("idle (pipeline bubble)", COLORS["idle"])])
+                      ("DP traffic (exposed)", COLORS["dp"]), ("optimizer step", COLORS["optimizer_step"]),
+                      ("idle (bubble)", COLORS["idle"])])
     out = [legend, _timeline_svg(step, p, v, "timeline", 0.0, step.step_s)]
     # A long step (many micro-batches) in one picture shows bands; its start and end, closer, show the schedule.
     zoom = (p - 1 + 2 * p) * slot / v
@@ -345,7 +349,7 @@ def _alternatives(plan: dict, usable: float) -> str:
     points = [("chosen", _summary(plan["parallel"]), pred["step_time_s"], pred["memory_per_gpu"]["total"])]
     points += [("alt", _summary(a["parallel"]), a["step_time_s"], a["memory_bytes"]) for a in plan["alternatives"]]
     left, top, pw, ph = 80, 20, 640, 320
-    width, height = left + pw + 260, top + ph + 50
+    width, height = left + pw + 40, top + ph + 50 + 16 * len(points)
     # Axes around the points (the plans the search ranked lie close together), memory up to the limit.
     x_lo, x_hi = _axis(min(pt[3] for pt in points) / GiB, max(usable, max(pt[3] for pt in points)) / GiB)
     y_lo, y_hi = _axis(min(pt[2] for pt in points), max(pt[2] for pt in points))
@@ -372,6 +376,10 @@ def _alternatives(plan: dict, usable: float) -> str:
         body.append(f'<g class="point {kind}" data-step-s="{_num(s)}" data-memory-bytes="{int(b)}">{shape}'
                     f'<title>{_e(label)}: {_secs(s)}, {_bytes(b)}</title>'
                     f'<text x="{cx + 10:.1f}" y="{cy + 4:.1f}" fill="#333">{i if kind == "alt" else "chosen"}</text></g>')
+    for i, (kind, label, s, b) in enumerate(points):  # the key, under the plot (it travels with the picture)
+        body.append(f'<text x="{left}" y="{top + ph + 56 + 16 * i}" fill="#333"><tspan font-weight="bold">'
+                    f'{"chosen" if kind == "chosen" else i}</tspan>  {_e(label)}: {_e(_secs(s))}, {_e(_bytes(b))}'
+                    f'</text>')
     rows = "".join(f'<tr><td>{"chosen" if kind == "chosen" else i}</td><td>{_e(label)}</td>'
                    f'<td class="n">{_secs(s)}</td><td class="n">{_bytes(b)}</td></tr>'
                    for i, (kind, label, s, b) in enumerate(points))
@@ -531,15 +539,35 @@ def render(plan: dict, *, measured: list[dict] | None = None, log: list[dict] | 
     head = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in kv)
     parts = [f"<h1>partc plan: {_e(model.get('name', ''))}</h1>",
              f'<table class="kv">{head}</table>',
-             '<section><h2>One step, per pipeline rank</h2>' + _timeline(plan) + "</section>",
-             '<section><h2>Memory per pipeline rank</h2>' + _memory(plan, usable, measured) + "</section>"]
+             '<section id="s-timeline"><h2>One step, per pipeline rank</h2>' + _timeline(plan) + "</section>",
+             '<section id="s-memory"><h2>Memory per pipeline rank</h2>' + _memory(plan, usable, measured) + "</section>"]
     if measured:
-        parts.append('<section><h2>Traffic per step (partc check)</h2>' + _traffic(measured) + "</section>")
-    parts += ['<section><h2>Step time</h2>' + _breakdown(plan) + "</section>",
-              '<section><h2>Alternatives</h2>' + _alternatives(plan, usable) + "</section>",
-              '<section><h2>Tensor parallelism in one block</h2>' + _tp_styles(plan) + "</section>"]
+        parts.append('<section id="s-traffic"><h2>Traffic per step (partc check)</h2>' + _traffic(measured) + "</section>")
+    parts += ['<section id="s-breakdown"><h2>Step time</h2>' + _breakdown(plan) + "</section>",
+              '<section id="s-alternatives"><h2>Alternatives</h2>' + _alternatives(plan, usable) + "</section>",
+              '<section id="s-tp"><h2>Tensor parallelism in one block</h2>' + _tp_styles(plan) + "</section>"]
     if log is not None:
-        parts.append('<section><h2>Training log</h2>' + _log(plan, log) + "</section>")
+        parts.append('<section id="s-log"><h2>Training log</h2>' + _log(plan, log) + "</section>")
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<title>partc plan: {_e(model.get("name", ""))}</title><style>{CSS}</style></head><body>'
             + "\n".join(parts) + "\n</body></html>\n")
+
+
+def write(out_dir: str | Path, *, measured: list[dict] | None = None, log: list[dict] | None = None) -> Path:
+    """Draw ``OUT/report.html`` again from ``OUT/plan.json``, with measurements (`render`); returns its path."""
+    path = Path(out_dir) / "plan.json"
+    read_plan(path)  # a clear error for a missing or broken plan
+    return output.write_report(out_dir, render(json.loads(path.read_text()), measured=measured, log=log))
+
+
+def read_check(path: str | Path) -> list[dict]:
+    """The rank records of ``partc check --format json`` saved to a file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PartcError(f"cannot read partc check's JSON {path}: {e}") from None
+    ranks = data.get("ranks") if isinstance(data, dict) else None
+    if not isinstance(ranks, list) or not all(isinstance(r, dict) and "pp_rank" in r and "memory_bytes" in r
+                                              for r in ranks):
+        raise PartcError(f"{path} is not the output of partc check --format json")
+    return ranks
