@@ -98,6 +98,18 @@ def _nice_ticks(hi: float, n: int = 6) -> list[float]:
     return [i * step for i in range(int(math.ceil(hi / step - 1e-9)) + 1)]
 
 
+OFF_SCALE = 4.0
+"""A memory limit more than this many times the largest bar is written, not drawn (the bars would be slivers)."""
+
+
+def _mem_unit(top: float) -> tuple[float, str]:
+    """The unit of a memory axis reaching `top` bytes."""
+    for name, scale in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if top >= scale:
+            return float(scale), name
+    return 1.0, "B"
+
+
 def _axis(lo: float, hi: float) -> tuple[float, float]:
     """A plotting range around [lo, hi] with a margin (a tenth of the span, or of the value when they are equal)."""
     pad = (hi - lo) * 0.1 or abs(hi) * 0.05 or 1.0
@@ -130,7 +142,7 @@ def _step_of(plan: dict) -> tuple[timeline.Step, int, int, int]:
 
 
 def _timeline_svg(step: timeline.Step, p: int, v: int, id_: str, t_lo: float, t_hi: float,
-                  width: int = 1200) -> str:
+                  width: int = 1200, title: str = "") -> str:
     """The ranks' rows between `t_lo` and `t_hi` seconds. Each part (a forward's compute, its TP collectives, ...)
     of a rank is one path; the slots a rank holds are drawn under them as runs (the wait for the slowest rank)."""
     left, right, top = 80, 70, 26
@@ -141,7 +153,8 @@ def _timeline_svg(step: timeline.Step, p: int, v: int, id_: str, t_lo: float, t_
     x = lambda t: left + (min(max(t, t_lo), t_hi) - t_lo) * scale  # noqa: E731
     body = [f'<defs><clipPath id="{id_}-clip"><rect x="{left}" y="0" width="{width - left - right}" '
             f'height="{height}"/></clipPath></defs>',
-            f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{p * row}" fill="{COLORS["idle"]}"/>']
+            f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{p * row}" fill="{COLORS["idle"]}"/>',
+            f'<text x="{left}" y="{top - 8}" fill="#333" font-weight="bold">{_e(title)}</text>']
     ticks = _nice_ticks(t_hi - t_lo, 8 if width >= 1000 else 4)
     tick_step = ticks[1] if len(ticks) > 1 else 1.0
     for k in range(math.ceil(t_lo / tick_step - 1e-9), int(t_hi / tick_step + 1e-9) + 1):
@@ -212,13 +225,14 @@ def _timeline(plan: dict) -> str:
                       ("waiting for the slowest rank", COLORS["wait"]),
                       ("DP traffic (exposed)", COLORS["dp"]), ("optimizer step", COLORS["optimizer_step"]),
                       ("idle (bubble)", COLORS["idle"])])
-    out = [legend, _timeline_svg(step, p, v, "timeline", 0.0, step.step_s)]
+    out = [legend, _timeline_svg(step, p, v, "timeline", 0.0, step.step_s, title="the whole step")]
     # A long step (many micro-batches) in one picture shows bands; its start and end, closer, show the schedule.
     zoom = (p - 1 + 2 * p) * slot / v
     if zoom < 0.4 * step.step_s:
         out.append(f'<p class="note">The first {_secs(zoom)} and the last {_secs(zoom)}, closer:</p>')
-        out.append(_timeline_svg(step, p, v, "timeline-start", 0.0, zoom, 600)
-                   + _timeline_svg(step, p, v, "timeline-end", step.step_s - zoom, step.step_s, 600))
+        out.append(_timeline_svg(step, p, v, "timeline-start", 0.0, zoom, 600, f"the first {_secs(zoom)}")
+                   + _timeline_svg(step, p, v, "timeline-end", step.step_s - zoom, step.step_s, 600,
+                                   f"the last {_secs(zoom)}"))
     sched = par["schedule"] + (f", {v} chunks a rank" if v > 1 else "")
     out.append(
         f'<p class="note">One training step of one GPU per pipeline rank ({_e(sched)}, {m} micro-batches of '
@@ -237,19 +251,22 @@ def _memory(plan: dict, usable: float, measured: list[dict] | None) -> str:
     ranks = plan["predicted"]["ranks"]
     p = len(ranks)
     by_rank = {r["pp_rank"]: r for r in measured or []}
-    top_bytes = max([usable] + [r["memory_bytes"]["total"] for r in ranks] +
-                    [sum(r["memory_bytes"].get(c, 0) for c in CATEGORIES) for r in by_rank.values()])
-    ticks = _nice_ticks(top_bytes / GiB * 1.05, 6)
+    data_top = max([r["memory_bytes"]["total"] for r in ranks] +
+                   [sum(r["memory_bytes"].get(c, 0) for c in CATEGORIES) for r in by_rank.values()])
+    on_scale = usable <= OFF_SCALE * data_top  # else the bars would be slivers under a far limit
+    unit, unit_name = _mem_unit(max(data_top, usable if on_scale else 0.0))
+    ticks = _nice_ticks(max(data_top, usable if on_scale else 0.0) / unit * 1.05, 6)
     left, top, plot_h = 70, 20, 300
     bar = 34 if p <= 16 else max(4, 640 // p // (2 if measured else 1))
     group = bar * (2 if measured else 1) + max(6, bar // 2)
     width = max(520, left + p * group + 220)
     height = top + plot_h + 48
-    y = lambda b: top + plot_h - b / GiB / ticks[-1] * plot_h  # noqa: E731
+    y = lambda b: top + plot_h - b / unit / ticks[-1] * plot_h  # noqa: E731
     body = []
     for t in ticks:
-        body.append(f'<line x1="{left}" x2="{width - 200}" y1="{y(t * GiB):.2f}" y2="{y(t * GiB):.2f}" stroke="#e4e4e4"/>'
-                    f'<text x="{left - 6}" y="{y(t * GiB) + 4:.2f}" text-anchor="end" fill="#555">{t:g} GiB</text>')
+        body.append(f'<line x1="{left}" x2="{width - 200}" y1="{y(t * unit):.2f}" y2="{y(t * unit):.2f}" '
+                    f'stroke="#e4e4e4"/><text x="{left - 6}" y="{y(t * unit) + 4:.2f}" text-anchor="end" fill="#555">'
+                    f'{t:g} {unit_name}</text>')
 
     def stack(x0: float, values: dict, kind: str, rank: int) -> None:
         base = 0.0
@@ -267,15 +284,21 @@ def _memory(plan: dict, usable: float, measured: list[dict] | None) -> str:
     for r, rank in enumerate(ranks):
         x0 = left + 8 + r * group
         stack(x0, rank["memory_bytes"], "predicted", r)
+        if p <= 16:
+            body.append(f'<text x="{x0 + bar / 2:.1f}" y="{y(rank["memory_bytes"]["total"]) - 4:.1f}" '
+                        f'text-anchor="middle" fill="#333" font-size="10">'
+                        f'{rank["memory_bytes"]["total"] / unit:.3g}</text>')
         if r in by_rank:
             stack(x0 + bar, {c: by_rank[r]["memory_bytes"].get(c) for c in CATEGORIES if c != "buffers"}, "measured", r)
         label = f"{r}" if p > 16 else f"rank {r}"
         body.append(f'<text x="{x0 + bar * (2 if measured else 1) / 2:.1f}" y="{top + plot_h + 14}" '
                     f'text-anchor="middle" fill="#555">{label}</text>')
-    body.append(f'<line id="usable" data-bytes="{int(usable)}" x1="{left}" x2="{width - 200}" y1="{y(usable):.2f}" '
-                f'y2="{y(usable):.2f}" stroke="{COLORS["limit"]}" stroke-dasharray="6 3" stroke-width="1.5"/>'
-                f'<text x="{width - 196}" y="{y(usable) + 4:.2f}" fill="{COLORS["limit"]}">usable '
-                f'{_bytes(usable)}</text>'
+    body.append(f'<g id="usable" data-bytes="{int(usable)}">' + (
+                f'<line x1="{left}" x2="{width - 200}" y1="{y(usable):.2f}" y2="{y(usable):.2f}" '
+                f'stroke="{COLORS["limit"]}" stroke-dasharray="6 3" stroke-width="1.5"/>'
+                f'<text x="{width - 196}" y="{y(usable) + 4:.2f}" fill="{COLORS["limit"]}">usable {_bytes(usable)}</text>'
+                if on_scale else f'<text x="{width - 196}" y="{top + 4}" fill="{COLORS["limit"]}">usable '
+                                 f'{_bytes(usable)}: far above</text>') + "</g>"
                 f'<text x="{left + (width - 200 - left) / 2}" y="{top + plot_h + 34}" text-anchor="middle" fill="#555">'
                 f'pipeline rank{" (left: predicted, right: measured by partc check)" if measured else ""}</text>')
     svg = _svg(width, height, body, "memory")
@@ -350,24 +373,31 @@ def _alternatives(plan: dict, usable: float) -> str:
     points += [("alt", _summary(a["parallel"]), a["step_time_s"], a["memory_bytes"]) for a in plan["alternatives"]]
     left, top, pw, ph = 80, 20, 640, 320
     width, height = left + pw + 40, top + ph + 50 + 16 * len(points)
-    # Axes around the points (the plans the search ranked lie close together), memory up to the limit.
-    x_lo, x_hi = _axis(min(pt[3] for pt in points) / GiB, max(usable, max(pt[3] for pt in points)) / GiB)
+    # Axes around the points (the plans the search ranked lie close together), memory up to the limit unless it is
+    # far beyond them.
+    mem_hi = max(pt[3] for pt in points)
+    on_scale = usable <= OFF_SCALE * mem_hi
+    unit, unit_name = _mem_unit(max(mem_hi, usable if on_scale else 0.0))
+    x_lo, x_hi = _axis(min(pt[3] for pt in points) / unit, max(usable if on_scale else 0.0, mem_hi) / unit)
     y_lo, y_hi = _axis(min(pt[2] for pt in points), max(pt[2] for pt in points))
-    x = lambda b: left + (b / GiB - x_lo) / (x_hi - x_lo) * pw  # noqa: E731
+    x = lambda b: left + (b / unit - x_lo) / (x_hi - x_lo) * pw  # noqa: E731
     y = lambda s: top + ph - (s - y_lo) / (y_hi - y_lo) * ph  # noqa: E731
     body = [f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>']
     for t in _ticks_between(x_lo, x_hi):
-        body.append(f'<line x1="{x(t * GiB):.1f}" x2="{x(t * GiB):.1f}" y1="{top}" y2="{top + ph}" stroke="#eee"/>'
-                    f'<text x="{x(t * GiB):.1f}" y="{top + ph + 14}" text-anchor="middle" fill="#555">{t:g}</text>')
+        body.append(f'<line x1="{x(t * unit):.1f}" x2="{x(t * unit):.1f}" y1="{top}" y2="{top + ph}" stroke="#eee"/>'
+                    f'<text x="{x(t * unit):.1f}" y="{top + ph + 14}" text-anchor="middle" fill="#555">{t:g}</text>')
     for t in _ticks_between(y_lo, y_hi):
         body.append(f'<line x1="{left}" x2="{left + pw}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="#eee"/>'
                     f'<text x="{left - 6}" y="{y(t) + 4:.1f}" text-anchor="end" fill="#555">{_e(_tick(t))}</text>')
-    body.append(f'<line id="limit" data-bytes="{int(usable)}" x1="{x(usable):.1f}" x2="{x(usable):.1f}" y1="{top}" '
-                f'y2="{top + ph}" stroke="{COLORS["limit"]}" stroke-dasharray="6 3" stroke-width="1.5"/>'
+    body.append(f'<g id="limit" data-bytes="{int(usable)}">' + (
+                f'<line x1="{x(usable):.1f}" x2="{x(usable):.1f}" y1="{top}" y2="{top + ph}" '
+                f'stroke="{COLORS["limit"]}" stroke-dasharray="6 3" stroke-width="1.5"/>'
                 f'<text x="{x(usable) - 4:.1f}" y="{top + 12}" text-anchor="end" fill="{COLORS["limit"]}">usable '
-                f'memory {_bytes(usable)}</text>'
-                f'<text x="{left + pw / 2}" y="{top + ph + 34}" text-anchor="middle" fill="#555">memory per GPU (GiB)'
-                f'</text><text x="16" y="{top + ph / 2}" fill="#555" transform="rotate(-90 16 {top + ph / 2})" '
+                f'memory {_bytes(usable)}</text>' if on_scale else
+                f'<text x="{left + pw - 4}" y="{top + 12}" text-anchor="end" fill="{COLORS["limit"]}">usable memory '
+                f'{_bytes(usable)}: far to the right</text>') + "</g>"
+                f'<text x="{left + pw / 2}" y="{top + ph + 34}" text-anchor="middle" fill="#555">memory per GPU '
+                f'({unit_name})</text><text x="16" y="{top + ph / 2}" fill="#555" transform="rotate(-90 16 {top + ph / 2})" '
                 f'text-anchor="middle">step time</text>')
     for i, (kind, label, s, b) in reversed(list(enumerate(points))):
         cx, cy = x(b), y(s)

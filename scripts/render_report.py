@@ -30,6 +30,8 @@ PICTURES = {
 }
 MARGIN = 8
 LEGEND_H = 24
+LEGEND_W = 720
+"""The legend's width on one line (the memory's five categories)."""
 GAP = 10
 
 PAGE_CSS = f"""
@@ -85,7 +87,7 @@ def picture_page(report: str, name: str) -> tuple[str, int, int]:
         height += max(h for _, _, h in svgs) + GAP
     page = (f'<!DOCTYPE html><html><head><meta charset="utf-8"><style>{PAGE_CSS}</style></head><body>'
             + "".join(parts) + "</body></html>")
-    return page, width + 2 * MARGIN, height - GAP
+    return page, max(width, LEGEND_W if legend else 0) + 2 * MARGIN, height - GAP
 
 
 def render(report_path: Path, out_dir: Path, prefix: str, names: list[str] | None = None) -> list[Path]:

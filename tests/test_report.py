@@ -136,7 +136,7 @@ def test_memory_bars_add_up_to_the_plan(outs):
             got = {a["data-category"]: int(a["data-bytes"]) for a in bars}
             assert got == {c: rank["memory_bytes"][c] for c in report.CATEGORIES}
             assert abs(sum(got.values()) - rank["memory_bytes"]["total"]) <= len(got)  # each part rounded
-        assert [int(a["data-bytes"]) for a in html.find("line") if a.get("id") == "usable"] == [int(usable)]
+        assert [int(a["data-bytes"]) for a in html.find("g") if a.get("id") == "usable"] == [int(usable)]
 
 
 def test_timeline_holds_every_action_and_ends_at_the_step_time(outs):
