@@ -36,7 +36,7 @@ CATEGORY_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "op
 COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759",
           "buffers": "#9c755f",
           "fwd": "#4e79a7", "bwd": "#59a14f", "tp": "#f28e2b", "pp": "#b07aa1", "dp": "#e15759",
-          "optimizer_step": "#9c755f", "wait": "#cdd5df", "idle": "#f2f2f2",
+          "optimizer_step": "#9c755f", "wait": "#cdd5df", "busy": "#7f9fb5", "idle": "#f2f2f2",
           "compute": "#4e79a7", "tp_comm": "#f28e2b", "pp_comm": "#b07aa1", "bubble": "#bab0ac", "dp_comm": "#e15759",
           "limit": "#d62728", "measured": "#333333"}
 BREAKDOWN = (("compute", "compute"), ("tp_comm", "tensor-parallel collectives"), ("pp_comm", "pipeline send/receive"),
@@ -141,6 +141,11 @@ def _step_of(plan: dict) -> tuple[timeline.Step, int, int, int]:
     return timeline.step(plan["predicted"], par["schedule"], p, v, m), p, v, m
 
 
+DETAIL_MAX = 4000
+"""The most actions of one rank a view draws one by one; beyond, it draws the stretches the rank is busy (a step of
+thousands of micro-batches would otherwise make a report of tens of megabytes, and pixels too thin to see)."""
+
+
 def _timeline_svg(step: timeline.Step, p: int, v: int, id_: str, t_lo: float, t_hi: float,
                   width: int = 1200, title: str = "") -> str:
     """The ranks' rows between `t_lo` and `t_hi` seconds. Each part (a forward's compute, its TP collectives, ...)
@@ -175,10 +180,11 @@ def _timeline_svg(step: timeline.Step, p: int, v: int, id_: str, t_lo: float, t_
                 runs[-1][1] = a.end
             else:
                 runs.append([a.start, a.end])
-        body.append(f'<path fill="{COLORS["wait"]}" d="'
+        detail = len(seen) <= DETAIL_MAX
+        body.append(f'<path fill="{COLORS["wait" if detail else "busy"]}" d="'
                     + "".join(f"M{x(s):.1f} {y}H{x(e):.1f}v{h}H{x(s):.1f}z" for s, e in runs) + '"/>')
         paths: dict[str, list[str]] = {}
-        for a in seen:
+        for a in (seen if detail else ()):
             kind = "fwd" if a.forward else "bwd"
             t0 = a.start
             for part in timeline.PARTS:
@@ -233,6 +239,10 @@ def _timeline(plan: dict) -> str:
         out.append(_timeline_svg(step, p, v, "timeline-start", 0.0, zoom, 600, f"the first {_secs(zoom)}")
                    + _timeline_svg(step, p, v, "timeline-end", step.step_s - zoom, step.step_s, 600,
                                    f"the last {_secs(zoom)}"))
+    if 2 * m * v > DETAIL_MAX:
+        out.append(f'<p class="note">The whole step holds {2 * m * v:,} forwards and backwards a rank, too many to '
+                   f'draw one by one: its overview shows the stretches each rank is busy (grey-blue); the closer views '
+                   f'show the actions.</p>')
     sched = par["schedule"] + (f", {v} chunks a rank" if v > 1 else "")
     out.append(
         f'<p class="note">One training step of one GPU per pipeline rank ({_e(sched)}, {m} micro-batches of '
@@ -537,13 +547,14 @@ def _log(plan: dict, records: list[dict]) -> str:
         if isinstance(rank, dict) and _finite(rank.get("peak_memory_bytes")) and _finite(rank.get("pp_rank")):
             peaks[rank["pp_rank"]] = max(peaks.get(rank["pp_rank"], 0.0), rank["peak_memory_bytes"])
     if peaks:
+        mems = [r["memory_bytes"] for r in pred["ranks"]]
         rows = "".join(f'<tr class="log-memory" data-rank="{r}" data-measured="{peaks[r]:.0f}" '
-                       f'data-predicted="{pred["ranks"][r]["memory_bytes"]["total"]}"><td>{r}</td>'
-                       f'<td class="n">{_bytes(pred["ranks"][r]["memory_bytes"]["total"])}</td>'
-                       f'<td class="n">{_bytes(peaks[r])}</td></tr>' for r in sorted(peaks)
-                       if 0 <= r < len(pred["ranks"]))
-        out.append('<h3>Memory</h3><table><tr><th>pp rank</th><th class="n">predicted</th><th class="n">measured '
-                   f'peak (the most any GPU of the rank allocated)</th></tr>{rows}</table>')
+                       f'data-predicted="{mems[r]["total"]}"><td>{r}</td><td class="n">{_bytes(mems[r]["total"])}</td>'
+                       f'<td class="n">{_bytes(mems[r]["total"] - mems[r].get("buffers", 0))}</td>'
+                       f'<td class="n">{_bytes(peaks[r])}</td></tr>' for r in sorted(peaks) if 0 <= r < len(mems))
+        out.append('<h3>Memory</h3><table><tr><th>pp rank</th><th class="n">predicted</th><th class="n">predicted '
+                   'without the communicators\' buffers</th><th class="n">measured peak (the most any GPU of the '
+                   f'rank allocated; the allocator does not see those buffers)</th></tr>{rows}</table>')
     if not out:
         out.append('<p class="note">The log holds no step with a loss, a step time or a memory peak.</p>')
     return "".join(out)

@@ -157,6 +157,18 @@ def test_timeline_holds_every_action_and_ends_at_the_step_time(outs):
         assert sum(float(a["data-seconds"]) for a in parts) == pytest.approx(pred["step_time_s"], rel=1e-9)
 
 
+def test_a_step_of_many_micro_batches_stays_small(outs):
+    """Thousands of micro-batches: the overview draws busy stretches, not each action; the views up close still
+    draw them, and the page stays small."""
+    plan = json.loads((outs["interleaved"] / "plan.json").read_text())
+    plan["parallel"]["global_batch_size"] = 4096  # m = 4096, v = 2: 16,384 actions a rank
+    text = report.render(plan)
+    assert len(text) < 1_500_000
+    html = Page(text)
+    assert all(int(g["data-actions"]) == 2 * 4096 * 2 for g in html.find("g", "rank", inside="timeline"))
+    assert not html.find("path", "fwd", inside="timeline") and html.find("path", "fwd", inside="timeline-start")
+
+
 def test_every_alternative_is_a_point(outs, tmp_path):
     for out in outs.values():
         plan, html = json.loads((out / "plan.json").read_text()), page(out)
