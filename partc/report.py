@@ -446,7 +446,7 @@ def _block_layers(plan: dict) -> tuple[str, list[str]]:
 
 def _tp_styles(plan: dict) -> str:
     module, layers = _block_layers(plan)
-    if not layers:
+    if not layers or plan["parallel"]["tp"] == 1:
         return '<p class="note">No layer is split: tensor parallelism is off (tp = 1).</p>'
     why = plan.get("tp_why", {})
     rows = "".join(f'<tr class="tp-layer" data-layer="{_e(f)}" data-style="{_e(plan["tp"][f])}"><td>{_e(f)}</td>'

@@ -187,6 +187,7 @@ def test_tp_styles_of_one_block(outs):
     rows = html.find("tr", "tp-layer")  # the first block's layers, each with the plan's style
     assert sorted(r["data-layer"] for r in rows) == sorted(f for f in plan["tp"] if f.startswith("blocks.0."))
     assert all(plan["tp"][r["data-layer"]] == r["data-style"] for r in rows) and len(rows) >= 4
+    assert not page(outs["1f1b"]).find("tr", "tp-layer")  # tp = 1: nothing split, no table
 
 
 def test_no_network_reference(outs):
