@@ -323,6 +323,7 @@ def check_cmd(out_dir, optimizer, fmt, slack_bytes, jobs, pp_ranks):
                                "agrees": not bad, "fits": not unfit}, indent=2, sort_keys=True))
     else:
         print_check(results, worst, bad, unfit, TOLERANCE, subset=pp_ranks is not None)
+    _report(out_dir, measured=[r.to_dict() for r in results])
     sys.exit(1 if bad or unfit else 0)
 
 
@@ -338,6 +339,33 @@ def _rank_list(text: str | None) -> list[int] | None:
                                      f"and ranges separated by commas, e.g. 0,15)", param_hint="--pp-ranks")
         out += range(int(m[1]), int(m[2] or m[1]) + 1)
     return out
+
+
+def _report(out_dir, **measurements) -> None:
+    """Draw OUT/report.html again with `measurements`; a report that cannot be written is a warning."""
+    from partc import report
+
+    try:
+        path = report.write(out_dir, **measurements)
+    except PartcError as e:
+        click.echo(f"warning: report.html not written: {one_line(str(e))}", err=True)
+    else:
+        click.echo(f"wrote {path}", err=True)
+
+
+@main.command("report")
+@click.argument("out_dir", type=str)
+@click.option("--log", "log_path", default=None, help="A `partc run --log-jsonl` log: the loss curve and the measured "
+                                                       "step time and memory against the predicted.")
+@click.option("--check", "check_path", default=None,
+              help="`partc check --format json` saved to a file: the measured memory and traffic.")
+def report_cmd(out_dir, log_path, check_path):
+    """Draw OUT_DIR/report.html again from its plan, with a training log and partc check's measurements."""
+    from partc import report
+
+    log = report.read_log(log_path) if log_path else None
+    measured = report.read_check(check_path) if check_path else None
+    click.echo(f"wrote {report.write(out_dir, measured=measured, log=log)}")
 
 
 def _bytes(n: float) -> str:

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from partc import output
+from partc import output, report
 from partc.cluster import Cluster, load_cluster
 from partc.deferred_init import InitRecord, record
 from partc.errors import PartcError
@@ -183,8 +183,8 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     t_codegen = time.perf_counter()
     if out_dir is not None:
         program = make_program(spec, model, traced, plan, path=path, entry=entry)
-        output.write(out_dir, {"plan.json": plan.to_json(), **{f"program/{name}": text
-                                                                for name, text in program.files.items()}},
+        output.write(out_dir, {"plan.json": plan.to_json(), output.REPORT: report.render(plan.to_dict()),
+                               **{f"program/{name}": text for name, text in program.files.items()}},
                      force=force, keep=from_plan)
     t_end = time.perf_counter()
     if dump_dir is not None:
@@ -341,7 +341,8 @@ def _predicted(pred: cost.Prediction, global_batch_size: int) -> dict:
         # One entry per pipeline rank, in rank order: what one GPU of it needs and moves in a step (the runtime
         # measures the same: partc.runtime.comm, `--log-jsonl`).
         "ranks": [{"time_s": r.time_s, "memory_bytes": r.memory.to_dict(),
-                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0))) for axis in ("tp", "pp", "dp")}}
+                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0))) for axis in ("tp", "pp", "dp")},
+                   "timeline_s": r.timeline_s}  # what the step's walk takes (`partc.timeline`, report.html)
                   for r in pred.ranks],
     }
 

@@ -1,6 +1,7 @@
 """The output directory of ``partc compile -o DIR``: what partc writes there, and what it never touches.
 
     DIR/plan.json            the plan
+    DIR/report.html          the plan drawn (`partc.report`); ``partc check`` and ``partc report`` draw it again
     DIR/program/             manifest.json and one stage_K.py a stage, replaced whole
     DIR/partc-output.json    partc's record of the files above, each with its SHA-256
 
@@ -36,6 +37,7 @@ RECORD = "partc-output.json"
 
 _WRITER = "partc compile"
 _PLAN = "plan.json"
+REPORT = "report.html"
 _PROGRAM = "program"
 
 
@@ -71,7 +73,8 @@ def check(out_dir: str | Path, *, force: bool = False, keep: str | Path | None =
 
 def write(out_dir: str | Path, files: dict[str, str], *, force: bool = False, keep: str | Path | None = None) -> None:
     """Write ``plan.json`` and ``program/`` (`files`: path relative to DIR -> text) into `out_dir`, after `check`."""
-    assert _PLAN in files and all(f == _PLAN or f.startswith(_PROGRAM + "/") and f.count("/") == 1 for f in files)
+    assert _PLAN in files and all(f in (_PLAN, REPORT) or f.startswith(_PROGRAM + "/") and f.count("/") == 1
+                                  for f in files)
     out = Path(out_dir)
     check(out, force=force, keep=keep)
     try:
@@ -84,13 +87,36 @@ def write(out_dir: str | Path, files: dict[str, str], *, force: bool = False, ke
     _write_file(out / RECORD, _record_text({rel: sorted(set(old.get(rel, [])) | ({new[rel]} if rel in new else set()))
                                             for rel in old.keys() | new.keys()}))
     _write_file(out / _PLAN, data[_PLAN])
-    _write_program(out, {rel.split("/", 1)[1]: b for rel, b in data.items() if rel != _PLAN})
+    if REPORT in data:
+        _write_file(out / REPORT, data[REPORT])
+    _write_program(out, {rel.split("/", 1)[1]: b for rel, b in data.items() if rel not in (_PLAN, REPORT)})
     _write_file(out / RECORD, _record_text({rel: [h] for rel, h in new.items()}))
+
+
+def write_report(out_dir: str | Path, text: str) -> Path:
+    """Replace ``DIR/report.html`` of an earlier output (``partc check``, ``partc report``): only where partc wrote
+    the one there (its SHA-256 in the record), or where there is none yet."""
+    out = Path(out_dir)
+    files = _read_record(out)
+    if files is None:
+        raise PartcError(f"{out} is not an output of partc compile (it has no {RECORD}); partc writes report.html "
+                         f"only into its own output")
+    target = out / REPORT
+    if target.is_symlink() or target.exists() and (not target.is_file() or
+                                                   _sha256(target.read_bytes()) not in files.get(REPORT, [])):
+        raise PartcError(f"{target} was not written by partc or was changed since, and would be replaced: move it "
+                         f"out of {out}")
+    data = text.encode("utf-8")
+    h = _sha256(data)
+    _write_file(out / RECORD, _record_text({**files, REPORT: sorted(set(files.get(REPORT, [])) | {h})}))
+    _write_file(target, data)
+    _write_file(out / RECORD, _record_text({**files, REPORT: [h]}))
+    return target
 
 
 def _replaced(out: Path) -> list[Path]:
     """What a new output replaces: plan.json and everything under program/ (folders too), if they exist."""
-    found = [p for p in (out / _PLAN, out / _PROGRAM) if p.exists() or p.is_symlink()]
+    found = [p for p in (out / _PLAN, out / REPORT, out / _PROGRAM) if p.exists() or p.is_symlink()]
     program = out / _PROGRAM
     if program.is_dir() and not program.is_symlink():
         found.remove(program)

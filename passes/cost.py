@@ -31,6 +31,7 @@ from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph, Unit
 from partc.parallel import MESH_AXES, TP_STYLES, Parallel
+from partc import timeline
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT, param_shard
 from partc.passes.cost_types import Memory, Prediction, RankPrediction, TPPlan, UnitTime
@@ -131,13 +132,14 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
         fwd, core = _forward_times(graph, cluster, par, tp, unit)
         mode = recompute_mode(unit, par)
         compute = 3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
-        comm = 0.0
+        comm = fwd_comm = 0.0
         for c in collectives:
             once = hw.collective_time(cluster, c.kind, c.nbytes * b, t, spans_nodes=spans_tp,
                                       ranks_per_node=per_node)
             # Recomputing a whole block replays its forward, collectives included.
             comm += 2 * once if (mode == "full" and c.phase == "fwd") else once
-        seen[key] = UnitTime(compute_s=compute, tp_comm_s=comm)
+            fwd_comm += once if c.phase == "fwd" else 0.0
+        seen[key] = UnitTime(compute_s=compute, tp_comm_s=comm, fwd_compute_s=fwd, fwd_tp_comm_s=fwd_comm)
         out.append(seen[key])
     return out
 
@@ -757,23 +759,31 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                                      max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)), spans["pp"],
                                      max(graph.boundary_grad_bytes(lo - 1, b), graph.boundary_grad_bytes(hi - 1, b)))
                       for lo, hi in chunks)
+        pp_fwd = sum(p2p_round_trip(cluster, par, max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)),
+                                    spans["pp"], 0.0) for lo, hi in chunks)  # the activations' half
+        fwd_compute, fwd_tp = keep(("fwd time", t, b, par.recompute, ck), lambda: (
+            sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
         tp_payload = keep(("tp", t, b, par.recompute, par.num_microbatches, ck),
                           lambda: tp_bytes(graph, par, tp, idx))
         comm = {"tp": tp_payload + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
                 "dp": sum(zero.dp_bytes(par, params, *padded).values())}
-        ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem, num_params=params,
-                                    chunks=chunks, comm_bytes=comm))
         comps.append((compute, tp_comm, pp_comm))
         dp_time = keep(("dp", t, b, par.dp, par.zero, par.precision, m, spans["dp"], params, padded, groups_n),
                        lambda: dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n))
         dp_times.append(dp_time + shared_time(cluster, par, shared.get(r, 0.0)))
         opt_times.append(optimizer_time(cluster, par, params))
+        timeline_s = {"fwd": {"compute": fwd_compute, "tp": fwd_tp, "pp": pp_fwd},
+                      "bwd": {"compute": compute - fwd_compute, "tp": tp_comm - fwd_tp, "pp": pp_comm - pp_fwd},
+                      "dp_comm": dp_times[-1], "optimizer": opt_times[-1]}
+        ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem, num_params=params,
+                                    chunks=chunks, comm_bytes=comm, timeline_s=timeline_s))
 
     slow = max(range(p), key=lambda r: ranks[r].time_s)
     t_max = ranks[slow].time_s
     bubble_s = (p - 1) / v * t_max
     dp_s, opt_s = max(dp_times), max(opt_times)
-    step = m * t_max + bubble_s + dp_s + opt_s
+    # The pipeline walk's end (`partc.timeline`, which the report draws): m slots of T_max and the fill/drain.
+    step = timeline.pipeline_span(p, v, m, t_max, 0.0) + dp_s + opt_s
 
     # Model FLOPs: 3 x forward (forward + backward, no recompute) over the global batch; for a GPT, Megatron's
     # 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) (Korthikanti et al.; Narayanan et al.'s 96 counts the recompute).

@@ -47,6 +47,10 @@ class UnitTime:
     """Forward + backward (2x forward) + recomputed forward: GEMMs and memory-bound ops."""
     tp_comm_s: float
     """TP collectives (forward, backward, and forward again under full recomputation)."""
+    fwd_compute_s: float = 0.0
+    """The forward's share of `compute_s` (the rest runs in the backward, recomputation included)."""
+    fwd_tp_comm_s: float = 0.0
+    """The forward's share of `tp_comm_s`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,6 +67,9 @@ class RankPrediction:
     chunks: list[tuple[int, int]] = field(default_factory=list)
     """Half-open unit ranges [start, end) of the model chunks on this rank."""
     comm_bytes: dict[str, float] = field(default_factory=dict)
+    timeline_s: dict = field(default_factory=dict)
+    """What `partc.timeline.step` walks: seconds of one micro-batch's forward and backward on this rank (all its
+    chunks) by part (``fwd``/``bwd``: ``compute``, ``tp``, ``pp``), its exposed DP traffic and optimizer step."""
     """Mesh axis (``tp``, ``pp``, ``dp``) -> the collective payload one GPU of this rank passes in a step
     (`partc.passes.zero`'s definition; what the runtime measures)."""
 

@@ -288,7 +288,7 @@ def test_earlier_output_is_replaced_and_nothing_else(tmp_path, tiny):
     assert compile_into(tiny, out)[0] == 0
     record = json.loads((out / "partc-output.json").read_text())
     assert record["written_by"] == "partc compile"
-    assert set(record["files"]) == {"plan.json", "program/manifest.json", "program/stage_0.py"}
+    assert set(record["files"]) == {"plan.json", "report.html", "program/manifest.json", "program/stage_0.py"}
     (out / "notes.txt").write_text("my notes\n")
     read_program(out)  # importing the stage files may leave program/__pycache__: it is partc's, in effect
     code, stdout, err = compile_into(tiny, out, "--global-batch-size", "2")
@@ -296,7 +296,8 @@ def test_earlier_output_is_replaced_and_nothing_else(tmp_path, tiny):
     assert (out / "notes.txt").read_text() == "my notes\n"
     assert json.loads((out / "plan.json").read_text())["parallel"]["global_batch_size"] == 2
     assert sorted(p.name for p in (out / "program").iterdir()) == ["manifest.json", "stage_0.py"]
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "partc-output.json", "plan.json", "program"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "partc-output.json", "plan.json", "program",
+                                                    "report.html"]
 
 
 def test_a_file_of_the_user_in_program_is_refused_even_with_force(tmp_path, tiny):
