@@ -43,6 +43,7 @@ from partc.ir import Layer
 from partc.plan import Plan
 from partc.passes import tp_rewrite
 from partc.passes.constants import constant_values, literal
+from partc.passes.export import GRAD_ENABLED
 from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
 from partc.passes.measure import CORE_OPS, stack_fqns
 from partc.passes.same_shapes import SameShapes
@@ -366,27 +367,35 @@ def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], se
     local = set(values)
     frees = _frees([[x for x in (*n.all_input_nodes, n) if x in local] for n in unit.nodes],
                    keep=set(unit.outputs), order=values)
-    lines, prev = [], None
+    lines, prev, mode = [], None, None
     for n, gone in zip(unit.nodes, frees):
+        # An op of the model's no_grad / set_grad_enabled region (`partc.passes.export.inline_grad_regions`) runs
+        # in a ``with torch.set_grad_enabled(...)`` block; consecutive ones share it.
+        want = n.meta.get(GRAD_ENABLED)
+        if want != mode:
+            mode, prev = want, None
+            if want is not None:
+                lines.append("with torch.no_grad():" if want is False else "with torch.enable_grad():")
+        pad = "    " if mode is not None else ""
         module = (stack_fqns(n) or [""])[-1]
         src = _source_line(n)
         text = "# " + comment(f"{module or '(model)'}" + (f"  {src}" if src else ""))
         if text != prev:
-            lines.append(text)
+            lines.append(pad + text)
             prev = text
         if "partc_why" in n.meta:
-            lines.append("# " + comment(f"TP: {n.meta['partc_why']}"))
-        if selective and n.target in CORE_OPS:
+            lines.append(pad + "# " + comment(f"TP: {n.meta['partc_why']}"))
+        if selective and n.target in CORE_OPS and mode is not False:
             # Selective recomputation (Korthikanti et al. 2022): keep only the attention core's inputs and
             # recompute the core in backward.
-            lines.append("# recompute=selective: the attention core runs again in backward instead of keeping its "
-                         "activations")
-            lines.append(f"{names[n]} = checkpoint({em.function(n)}, {em.args(n)}, use_reentrant=False)")
+            lines.append(pad + "# recompute=selective: the attention core runs again in backward instead of keeping "
+                         "its activations")
+            lines.append(pad + f"{names[n]} = checkpoint({em.function(n)}, {em.args(n)}, use_reentrant=False)")
             em.needs.add("checkpoint")
         else:
-            lines.append(f"{names[n]} = {em.call(n)}")
+            lines.append(pad + f"{names[n]} = {em.call(n)}")
         if gone:
-            lines.append(f"del {', '.join(names[x] for x in gone)}")
+            lines.append(pad + f"del {', '.join(names[x] for x in gone)}")
     lines.append(f"return {tuple_expr([names[x] for x in unit.outputs])}" if unit.outputs else "return ()")
     return lines
 

@@ -20,7 +20,7 @@ from partc._torch import TorchDispatchMode
 from partc.errors import PartcError
 from partc.frames import innermost, stack_trace_frames
 from partc.ir import Gemm
-from partc.passes.export import failure_hint
+from partc.passes.export import GRAD_ENABLED, failure_hint
 from partc.passes.same_shapes import SameShapes
 
 aten = torch.ops.aten
@@ -238,7 +238,9 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
                 recorder.fused_core = fused_attention
                 recorder.core_bytes = inputs[0].element_size()
             try:
-                out = super().run_node(n)
+                mode = (recorder.node or n).meta.get(GRAD_ENABLED)  # a no_grad region's op saves nothing
+                with torch.set_grad_enabled(torch.is_grad_enabled() if mode is None else mode):
+                    out = super().run_node(n)
                 if recorder.node is not None:
                     recorder.stats[recorder.node].requires_grad = any(
                         isinstance(x, torch.Tensor) and x.requires_grad for x in fx_pytree.tree_flatten(out)[0])
