@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-from partc.errors import PartcError
+from partc.errors import PartcError, first_line
 from partc.frames import exception_frames, innermost, stack_trace_frames
 
 aten = torch.ops.aten
@@ -32,7 +32,7 @@ def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "
     except Exception as e:  # noqa: BLE001 - anything export raises is a model the tracer cannot handle
         with norms_on_any_batch():
             where = _locate_failure(model, args, kwargs, e)
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        first = first_line(e)
         hint = _experts_hint(model) or failure_hint(e)
         raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
             from None
@@ -263,7 +263,8 @@ def linears_of_transposes(ep: torch.export.ExportedProgram) -> None:
 # When torch.export meets data-dependent code it logs warnings and prints the partial graph to stderr; the one-line
 # PartcError already says what failed and where, so that output is dropped on failure (and passed on on success).
 # TORCH_LOGS, when set, is left to the user.
-_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+                   "torch._subclasses.fake_tensor")  # the last logs a traceback for an op whose shapes do not fit
 
 
 @contextlib.contextmanager
@@ -366,14 +367,24 @@ def _experts_hint(model: nn.Module) -> str:
             "no trace can hold: set experts_implementation='grouped_mm' in its config (the default: one grouped GEMM over all experts)")
 
 
+VALUE_SHAPED_HINT = (
+    "its output's size depends on tensor values (nonzero, torch.where(mask) with one argument, boolean-mask "
+    "indexing, unique), which partc cannot price or split: keep every shape fixed, e.g. for a mixture of experts "
+    "run each expert on all tokens and multiply its output by its routing weight times the mask "
+    "(y = y + expert(x) * (weight * (choice == e)).unsqueeze(-1)), or use one grouped GEMM over the experts")
+"""What to write instead of an op whose output size depends on values (the hint names no such op as the fix)."""
+
+
 def failure_hint(e: Exception) -> str:
     """What to change in the model for an error torch.export (or a meta run) raised: '; ...' or ''."""
     text = f"{type(e).__name__} {e}"
     if re.search(r"nonzero|data-independent|unbacked", text, re.I):
-        return ("; an op's output shape depends on tensor values (boolean-mask indexing, nonzero, unique): use "
-                "fixed-shape ops such as torch.where or multiplying by a mask")
+        return "; " + VALUE_SHAPED_HINT
     if re.search(r"data.dependent|GuardOnDataDependent|meta tensor|item\(\)|Could not guard", text, re.I):
         return ("; replace Python control flow on tensor values (if/while on a tensor, .item(), .tolist()) with "
                 "tensor ops such as torch.where, or compute it outside forward")
+    if re.search(r"must have same reduction dim|shapes cannot be multiplied|size mismatch|must match the size|"
+                 r"Expected .*input.* to have \d+ channels", text):
+        return "; the shapes of example_inputs do not fit the model's layers: check the sizes example_inputs returns"
     return "; the model must run under torch.export.export(model, args, strict=False) on meta tensors"
 

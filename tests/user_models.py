@@ -240,6 +240,47 @@ USER = {
         def example_inputs(batch_size):
             return (torch.randint(0, 32, (batch_size, 6)),)
     """,
+    # The same mixture of experts with fixed shapes, as the refusal of "moe" suggests: every expert runs on all
+    # tokens, its output multiplied by its routing weight times the routing mask.
+    "moe_dense": """
+        class Expert(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = nn.Linear(16, 32)
+                self.fc2 = nn.Linear(32, 16)
+
+            def forward(self, x):
+                return self.fc2(F.gelu(self.fc1(x)))
+
+        class MoE(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.router = nn.Linear(16, 4)
+                self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+            def forward(self, x):
+                weight, choice = self.router(x).softmax(-1).max(-1)
+                y = torch.zeros_like(x)
+                for e, expert in enumerate(self.experts):
+                    y = y + expert(x) * (weight * (choice == e)).unsqueeze(-1)
+                return x + y
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(32, 16)
+                self.moe = MoE()
+                self.head = nn.Linear(16, 32)
+
+            def forward(self, ids):
+                return self.head(self.moe(self.embed(ids)))
+
+        def model():
+            return Net()
+
+        def example_inputs(batch_size):
+            return (torch.randint(0, 32, (batch_size, 6)),)
+    """,
     # Python control flow on a tensor's value.
     "data_control": """
         class Net(nn.Module):
