@@ -125,6 +125,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     io = _graph_io(ep)
     nodes = [n for n in a.nodes if n.target not in SKIPPED]
     node_stage = _place(nodes, a, plan)
+    nodes = _copy_per_stage(ep.graph, nodes, node_stage, a)
     names = _names(ep)
     if io.constants:  # each use creates the constant again, a literal on the stage's device
         values = constant_values(ep, model)
@@ -195,6 +196,41 @@ def _place(nodes: list[torch.fx.Node], a: Assignment, plan: Plan) -> dict[torch.
                 raise PartcError(f"stage split breaks data flow: {n.name} in stage {node_stage[n]} needs "
                                  f"{x.name} from stage {node_stage[x]}")
     return node_stage
+
+
+def _copy_per_stage(graph: torch.fx.Graph, nodes: list[torch.fx.Node], node_stage: dict[torch.fx.Node, int],
+                    a: Assignment) -> list[torch.fx.Node]:
+    """Give each stage its own `copy_to_tp` of a value read by colwise layers of several stages (a mixture of
+    experts whose experts read the block's input directly). The copy's gradient is a partial sum on each TP rank
+    until its backward all-reduces it; sent across a stage boundary as each rank's 1/tp part, the parts of different
+    ranks' partial sums would be put together as if they were one tensor's. The value itself crosses instead
+    (its gradient is whole on every rank), and the stage that reads it copies it again. Returns `nodes` with the
+    new copies, each before its stage's first reader."""
+    from partc import collectives
+
+    added: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for c in [n for n in nodes if n.target is collectives.copy_to_tp]:
+        by_stage: dict[int, list[torch.fx.Node]] = {}
+        for u in c.users:
+            if u in node_stage and node_stage[u] != node_stage[c]:
+                by_stage.setdefault(node_stage[u], []).append(u)
+        for stage, users in sorted(by_stage.items()):
+            first = min(users, key=nodes.index)
+            with graph.inserting_before(first):
+                new = graph.call_function(collectives.copy_to_tp, (c.args[0],))
+            new.meta.update(c.meta)
+            for u in users:
+                u.replace_input_with(c, new)
+            node_stage[new] = stage
+            a.node_unit[new] = a.node_unit.get(first)
+            added.setdefault(first, []).append(new)
+    if not added:
+        return nodes
+    out = []
+    for n in nodes:
+        out += added.get(n, [])
+        out.append(n)
+    return out
 
 
 def _names(ep: torch.export.ExportedProgram) -> dict[torch.fx.Node, str]:
