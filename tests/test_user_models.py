@@ -5,6 +5,7 @@ test trains every program in one torchrun launch of 4 gloo ranks against `refere
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -143,9 +144,11 @@ def runs(tmp_path_factory):
                  precision="fp32")
     plan = [(name, PP_DP, f"{name}_pp2_dp2") for name in TRAINED if name != "ema"]
     plan += [(name, tp_pp, f"{name}_tp2_pp2") for name in TP] + [("ema", whole, "ema_tp2_pp2_whole")]
+    full = dataclasses.replace(PP_DP, recompute="full")  # a no_grad region inside a unit recomputed in backward
+    plan += [(name, full, f"{name}_pp2_dp2_full") for name in ("no_grad", "nested_grad")]
     for name, pins, case in plan:
         path, _ = compile_user(tmp, name, pins=pins, out=case)
-        if case.endswith("_tp2_pp2") and name in TP:
+        if case == f"{name}_tp2_pp2":
             set_styles(tmp, name, path, case)
         torch.manual_seed(1234)
         torch.save(load_model_file(path).build().state_dict(), tmp / f"{case}.init.pt")
@@ -156,7 +159,8 @@ def runs(tmp_path_factory):
     return tmp, cases
 
 
-CASES = [f"{n}_pp2_dp2" for n in TRAINED if n != "ema"] + [f"{n}_tp2_pp2" for n in TP] + ["ema_tp2_pp2_whole"]
+CASES = [f"{n}_pp2_dp2" for n in TRAINED if n != "ema"] + [f"{n}_tp2_pp2" for n in TP] + ["ema_tp2_pp2_whole"] \
+    + ["no_grad_pp2_dp2_full", "nested_grad_pp2_dp2_full"]
 
 
 @pytest.mark.slow

@@ -365,6 +365,31 @@ USER = {
         def example_inputs(batch_size):
             return (torch.randn(batch_size, 8),)
     """,
+    # Grad-mode regions nested: an enable_grad region inside a no_grad one, whose result trains fc3.
+    "nested_grad": """
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = nn.Linear(8, 16)
+                self.fc2 = nn.Linear(16, 16)
+                self.fc3 = nn.Linear(16, 16)
+                self.head = nn.Linear(16, 4)
+
+            def forward(self, x):
+                h = F.relu(self.fc1(x))
+                with torch.no_grad():
+                    g = self.fc2(h).sigmoid()
+                    with torch.enable_grad():
+                        k = self.fc3(h)
+                    g = g * 2.0
+                return self.head(F.relu(self.fc2(h)) * g + k)
+
+        def model():
+            return Net()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 8),)
+    """,
     # An autocast region in forward.
     "autocast": """
         class Net(nn.Module):
