@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import gc
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from partc import output, report
 from partc.cluster import Cluster, load_cluster
 from partc.deferred_init import InitRecord, record
 from partc.errors import PartcError
+from partc.frames import innermost, stack_trace_frames
 from partc.ir import ModelGraph
 from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
 from partc.precision import cast_floating, compute_dtype
@@ -32,7 +34,7 @@ from partc.model_file import ModelSpec, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import TPSolution, evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
-from partc.passes.export import export_on_meta
+from partc.passes.export import CHECKPOINT_CALLS, export_on_meta
 from partc.passes.rebatch import rebatch
 from partc.passes.trace import Traced, trace
 
@@ -178,6 +180,19 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
         plan.model["batch_norm"] = {"layers": len(norms.layers), "statistics_over_samples": par.micro_batch_size}
         if par.micro_batch_size < par.global_batch_size:
             warnings.append(batch_norm_note(norms, par))
+    written = written_buffers(model, traced)
+    if written:
+        par = best.parallel
+        plan.model["buffers_written_in_forward"] = {
+            "buffers": sorted(written), "where": [written[b] for b in sorted(written)],
+            "updates_per_step": par.num_microbatches, "copies": par.dp}
+        if par.micro_batch_size < par.global_batch_size:
+            warnings.append(written_buffers_note(written, par))
+    calls = traced.exported.graph_module.meta.get(CHECKPOINT_CALLS) or []
+    if calls:
+        plan.model["user_checkpoint"] = {"calls": sorted(set(calls)), "kept": False,
+                                         "recompute": best.parallel.recompute}
+        warnings.append(checkpoint_note(calls, best.parallel))
 
     # 5. The sharded program: the traced graph at the micro-batch size, split by stages.
     t_codegen = time.perf_counter()
@@ -227,6 +242,55 @@ def batch_norm_note(norms: BatchNorms, par) -> str:
             f"micro-batch of {par.micro_batch_size} samples{where}, not over the global batch of "
             f"{par.global_batch_size}: the loss differs from one process's on the whole batch (partc does not "
             f"offer SyncBatchNorm)")
+
+
+def written_buffers(model: torch.nn.Module, traced: Traced) -> dict[str, str]:
+    """Buffers the forward writes in place (an EMA, a counter: ``self.running.mul_(0.9).add_(...)``), other than
+    BatchNorm's (stated by `batch_norm_note`): FQN -> ``file:line`` of the first write. An op writes a buffer when
+    its schema marks an argument written and that argument is the buffer or a view of it."""
+    ep = traced.exported
+    buffers = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs
+               if spec.kind == torch.export.graph_signature.InputKind.BUFFER}
+    norms = {n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    found: dict[str, str] = {}
+
+    def base(x):
+        while isinstance(x, torch.fx.Node) and x.op == "call_function" and isinstance(x.target, torch._ops.OpOverload) \
+                and x.args and x.target._schema.returns and x.target._schema.returns[0].alias_info is not None:
+            x = x.args[0]  # an in-place op or a view returns (an alias of) its first argument
+        return x
+
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            x = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            fqn = buffers.get(getattr(base(x), "name", None)) if isinstance(x, torch.fx.Node) else None
+            if fqn is None or fqn in found or fqn.rpartition(".")[0] in norms:
+                continue
+            frame = innermost(stack_trace_frames(node.meta.get("stack_trace")))
+            found[fqn] = f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame is not None else node.name
+    return found
+
+
+def written_buffers_note(written: dict[str, str], par) -> str:
+    names = sorted(written)
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    where = f" on each of {par.dp} data-parallel ranks, each rank writing its own copy" if par.dp > 1 else ""
+    return (f"buffer{'s' if len(names) > 1 else ''} {', '.join(names[:3])}{more} ({written[names[0]]}) "
+            f"{'are' if len(names) > 1 else 'is'} written in forward: once per micro-batch of {par.micro_batch_size} "
+            f"sample{'s' if par.micro_batch_size > 1 else ''} ({par.num_microbatches} a step){where}, where one process on the global batch of "
+            f"{par.global_batch_size} writes once a step: {'their values differ' if len(names) > 1 else 'its value differs'}"
+            f" from one process's, and so may the loss")
+
+
+def checkpoint_note(calls: list[str], par) -> str:
+    where = ", ".join(sorted(set(calls))[:3])
+    return (f"the model calls torch.utils.checkpoint ({where}); partc does not keep it: the plan's recompute "
+            f"({par.recompute}) decides what backward recomputes (--recompute full recomputes every unit)")
 
 
 def tp_unsplit_note(graph: ModelGraph, sol: TPSolution, tp: int) -> str | None:

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partc.errors import PartcError
+from partc.errors import PartcError, article
 from partc.frames import exception_frames, innermost
 
 DEFAULT_MAX_SEQ_LEN = 1024
@@ -115,7 +115,7 @@ def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = No
         raise PartcError(f"{shown} has no '{entry}' ({listing}); define {entry}() returning the nn.Module "
                          f"or pass --entry NAME")
     if not callable(fn):
-        raise PartcError(f"{shown}: '{entry}' is a {type(fn).__name__}, not a function; define {entry}() "
+        raise PartcError(f"{shown}: '{entry}' is {article(type(fn).__name__)}, not a function; define {entry}() "
                          f"returning the nn.Module or pass --entry NAME")
 
     def build() -> nn.Module:
@@ -129,7 +129,7 @@ def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = No
     user_loss = getattr(module, "loss_fn", None)
     for fname, obj in (("example_inputs", user_inputs), ("example_targets", user_targets), ("loss_fn", user_loss)):
         if obj is not None and not callable(obj):
-            raise PartcError(f"{shown}: '{fname}' is a {type(obj).__name__}, not a function")
+            raise PartcError(f"{shown}: '{fname}' is {article(type(obj).__name__)}, not a function")
     if seq_len is not None and seq_len < 1:
         raise PartcError(f"--seq-len must be at least 1, got {seq_len}")
 

@@ -43,6 +43,7 @@ from partc.ir import Layer
 from partc.plan import Plan
 from partc.passes import tp_rewrite
 from partc.passes.constants import constant_values, literal
+from partc.passes.export import GRAD_ENABLED
 from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
 from partc.passes.measure import CORE_OPS, stack_fqns
 from partc.passes.same_shapes import SameShapes
@@ -124,6 +125,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     io = _graph_io(ep)
     nodes = [n for n in a.nodes if n.target not in SKIPPED]
     node_stage = _place(nodes, a, plan)
+    nodes = _copy_per_stage(ep.graph, nodes, node_stage, a)
     names = _names(ep)
     if io.constants:  # each use creates the constant again, a literal on the stage's device
         values = constant_values(ep, model)
@@ -194,6 +196,41 @@ def _place(nodes: list[torch.fx.Node], a: Assignment, plan: Plan) -> dict[torch.
                 raise PartcError(f"stage split breaks data flow: {n.name} in stage {node_stage[n]} needs "
                                  f"{x.name} from stage {node_stage[x]}")
     return node_stage
+
+
+def _copy_per_stage(graph: torch.fx.Graph, nodes: list[torch.fx.Node], node_stage: dict[torch.fx.Node, int],
+                    a: Assignment) -> list[torch.fx.Node]:
+    """Give each stage its own `copy_to_tp` of a value read by colwise layers of several stages (a mixture of
+    experts whose experts read the block's input directly). The copy's gradient is a partial sum on each TP rank
+    until its backward all-reduces it; sent across a stage boundary as each rank's 1/tp part, the parts of different
+    ranks' partial sums would be put together as if they were one tensor's. The value itself crosses instead
+    (its gradient is whole on every rank), and the stage that reads it copies it again. Returns `nodes` with the
+    new copies, each before its stage's first reader."""
+    from partc import collectives
+
+    added: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for c in [n for n in nodes if n.target is collectives.copy_to_tp]:
+        by_stage: dict[int, list[torch.fx.Node]] = {}
+        for u in c.users:
+            if u in node_stage and node_stage[u] != node_stage[c]:
+                by_stage.setdefault(node_stage[u], []).append(u)
+        for stage, users in sorted(by_stage.items()):
+            first = min(users, key=nodes.index)
+            with graph.inserting_before(first):
+                new = graph.call_function(collectives.copy_to_tp, (c.args[0],))
+            new.meta.update(c.meta)
+            for u in users:
+                u.replace_input_with(c, new)
+            node_stage[new] = stage
+            a.node_unit[new] = a.node_unit.get(first)
+            added.setdefault(first, []).append(new)
+    if not added:
+        return nodes
+    out = []
+    for n in nodes:
+        out += added.get(n, [])
+        out.append(n)
+    return out
 
 
 def _names(ep: torch.export.ExportedProgram) -> dict[torch.fx.Node, str]:
@@ -366,27 +403,35 @@ def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], se
     local = set(values)
     frees = _frees([[x for x in (*n.all_input_nodes, n) if x in local] for n in unit.nodes],
                    keep=set(unit.outputs), order=values)
-    lines, prev = [], None
+    lines, prev, mode = [], None, None
     for n, gone in zip(unit.nodes, frees):
+        # An op of the model's no_grad / set_grad_enabled region (`partc.passes.export.inline_grad_regions`) runs
+        # in a ``with torch.set_grad_enabled(...)`` block; consecutive ones share it.
+        want = n.meta.get(GRAD_ENABLED)
+        if want != mode:
+            mode, prev = want, None
+            if want is not None:
+                lines.append("with torch.no_grad():" if want is False else "with torch.enable_grad():")
+        pad = "    " if mode is not None else ""
         module = (stack_fqns(n) or [""])[-1]
         src = _source_line(n)
         text = "# " + comment(f"{module or '(model)'}" + (f"  {src}" if src else ""))
         if text != prev:
-            lines.append(text)
+            lines.append(pad + text)
             prev = text
         if "partc_why" in n.meta:
-            lines.append("# " + comment(f"TP: {n.meta['partc_why']}"))
-        if selective and n.target in CORE_OPS:
+            lines.append(pad + "# " + comment(f"TP: {n.meta['partc_why']}"))
+        if selective and n.target in CORE_OPS and mode is not False:
             # Selective recomputation (Korthikanti et al. 2022): keep only the attention core's inputs and
             # recompute the core in backward.
-            lines.append("# recompute=selective: the attention core runs again in backward instead of keeping its "
-                         "activations")
-            lines.append(f"{names[n]} = checkpoint({em.function(n)}, {em.args(n)}, use_reentrant=False)")
+            lines.append(pad + "# recompute=selective: the attention core runs again in backward instead of keeping "
+                         "its activations")
+            lines.append(pad + f"{names[n]} = checkpoint({em.function(n)}, {em.args(n)}, use_reentrant=False)")
             em.needs.add("checkpoint")
         else:
-            lines.append(f"{names[n]} = {em.call(n)}")
+            lines.append(pad + f"{names[n]} = {em.call(n)}")
         if gone:
-            lines.append(f"del {', '.join(names[x] for x in gone)}")
+            lines.append(pad + f"del {', '.join(names[x] for x in gone)}")
     lines.append(f"return {tuple_expr([names[x] for x in unit.outputs])}" if unit.outputs else "return ()")
     return lines
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import operator
 import os
 import re
 import sys
@@ -16,27 +17,176 @@ import sys
 import torch
 from torch import nn
 
-from partc.errors import PartcError
-from partc.frames import exception_frames, innermost
+from partc.errors import PartcError, first_line
+from partc.frames import exception_frames, innermost, stack_trace_frames
 
 aten = torch.ops.aten
 
 
 def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "") -> torch.export.ExportedProgram:
     """Export `model` (already on meta) with meta example inputs. Errors name the module and source line."""
+    calls: list[str] = []
     try:
-        with _quiet_export(), norms_on_any_batch():
+        with _quiet_export(), norms_on_any_batch(), _checkpoint_calls(calls):
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - anything export raises is a model the tracer cannot handle
         with norms_on_any_batch():
             where = _locate_failure(model, args, kwargs, e)
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        first = first_line(e)
         hint = _experts_hint(model) or failure_hint(e)
         raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
             from None
+    ep.graph_module.meta[CHECKPOINT_CALLS] = calls
+    inline_grad_regions(ep, path=path)
     device_neutral(ep)
     linears_of_transposes(ep)
     return ep
+
+
+CHECKPOINT_CALLS = "partc_checkpoint_calls"
+"""Graph-module meta key: ``file:line`` of each call of ``torch.utils.checkpoint`` in the model's forward, in order
+(an export without torch.compile runs the checkpointed function inline: the graph keeps no trace of it)."""
+
+
+@contextlib.contextmanager
+def _checkpoint_calls(calls: list[str]):
+    """Record in `calls` where the model's forward calls ``torch.utils.checkpoint.checkpoint`` (either variant): the
+    function is imported by name into the model's module, so the two implementations it dispatches to, looked up
+    in torch.utils.checkpoint at each call, are wrapped instead."""
+    import traceback
+
+    import torch.utils.checkpoint as ckpt
+
+    def note():
+        frame = innermost(traceback.extract_stack()[:-2])
+        calls.append(f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame is not None else "forward")
+
+    generator, function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+
+    def noted_generator(*args, **kwargs):
+        note()
+        return generator(*args, **kwargs)
+
+    class NotedFunction(function):
+        @classmethod
+        def apply(cls, *args, **kwargs):
+            note()
+            return function.apply(*args, **kwargs)
+
+    ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = noted_generator, NotedFunction
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = generator, function
+
+
+GRAD_ENABLED = "partc_grad_enabled"
+"""Node meta key: False for an op of a ``torch.no_grad()`` / ``torch.set_grad_enabled(False)`` region of the model's
+forward (True for an enabling region nested in one). The measurement runs such an op without autograd and the
+program runs it under ``torch.no_grad()`` (`partc.passes.codegen`)."""
+
+_GRAD_REGION = "wrap_with_set_grad_enabled"
+
+
+def inline_grad_regions(ep: torch.export.ExportedProgram, *, path: str = "") -> None:
+    """Inline, in place, the higher-order ops torch.export leaves for the model's grad-mode regions
+    (``with torch.no_grad():`` becomes ``wrap_with_set_grad_enabled(False, submod, *operands)``): each op of the
+    region goes into the graph itself, marked with `GRAD_ENABLED`, so every later pass (measurement, the layer graph,
+    the TP rewrite, stage and unit placement) sees plain ATen ops, and the program runs them under the grad mode
+    the model asked for. Any other higher-order op (autocast, torch.cond, ...) is refused with one line: the
+    program is straight-line ATen code, and partc writes no program it cannot run."""
+    gm = ep.graph_module
+    graph = ep.graph
+    changed = False
+    while True:
+        hops = [n for n in graph.nodes if n.op == "call_function"
+                and isinstance(n.target, torch._ops.HigherOrderOperator)]
+        if not hops:
+            break
+        for n in hops:
+            if n.target.name() != _GRAD_REGION:
+                raise PartcError(higher_order_refusal(n, path))
+            _inline_region(ep, n)
+            changed = True
+    if changed:
+        for name, _ in list(gm.named_children()):
+            if not any(x.op == "get_attr" and x.target == name for x in graph.nodes):
+                delattr(gm, name)
+        graph.lint()
+        gm.recompile()
+
+
+def _inline_region(ep: torch.export.ExportedProgram, n: torch.fx.Node) -> None:
+    gm, graph = ep.graph_module, ep.graph
+    enabled, sub, *operands = n.args
+    assert isinstance(sub, torch.fx.Node) and sub.op == "get_attr", n.format_node()
+    body: torch.fx.GraphModule = getattr(gm, sub.target)
+    env: dict[torch.fx.Node, object] = {}
+    placeholders = [x for x in body.graph.nodes if x.op == "placeholder"]
+    assert len(placeholders) == len(operands), n.format_node()
+    env.update(zip(placeholders, operands))
+    outputs: tuple = ()
+    taken = {x.target for x in graph.nodes if x.op == "get_attr"} | {name for name, _ in gm.named_children()}
+    with graph.inserting_before(n):
+        for x in body.graph.nodes:
+            if x.op == "placeholder":
+                continue
+            if x.op == "output":
+                outputs = tuple(x.args[0])
+                break
+            if x.op == "get_attr":  # a region nested in this one: its body moves to the graph module
+                name, i = f"{x.target}_inlined", 0
+                while name in taken:
+                    i += 1
+                    name = f"{x.target}_inlined_{i}"
+                taken.add(name)
+                gm.add_submodule(name, getattr(body, x.target))
+                new = graph.get_attr(name)
+                new.meta.update(x.meta)
+            else:
+                new = graph.node_copy(x, lambda a: env[a])
+                if new.op == "call_function":  # a region nested in this one sets its own ops' mode later
+                    new.meta[GRAD_ENABLED] = bool(enabled)
+            env[x] = new
+    results = [env[o] if isinstance(o, torch.fx.Node) else o for o in outputs]
+    for user in list(n.users):
+        assert user.target is operator.getitem, user.format_node()
+        result = results[user.args[1]]
+        user.replace_all_uses_with(result)
+        for spec in ep.graph_signature.output_specs:  # a model output the region made keeps its place
+            if getattr(spec.arg, "name", None) == user.name:
+                spec.arg.name = result.name
+        graph.erase_node(user)
+    graph.erase_node(n)
+    if not sub.users:
+        graph.erase_node(sub)
+
+
+_HOP_WHAT = {
+    "wrap_with_autocast": ("torch.autocast in forward", "the dtypes it picks are decided at run time, not in the "
+                           "traced graph: remove it and choose the precision with --precision (bf16 runs the "
+                           "model's matmuls in bfloat16)"),
+    "cond": ("torch.cond", "a program of straight-line ops takes no branch: compute both branches and select with "
+             "torch.where(pred, a, b)"),
+    "while_loop": ("torch.while_loop", "unroll the loop to a fixed count in Python"),
+    "map_impl": ("torch.map", "loop over the leading dimension in Python"),
+    "tag_activation_checkpoint": ("torch.utils.checkpoint", "call it outside torch.compile, or leave recomputation "
+                                  "to partc (--recompute)"),
+}
+
+
+def higher_order_refusal(n: torch.fx.Node, path: str = "") -> str:
+    """One line refusing the higher-order op `n`: what it is, where in the model, and what to write instead."""
+    name = n.target.name()
+    what, hint = _HOP_WHAT.get(name, (f"the higher-order op {name}", "write that part of forward as plain tensor ops"))
+    frame = innermost(stack_trace_frames(n.meta.get("stack_trace")))
+    if frame is None:  # the op itself has no stack trace: its first user or its body's first op has
+        for x in list(n.users) + [a for a in n.args if isinstance(a, torch.fx.Node)]:
+            frame = innermost(stack_trace_frames(x.meta.get("stack_trace")))
+            if frame is not None:
+                break
+    where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
+    return f"cannot compile {path or 'the model'}: {what}{where} cannot be written into partc's program; {hint}"
 
 
 def device_neutral(ep: torch.export.ExportedProgram) -> None:
@@ -113,7 +263,8 @@ def linears_of_transposes(ep: torch.export.ExportedProgram) -> None:
 # When torch.export meets data-dependent code it logs warnings and prints the partial graph to stderr; the one-line
 # PartcError already says what failed and where, so that output is dropped on failure (and passed on on success).
 # TORCH_LOGS, when set, is left to the user.
-_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+                   "torch._subclasses.fake_tensor")  # the last logs a traceback for an op whose shapes do not fit
 
 
 @contextlib.contextmanager
@@ -216,14 +367,24 @@ def _experts_hint(model: nn.Module) -> str:
             "no trace can hold: set experts_implementation='grouped_mm' in its config (the default: one grouped GEMM over all experts)")
 
 
+VALUE_SHAPED_HINT = (
+    "its output's size depends on tensor values (nonzero, torch.where(mask) with one argument, boolean-mask "
+    "indexing, unique), which partc cannot price or split: keep every shape fixed, e.g. for a mixture of experts "
+    "run each expert on all tokens and multiply its output by its routing weight times the mask "
+    "(y = y + expert(x) * (weight * (choice == e)).unsqueeze(-1)), or use one grouped GEMM over the experts")
+"""What to write instead of an op whose output size depends on values (the hint names no such op as the fix)."""
+
+
 def failure_hint(e: Exception) -> str:
     """What to change in the model for an error torch.export (or a meta run) raised: '; ...' or ''."""
     text = f"{type(e).__name__} {e}"
     if re.search(r"nonzero|data-independent|unbacked", text, re.I):
-        return ("; an op's output shape depends on tensor values (boolean-mask indexing, nonzero, unique): use "
-                "fixed-shape ops such as torch.where or multiplying by a mask")
+        return "; " + VALUE_SHAPED_HINT
     if re.search(r"data.dependent|GuardOnDataDependent|meta tensor|item\(\)|Could not guard", text, re.I):
         return ("; replace Python control flow on tensor values (if/while on a tensor, .item(), .tolist()) with "
                 "tensor ops such as torch.where, or compute it outside forward")
+    if re.search(r"must have same reduction dim|shapes cannot be multiplied|size mismatch|must match the size|"
+                 r"Expected .*input.* to have \d+ channels", text):
+        return "; the shapes of example_inputs do not fit the model's layers: check the sizes example_inputs returns"
     return "; the model must run under torch.export.export(model, args, strict=False) on meta tensors"
 

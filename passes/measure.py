@@ -17,10 +17,10 @@ from torch.export.graph_signature import InputKind
 from torch.utils.flop_counter import flop_registry
 
 from partc._torch import TorchDispatchMode
-from partc.errors import PartcError
+from partc.errors import PartcError, first_line
 from partc.frames import innermost, stack_trace_frames
 from partc.ir import Gemm
-from partc.passes.export import failure_hint
+from partc.passes.export import GRAD_ENABLED, VALUE_SHAPED_HINT, failure_hint
 from partc.passes.same_shapes import SameShapes
 
 aten = torch.ops.aten
@@ -238,7 +238,9 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
                 recorder.fused_core = fused_attention
                 recorder.core_bytes = inputs[0].element_size()
             try:
-                out = super().run_node(n)
+                mode = (recorder.node or n).meta.get(GRAD_ENABLED)  # a no_grad region's op saves nothing
+                with torch.set_grad_enabled(torch.is_grad_enabled() if mode is None else mode):
+                    out = super().run_node(n)
                 if recorder.node is not None:
                     recorder.stats[recorder.node].requires_grad = any(
                         isinstance(x, torch.Tensor) and x.requires_grad for x in fx_pytree.tree_flatten(out)[0])
@@ -275,8 +277,10 @@ def _node_failure(n: torch.fx.Node, e: Exception) -> str:
     frame = innermost(stack_trace_frames(n.meta.get("stack_trace")))
     if frame is not None:
         where += f" at {frame.filename}:{frame.lineno}"
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    return f"cannot trace the model: {n.target}{where} fails on meta tensors: {type(e).__name__}: {first}{failure_hint(e)}"
+    hint = failure_hint(e)
+    if hint == "; " + VALUE_SHAPED_HINT:  # torch's message (a config flag to fake the values) does not help here
+        return f"cannot trace the model: {n.target}{where}: {VALUE_SHAPED_HINT}"
+    return f"cannot trace the model: {n.target}{where} fails on meta tensors: {type(e).__name__}: {first_line(e)}{hint}"
 
 
 def stack_fqns(node: torch.fx.Node) -> list[str]:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from partc.cluster import Cluster
-from partc.errors import PartcError
+from partc.errors import PartcError, article
 from partc.ir import Layer, ModelGraph
 from partc.parallel import TP_STYLES, group_spans_nodes
 from partc.sharding import GEMM_SPLIT, param_shard
@@ -314,8 +314,8 @@ def explain(graph: ModelGraph, tp: int, styles: dict[str, str], *, given: set[st
             continue
         if layer.kind not in ("linear", "embedding") and not layer.inner:
             if layer.kind == "other":
-                why[fqn] = layer.split_stop or f"kind: a {layer.type} layer is always whole (tensor parallelism " \
-                                               f"splits Linear and Embedding layers)"
+                why[fqn] = layer.split_stop or f"kind: {article(layer.type)} layer is always whole (tensor " \
+                                               f"parallelism splits Linear and Embedding layers)"
             continue
         if style == want or (want is None and style != "replicate"):
             continue

@@ -229,8 +229,9 @@ def _check_in_worker(out_dir: str, rank: int, optimizer: str, slack_bytes: float
     except Exception as e:  # the program (the model's own code) failed on fake tensors: one line, not a traceback
         what = (str(e).strip().splitlines() or [""])[0][:300]
         raise PartcError(f"global rank {rank} could not be checked: its program failed on fake tensors with "
-                         f"{type(e).__name__}: {what} (partc check runs the program without data; `partc run` on "
-                         f"real ranks does not need this)") from None
+                         f"{type(e).__name__}: {what} (partc check runs the program without data: a program that "
+                         f"fails here fails under `partc run` too, unless the failing op needs real tensor "
+                         f"values)") from None
 
 
 def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",

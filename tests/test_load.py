@@ -212,7 +212,7 @@ def test_missing_entry_lists_callables(tmp_path):
 
 
 def test_entry_not_callable(tmp_path):
-    assert "'model' is a int" in error(write(tmp_path, "model = 3\n"))
+    assert "'model' is an int" in error(write(tmp_path, "model = 3\n"))
 
 
 def test_model_raising_names_type_message_and_line(tmp_path):
