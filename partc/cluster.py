@@ -80,6 +80,14 @@ class Cluster:
     ``scaled_dot_product_attention`` does on these GPUs: no s x s scores in HBM or saved for backward
     (`partc.passes.measure`). False: the math path's materialized scores and probabilities, as Megatron-LM's 2021
     runs (Table 1) had them."""
+    kernel_launch_s: float = 5e-6
+    """Seconds the host takes to issue one GPU kernel, the floor under a kernel's time when kernels are too small
+    to keep the GPU busy. Launches are asynchronous, so the host issues kernels while earlier ones run: a unit's
+    time per micro-batch is the larger of its GPU time and its kernels (forward and backward, `passes.cost`) times
+    this. 5 us is the commonly quoted cost of a CUDA kernel launch (NVIDIA's "Getting Started with CUDA Graphs",
+    2019, motivates CUDA graphs by launch overheads of a few microseconds a kernel, comparable to the kernels
+    themselves); PyTorch's eager dispatch adds a few more microseconds of host time per op, so a model of many
+    tiny ops is priced on the generous side. 0 turns the floor off."""
     dp_overlap: float = 0.0
     """Fraction of the data-parallel gradient reduction hidden behind backward compute. 0: the reduction runs
     after the last backward, as in Megatron-LM's own ("local") DDP that the pipelined Table 1 runs used."""
@@ -145,7 +153,7 @@ _FLOORS = {
 _RANGES = {
     "gemm_efficiency": (0.01, 1.0), "memory_efficiency": (0.01, 1.0), "intra_node_efficiency": (0.01, 1.0),
     "inter_node_efficiency": (0.01, 1.0), "dp_overlap": (0.0, 1.0), "intra_node_latency": (0.0, 1.0),
-    "inter_node_latency": (0.0, 1.0), "gemm_half_size": (0.0, 2.0**20), "memory_reserve_fraction": (0.0, 0.9),
+    "inter_node_latency": (0.0, 1.0), "kernel_launch_s": (0.0, 1.0), "gemm_half_size": (0.0, 2.0**20), "memory_reserve_fraction": (0.0, 0.9),
 }
 """Other numbers: low .. high."""
 

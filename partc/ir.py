@@ -38,6 +38,11 @@ class Gemm:
     """Part of a fused kernel (attention): operands and product stay on chip, its HBM traffic is its kernel's."""
     inner_split: str | None = None
     """The dimension (``n`` or ``k``) an ``inner`` split of its layer divides (`Layer.inner`); None: none."""
+    io_bytes: int = 0
+    """A convolution (an implicit GEMM, `partc.passes.measure.conv_gemm`): HBM bytes per sample of its input, read
+    once, and its output, written once; its weight (k x n per group) is read once a micro-batch. The m x k operand
+    (the im2col matrix) is formed on chip and never stored. 0: a matrix product, whose operands are its
+    matrices (`partc.passes.hw.gemm_bytes`)."""
 
     @property
     def flops(self) -> float:
@@ -126,6 +131,9 @@ class Unit:
     """Bytes of activations entering the unit: what full recomputation keeps per micro-batch."""
     memory_bytes: int = 0
     """Bytes read and written by non-GEMM ops outside layers (memory-bound time)."""
+    kernels: int = 0
+    """GPU kernels one forward of the unit launches (its layers' and the ops between them), whatever the
+    micro-batch size: the floor `Cluster.kernel_launch_s` puts under its time."""
     signature: str = ""
     """Equal for units of identical structure (same layer types and shapes): TP decisions are shared."""
 

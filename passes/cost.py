@@ -107,12 +107,22 @@ def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPla
     return fwd, core
 
 
+def launch_time(cluster: Cluster, unit: Unit, mode: str) -> float:
+    """Host seconds to issue the unit's kernels for one micro-batch (`Cluster.kernel_launch_s`): its forward
+    kernels, twice as many in backward (a GEMM's or a convolution's input and weight gradients; an elementwise op's
+    gradient and the accumulation into its input's), and the forward again under full recomputation. The same on
+    every TP rank: a split divides a kernel's work, not the kernels."""
+    return (3 + (mode == "full")) * unit.kernels * cluster.kernel_launch_s
+
+
 def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None) -> list[UnitTime]:
     """Compute and TP-communication seconds per micro-batch of each unit on one GPU.
 
     Backward = 2 x forward (two GEMMs per forward GEMM: input and weight gradients; Narayanan et al. count
     3 x forward FLOPs per step without recompute, 4 x with full recompute). Full recomputation adds one more
     forward; selective adds the attention-core GEMMs' forward (Korthikanti et al.: about s/(6h) extra FLOPs).
+    Launches are asynchronous: the compute time is at least the host's time to issue the kernels (`launch_time`),
+    which only a unit of many small kernels reaches.
     """
     t, b = par.tp, par.micro_batch_size
     spans_tp = mesh_spans(cluster, par)["tp"]
@@ -123,7 +133,7 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
         collectives = [] if tp is None else tp.collectives.get(unit.fqn, [])
         # Blocks of one signature differ only where glue ops were assigned to them (the embedding sum goes with
         # blocks.0): the unit's own totals are part of the key.
-        key = (unit.signature if unit.kind == "block" else unit.fqn, unit.fwd_flops, unit.memory_bytes,
+        key = (unit.signature if unit.kind == "block" else unit.fqn, unit.fwd_flops, unit.memory_bytes, unit.kernels,
                unit.saved_bytes, unit.saved_bytes_core, unit.saved_bytes_replicated, len(unit.core_gemms),
                tuple(style_of(tp, f) for f in unit.layers), tuple((c.kind, c.phase, c.nbytes) for c in collectives))
         if key in seen:
@@ -131,7 +141,8 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
             continue
         fwd, core = _forward_times(graph, cluster, par, tp, unit)
         mode = recompute_mode(unit, par)
-        compute = 3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
+        compute = max(3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0),
+                      launch_time(cluster, unit, mode))
         comm = fwd_comm = 0.0
         for c in collectives:
             once = hw.collective_time(cluster, c.kind, c.nbytes * b, t, spans_nodes=spans_tp,
@@ -139,7 +150,9 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
             # Recomputing a whole block replays its forward, collectives included.
             comm += 2 * once if (mode == "full" and c.phase == "fwd") else once
             fwd_comm += once if c.phase == "fwd" else 0.0
-        seen[key] = UnitTime(compute_s=compute, tp_comm_s=comm, fwd_compute_s=fwd, fwd_tp_comm_s=fwd_comm)
+        # The forward's share, for the report's timeline: at least its own launches when those floor the unit.
+        fwd_drawn = max(fwd, unit.kernels * cluster.kernel_launch_s)
+        seen[key] = UnitTime(compute_s=compute, tp_comm_s=comm, fwd_compute_s=fwd_drawn, fwd_tp_comm_s=fwd_comm)
         out.append(seen[key])
     return out
 
@@ -154,7 +167,7 @@ def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel, memo: di
     seen: dict[tuple, float] = {}
     memo = {} if memo is None else memo
     if "floor_keys" not in memo:  # what each unit's floor depends on (identical blocks share it)
-        memo["floor_keys"] = [(u.signature if u.kind == "block" else u.fqn, u.fwd_flops, u.memory_bytes,
+        memo["floor_keys"] = [(u.signature if u.kind == "block" else u.fqn, u.fwd_flops, u.memory_bytes, u.kernels,
                                u.op_saved_bytes, u.op_saved_bytes_replicated, len(u.core_gemms))
                               for u in graph.units]
     for unit, key in zip(graph.units, memo["floor_keys"]):
@@ -163,7 +176,8 @@ def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel, memo: di
                 memo["floor", t, b, key] = _forward_floor(graph, cluster, t, b, unit)
             fwd, core = memo["floor", t, b, key]
             mode = recompute_mode(unit, par)
-            seen[key] = 3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
+            seen[key] = max(3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0),
+                            launch_time(cluster, unit, mode))
         out.append(seen[key])
     return out
 

@@ -77,6 +77,10 @@ def gemm_time(cluster: Cluster, gemm: Gemm, *, micro_batch_size: int = 1, split:
     compute = flops / (peak * gemm_efficiency(cluster, m, n, k, batch))
     if gemm.fused:  # inside a fused kernel: the kernel's own HBM traffic is counted with it
         return compute
+    if gemm.io_bytes:  # a convolution: its input and output (a split's share of them) and its weight, once
+        share = batch * m * n * k / (gemm.batch * gemm.m * micro_batch_size * gemm.n * gemm.k)
+        nbytes = gemm.io_bytes * micro_batch_size * share + gemm.dtype_bytes * batch * k * n
+        return max(compute, memory_time(cluster, nbytes))
     return max(compute, memory_time(cluster, gemm_bytes(batch, m, n, k, gemm.dtype_bytes)))
 
 

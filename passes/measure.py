@@ -6,6 +6,7 @@ tensor autograd saves is attributed to the FX node being interpreted. One sample
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -54,12 +55,21 @@ LSE_BYTES = 4
 # GEMMs of a mixture of experts that `flop_registry` does not count (`grouped_gemm` prices them by their shapes), as
 # do ops of other namespaces (custom ops) that multiply like one.
 GROUPED_GEMM_OPS = (aten._grouped_mm, aten._scaled_grouped_mm)
+# Convolutions (Conv1d/2d/3d and their transposes, any groups): priced as the implicit GEMM cuDNN runs
+# (`conv_gemm`), with their own HBM traffic (`Gemm.io_bytes`).
+CONV_OPS = (aten.convolution, aten._convolution)
+# Batch norm in training runs as two kernels on a GPU (PyTorch's batch_norm_collect_statistics, then
+# batch_norm_elemt): the first reads the input for the batch's mean and variance, the second reads it again to
+# normalize and writes the output. On meta it is one op, whose traffic (input and output once) misses that read.
+# Arguments: input, weight, bias, running_mean, running_var, training, ...
+BATCH_NORM_OPS = (aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional)
 
 
 @dataclass(slots=True)
 class NodeStats:
     gemms: list[Gemm] = field(default_factory=list)
     conv_flops: float = 0.0
+    """FLOPs of other ops `flop_registry` counts that are neither a GEMM nor a convolution."""
     memory_bytes: int = 0
     saved: list[tuple[int, int, bool]] = field(default_factory=list)
     """(storage key, bytes at 16-bit, dropped by selective recomputation) per tensor first saved by this node."""
@@ -68,6 +78,9 @@ class NodeStats:
     to replay it (they offset what it drops)."""
     requires_grad: bool = False
     """Whether the node's output needs a gradient (it depends on a parameter): a pipeline sends one back for it."""
+    kernels: int = 0
+    """GPU kernels the node launches in forward: one per dispatched op that moves data or computes (views and
+    allocations launch none; a fused attention op is one)."""
 
 
 def activation_bytes(t: torch.Tensor, numel: int | None = None) -> int:
@@ -112,6 +125,37 @@ def grouped_gemm(args: tuple, kwargs: dict, out, core_bytes: int | None = None, 
     return None
 
 
+def conv_gemm(args: tuple, out) -> Gemm | None:
+    """A convolution (``aten.convolution``: input, weight, bias, stride, padding, dilation, transposed,
+    output_padding, groups) as the implicit GEMM cuDNN runs for it, per group (``batch`` = groups):
+
+    * m = output pixels (``N x prod(out spatial)``), n = output channels / groups, k = input channels / groups x
+      kernel volume: each output pixel's channels are a dot product of its receptive field with the filters;
+    * transposed (the data gradient of a convolution): m = input pixels (``N x prod(in spatial)``), n = output
+      channels / groups, k = input channels / groups x kernel volume: each input pixel scatters into kernel
+      volume outputs, so a stride leaves no zeros to multiply.
+
+    ``2 batch m n k`` are the FLOPs `torch.utils.flop_counter` counts for the op. Its HBM traffic is the input
+    and output once (`Gemm.io_bytes`) and the weight, not the m x k operand. None when the shapes are not those
+    of a convolution (its traffic is then counted as any other op's)."""
+    if len(args) < 9 or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        return None
+    x, w, transposed, groups = args[0], args[1], bool(args[6]), int(args[8])
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or x.dim() < 3 or w.dim() != x.dim() \
+            or groups < 1:
+        return None
+    kvol = math.prod(int(d) for d in w.shape[2:])
+    if transposed:
+        m = int(x.shape[0]) * math.prod(int(d) for d in x.shape[2:])
+        n, k = int(w.shape[1]), int(w.shape[0]) // groups * kvol
+    else:
+        m = int(out.shape[0]) * math.prod(int(d) for d in out.shape[2:])
+        n, k = int(w.shape[0]) // groups, int(w.shape[1]) * kvol
+    dtype_bytes = x.element_size()
+    return Gemm(batch=groups, m=m, n=n, k=k, batch_scales=False, dtype_bytes=dtype_bytes,
+                io_bytes=(x.numel() + out.numel()) * dtype_bytes)
+
+
 class _Recorder(TorchDispatchMode):
     """Attributes dispatched kernels to the FX node being interpreted."""
 
@@ -142,6 +186,8 @@ class _Recorder(TorchDispatchMode):
         if self.node is None:
             return out
         st = self.stats[self.node]
+        if not func.is_view and packet not in NO_TRAFFIC_OPS and not self.fused_core:
+            st.kernels += 1
         if packet in (aten.mm, aten.addmm):
             a, b = (args[1], args[2]) if packet is aten.addmm else (args[0], args[1])
             st.gemms.append(Gemm(batch=1, m=a.shape[0], n=b.shape[1], k=a.shape[1], batch_scales=False,
@@ -150,6 +196,8 @@ class _Recorder(TorchDispatchMode):
             a, b = (args[1], args[2]) if packet is aten.baddbmm else (args[0], args[1])
             st.gemms.append(Gemm(batch=a.shape[0], m=a.shape[1], n=b.shape[2], k=a.shape[2], batch_scales=True,
                                  dtype_bytes=self.core_bytes or a.element_size(), fused=self.fused_core))
+        elif packet in CONV_OPS and (gemm := conv_gemm(args, out)) is not None:
+            st.gemms.append(gemm)
         elif packet in flop_registry:
             st.conv_flops += float(flop_registry[packet](*args, **kwargs, out_val=out))
         elif (packet in GROUPED_GEMM_OPS or func.namespace not in ("aten", "prims")) and \
@@ -163,6 +211,9 @@ class _Recorder(TorchDispatchMode):
             tensors += [x for x in outs if isinstance(x, torch.Tensor)]
             st.memory_bytes += sum(self.bytes(x) for x in tensors
                                    if x.untyped_storage()._cdata not in self.mask_storages)
+            if packet in BATCH_NORM_OPS and len(args) > 5 and args[5] is True and isinstance(args[0], torch.Tensor):
+                st.memory_bytes += self.bytes(args[0])  # the statistics pass (`BATCH_NORM_OPS`)
+                st.kernels += 1
         return out
 
     def bytes(self, t: torch.Tensor, numel: int | None = None) -> int:
@@ -217,6 +268,7 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
         """What a fused attention kernel moves and saves (see `CORE_OPS`): its inputs and output, and the log-sum-exp
         (core)."""
         st = recorder.stats[node]
+        st.kernels += 1
         st.memory_bytes += sum(activation_bytes(a) for a in inputs) + activation_bytes(out)
         for a in (*inputs, out):
             key = a.untyped_storage()._cdata

@@ -395,10 +395,13 @@ def _builder(values: dict):
     return make
 
 
-def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, prune: bool, state_floor: bool):
+def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, prune: bool, state_floor: bool,
+         idle_tp: bool = True):
     """`search`'s loop: (the best candidates as a max-heap of (-step time, -index, candidate), the candidates that
     do not fit in the order evaluated, how many were evaluated). With `state_floor`, a configuration whose model
-    states alone cannot fit (`_Costs.state_floor`) is dropped before its TP solve and stage split."""
+    states alone cannot fit (`_Costs.state_floor`) is dropped before its TP solve and stage split. Without
+    `idle_tp`, one whose TP degree t > 1 splits no layer is dropped after its TP solve: its t ranks would compute
+    the same micro-batches, all of them whole (`idle_tp_degree`)."""
     # In the order of `lower_bound` (ties: the order of enumeration, which is deterministic). Each configuration
     # enters with `floor_bound`, no more than its `lower_bound` and without a TP solve, and is refined to it when
     # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`. Only then is its
@@ -425,6 +428,9 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
             continue
         par = item
         tp = costs.tp(par)
+        if not idle_tp and idle_tp_degree(par, tp):
+            evaluated += 1  # evaluated, and dropped
+            continue
         bounds = costs.split_stages(par, mem_limit=mem_limit)
         evaluated += 1
         if bounds is None:
@@ -453,6 +459,15 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
     return best, unfit, evaluated
 
 
+def idle_tp_degree(par: Parallel, tp: TPSolution) -> bool:
+    """Whether TP degree t > 1 splits no layer: each of the t ranks holds the whole model and computes the same
+    micro-batches whole, copies of one GPU's work. The cost model would price such a plan near one of t times more
+    data parallelism when its units are launch-bound or its gradients' all-reduce dominates (tiny models), but the
+    t - 1 copies do no useful work: `search` takes one only when pinned (``--tp``, or a plan's TP map) or when
+    nothing else fits."""
+    return par.tp > 1 and all(style == "replicate" for style in tp.styles.values())
+
+
 def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size: int, pins: Pins | None = None,
            tp_pins: dict[str, str] | None = None, keep: int = 6, prune: bool = True) -> SearchResult:
     """The fastest plan that fits, and the next `keep - 1`."""
@@ -467,7 +482,12 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
     if not configs:
         raise PartcError(f"no parallel configuration of {gpus} GPUs matches the pins and a global batch of "
                          f"{global_batch_size} (it must be divisible by dp x micro-batch size)")
-    best, unfit, evaluated = _run(costs, configs, mem_limit=mem_limit, keep=keep, prune=prune, state_floor=prune)
+    idle_tp = pins.tp is not None or bool(tp_pins)
+    best, unfit, evaluated = _run(costs, configs, mem_limit=mem_limit, keep=keep, prune=prune, state_floor=prune,
+                                  idle_tp=idle_tp)
+    if not best and not idle_tp:  # only a TP degree that splits nothing fits (or the batch allows no other)
+        best, unfit, evaluated = _run(costs, configs, mem_limit=mem_limit, keep=keep, prune=prune,
+                                      state_floor=prune, idle_tp=True)
     if not best and prune:
         # Nothing fits: the configurations the memory floor left out are evaluated too, for the one that needs the
         # least memory (the error message's).

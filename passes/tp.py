@@ -234,7 +234,8 @@ class SolveCache:
         self.graph, self.cluster = graph, cluster
         self.sources = _sources(graph)
         self.rep = representatives(graph)
-        self._shapes = {f: tuple((g.batch, g.m, g.n, g.k, g.batch_scales, g.dtype_bytes, g.fused, g.inner_split)
+        self._shapes = {f: tuple((g.batch, g.m, g.n, g.k, g.batch_scales, g.dtype_bytes, g.fused, g.inner_split,
+                                 g.io_bytes)
                                  for g in layer.gemms) for f, layer in graph.layers.items()}
         self._seconds: dict[tuple, float] = {}
 

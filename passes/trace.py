@@ -362,6 +362,7 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
         flops = sum(g.flops for g in st.gemms) + st.conv_flops
         saved = sum(b for _, b, _ in st.saved)
         unit.fwd_flops += flops
+        unit.kernels += st.kernels
         unit.saved_bytes += saved
         layer = layers[a.node_layer[n]] if n in a.node_layer and a.node_layer[n] in layers else None  # "" is the root
         if layer is not None:

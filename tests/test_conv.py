@@ -1,0 +1,134 @@
+"""Convolutions and kernel launches in the cost model (issue 30): a convolution is priced as the implicit GEMM
+cuDNN runs (`partc.passes.measure.conv_gemm`), its activations are saved, every unit's time is at least the host's
+time to launch its kernels, and a TP degree that splits nothing is not chosen unless pinned."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import flop_registry
+
+from helpers import ROOT, trace_file
+from partc.cluster import PRESETS, Cluster
+from partc.errors import PartcError
+from partc.parallel import Parallel, Pins
+from partc.passes import cost, hw
+from partc.passes.measure import conv_gemm
+from partc.passes.search import idle_tp_degree, search
+from partc.passes.trace import trace
+
+A100 = PRESETS["a100-80g"]
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.Conv1d(6, 10, 5, stride=2, padding=2), (1, 6, 33)),
+    (lambda: nn.Conv2d(8, 12, 3, stride=2, padding=1, groups=4), (1, 8, 15, 17)),
+    (lambda: nn.Conv3d(4, 8, (3, 1, 3), padding=1), (1, 4, 5, 6, 7)),
+    (lambda: nn.ConvTranspose2d(12, 6, 2, stride=2, groups=3), (1, 12, 7, 9)),
+    (lambda: nn.Conv2d(16, 16, 3, padding=1, groups=16), (1, 16, 9, 9)),  # depthwise
+])
+def test_conv_gemm_counts_the_flops_and_bytes_of_the_convolution(make, shape):
+    """The implicit GEMM's 2 batch m n k are the FLOPs torch's flop counter gives the op, and its HBM traffic is
+    the input and output once (not the m x k im2col operand)."""
+    conv = make().to("meta")
+    x = torch.empty(shape, device="meta")
+    transposed = isinstance(conv, nn.ConvTranspose2d)
+    args = (x, conv.weight, conv.bias, list(conv.stride), list(conv.padding), list(conv.dilation), transposed,
+            list(conv.output_padding), conv.groups)
+    out = aten.convolution.default(*args)
+    gemm = conv_gemm(args, out)
+    assert gemm is not None and gemm.batch == conv.groups and not gemm.batch_scales
+    assert gemm.flops == flop_registry[aten.convolution](*args, out_val=out)
+    assert gemm.io_bytes == (x.numel() + out.numel()) * 4
+    assert gemm.k * gemm.n * gemm.batch == conv.weight.numel()
+
+
+def _conv_net():
+    return nn.Sequential(nn.Conv2d(16, 64, 3, padding=1, bias=False), nn.ReLU(),
+                         nn.Conv2d(64, 64, 3, padding=1, bias=False))
+
+
+def _trace(net: nn.Module, shape: tuple[int, ...]):
+    with torch.device("meta"):
+        net = net.to("meta")
+        x = torch.empty(shape)
+    return trace(net, (x,), {}, name="convs").graph
+
+
+def test_conv_only_units_cost_their_gemm_time_and_save_their_inputs():
+    """Units of convolutions alone have the compute time of their implicit GEMMs (forward and the two backward
+    products), at least their FLOPs at peak, and their activations in the memory model."""
+    graph = _trace(_conv_net(), (1, 16, 32, 32))
+    par = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=64, global_batch_size=64)
+    parts = cost.unit_time_parts(graph, A100, par, None)
+    assert len(parts) == 2
+    for unit, part in zip(graph.units, parts):
+        (gemm,) = [g for f in unit.layers for g in graph.layers[f].gemms]
+        assert gemm.io_bytes and unit.fwd_flops == pytest.approx(gemm.flops)
+        assert part.compute_s > 3 * 64 * gemm.flops / A100.peak_flops
+        mem = 64 * (sum(graph.layers[f].memory_bytes for f in unit.layers) + unit.memory_bytes)
+        assert part.compute_s == pytest.approx(3 * (hw.gemm_time(A100, gemm, micro_batch_size=64)
+                                                    + hw.memory_time(A100, mem)))
+    # Saved for backward (bf16): each convolution's input, the second one's being the ReLU's output (saved once for
+    # both); the weights are not activations.
+    assert sum(u.saved_bytes for u in graph.units) == 2 * (16 + 64) * 32 * 32
+
+
+def test_a_memory_bound_convolution_moves_its_tensors_not_the_im2col_matrix():
+    """A depthwise 3x3 convolution runs at memory speed: input, output and weight through HBM once each."""
+    conv = nn.Conv2d(256, 256, 3, padding=1, groups=256, bias=False).to("meta")
+    x = torch.empty(1, 256, 56, 56, device="meta", dtype=torch.bfloat16)
+    args = (x, conv.weight.to(torch.bfloat16), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 256)
+    gemm = conv_gemm(args, aten.convolution.default(*args))
+    b = 32
+    nbytes = 2 * (b * 2 * 256 * 56 * 56 + 256 * 9)
+    assert hw.gemm_time(A100, gemm, micro_batch_size=b) == pytest.approx(hw.memory_time(A100, nbytes))
+
+
+def test_kernel_launches_floor_a_units_time():
+    """A unit of tiny kernels costs the host's time to launch them (forward, twice as many in backward, and the
+    forward again under full recomputation); kernel_launch_s 0 turns the floor off."""
+    graph = _trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), (1, 8))
+    assert sum(u.kernels for u in graph.units) >= 3  # two GEMMs and the ReLU, at least
+    par = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=1, global_batch_size=1)
+    parts = cost.unit_time_parts(graph, A100, par, None)
+    full = cost.unit_time_parts(graph, A100, dataclasses.replace(par, recompute="full"), None)
+    bare = cost.unit_time_parts(graph, dataclasses.replace(A100, kernel_launch_s=0.0), par, None)
+    for unit, part, again, free in zip(graph.units, parts, full, bare):
+        assert part.compute_s == pytest.approx(3 * unit.kernels * A100.kernel_launch_s)
+        assert 0 < free.compute_s < part.compute_s / 10
+        if unit.kind == "block":  # full recomputation replays a block's forward, and launches it again
+            assert again.compute_s == pytest.approx(4 * unit.kernels * A100.kernel_launch_s)
+    assert cost.unit_time_floor(graph, A100, par) == [pytest.approx(p.compute_s) for p in parts]
+    with pytest.raises(PartcError, match="kernel_launch_s"):
+        Cluster.from_dict({"kernel_launch_s": -1e-6})
+
+
+@pytest.mark.parametrize("name, path, env", [
+    ("unet", ROOT / "benchmarks" / "models" / "unet.py", {"PARTC_UNET_SIZE": "tiny"}),
+    ("vit", ROOT / "examples" / "vit.py", {"PARTC_VIT_SIZE": "tiny"}),
+])
+def test_tiny_models_get_no_tp_that_splits_nothing(name, path, env, monkeypatch):
+    """On 4 GPUs a tiny U-Net or ViT is launch-bound: a TP degree whose every layer is replicated (each rank
+    computing the same micro-batches whole) would look as fast as data parallelism and skip its all-reduce. The
+    search leaves it out unless TP is pinned."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    _, traced = trace_file(path)
+    graph = traced.graph
+    best = search(graph, A100, 4, global_batch_size=64).best
+    assert not idle_tp_degree(best.parallel, best.tp), best.parallel
+    pinned = search(graph, A100, 4, global_batch_size=64, pins=Pins(tp=4)).best
+    assert pinned.parallel.tp == 4
+
+
+def test_a_tiny_mlp_gets_no_tp_that_splits_nothing():
+    graph = _trace(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), (1, 16))
+    best = search(graph, A100, 4, global_batch_size=64).best
+    assert not idle_tp_degree(best.parallel, best.tp), best.parallel
+    assert best.parallel.dp * best.parallel.pp == 4 and math.isfinite(best.step_time_s)
