@@ -17,10 +17,12 @@ Megatron-LM (18 bytes per parameter at ZeRO-0 with bf16, against Rajbhandari et 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from partc._torch import tree_map
 from partc.errors import PartcError
@@ -61,3 +63,97 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """`value` with every floating-point tensor in it (a tensor, or any structure of them torch's pytree knows:
     tuples, dicts, a Hugging Face ``ModelOutput``) cast to `dtype`, the structure kept."""
     return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, value)
+
+
+_T = torch.Tensor
+_F = torch.nn.functional
+LOWER_PRECISION_OPS = frozenset({
+    _F.linear, _F.conv1d, _F.conv2d, _F.conv3d, _F.conv_transpose1d, _F.conv_transpose2d,
+    _F.conv_transpose3d, _F.conv_tbc, _F.prelu, _F.scaled_dot_product_attention,
+    torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm, _T.bmm, torch.mv, _T.mv,
+    torch.addmm, _T.addmm, torch.baddbmm, _T.baddbmm, torch.addbmm, _T.addbmm, torch.addmv, _T.addmv,
+    torch.addr, _T.addr, torch.einsum, torch.chain_matmul, torch.linalg.multi_dot, torch.linalg.vecdot,
+})
+"""Ops that run in the compute dtype whatever their inputs' floating dtypes: autocast's lower-precision list (the
+GEMMs, convolutions and attention; ``torch/csrc/autograd/autocast_mode.cpp`` and the "CUDA Ops that can autocast
+to float16" table of torch.amp's documentation)."""
+
+WIDEST_DTYPE_OPS = frozenset({
+    _F.layer_norm, _F.group_norm, _F.rms_norm, torch.addcmul, _T.addcmul, torch.addcdiv, _T.addcdiv,
+    torch.atan2, _T.atan2, torch.cross, _T.cross, torch.linalg.cross, _F.bilinear, _F.grid_sample, torch.dot,
+    _T.dot, torch.vdot, _T.vdot, torch.tensordot, torch.scatter_add, _T.scatter_add, _T.index_put, _T.index_put_,
+    torch.index_put,
+})
+"""Ops that take mixed floating inputs in the widest of their dtypes (autocast's promote list; and the norms,
+whose kernels refuse an fp32 input with a bf16 weight on the GPU and the CPU, though not on meta)."""
+
+
+class MixedPrecisionError(RuntimeError):
+    """An op the bf16 forward cannot run with the floating dtypes it was given (named in the message)."""
+
+
+class Autocast(TorchFunctionMode):
+    """The bf16 forward's casts, as a torch function mode (what ``torch.autocast`` does per op, but independent of
+    the device: the model is traced on meta, where autocast casts nothing, and the casts become ops of the traced
+    graph, so the generated program, the cost model and ``partc check`` see them). An op of `LOWER_PRECISION_OPS`
+    gets its floating inputs in `dtype`; an op of `WIDEST_DTYPE_OPS` gets them in the widest of their dtypes; every
+    other op runs as PyTorch runs it (elementwise ops promote: a bf16 activation times an fp32 table is fp32). The
+    parameters are already in `dtype` (FSDP casts them, `cast_parameters` in a trace), so no cast copy of a weight
+    is made: a cast copy is of an activation, saved for backward when the op that reads it saves its input.
+
+    An op that fails with inputs of more than one floating dtype raises `MixedPrecisionError` naming it."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in LOWER_PRECISION_OPS:
+            args, kwargs = _cast_to(self.dtype, args, kwargs)
+        elif func in WIDEST_DTYPE_OPS:
+            dtypes = _floating_dtypes((args, kwargs))
+            if len(dtypes) > 1:
+                args, kwargs = _cast_to(max(dtypes, key=lambda d: d.itemsize), args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, TypeError) as e:
+            dtypes = _floating_dtypes((args, kwargs))
+            if len(dtypes) > 1 and not isinstance(e, MixedPrecisionError):
+                names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+                raise MixedPrecisionError(f"{op_name(func)} does not run on {names} tensors together ({e})".split(
+                    "\n")[0]) from e
+            raise
+
+
+def _floating_dtypes(value: Any) -> set[torch.dtype]:
+    out: set[torch.dtype] = set()
+    tree_map(lambda x: out.add(x.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else None, value)
+    return out
+
+
+def _cast_to(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args` and `kwargs` with every floating-point tensor in `dtype`; one already in it is passed as is (no
+    ``to`` in the graph)."""
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                    and x.dtype != dtype else x, (args, kwargs))
+
+
+def op_name(func: Any) -> str:
+    """``torch.lerp``, ``Tensor.index_add``, ``torch.nn.functional.linear``: how a user would call `func`."""
+    name = getattr(func, "__name__", repr(func))
+    owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
+    if isinstance(owner, type) and issubclass(owner, torch._C.TensorBase):
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith("torch._C._nn") or module == "torch.nn.functional" or \
+            getattr(_F, name, None) is func:
+        return f"torch.nn.functional.{name}"
+    return f"torch.{name}"
+
+
+def forward_casts(precision: str) -> contextlib.AbstractContextManager:
+    """The forward's casts at `precision` (`Autocast` for bf16; nothing for fp32): around the trace, and around a
+    one-process run of the model (`partc.runtime.testing`). The generated program holds the casts as ops."""
+    dtype = compute_dtype(precision)
+    return Autocast(dtype) if dtype != MASTER_DTYPE else contextlib.nullcontext()

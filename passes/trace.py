@@ -491,13 +491,14 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: in
           path: str = "", precision: str = "bf16", fused_attention: bool = False) -> Traced:
     """Trace a meta-device model on one sample of meta inputs and build its `ModelGraph`. The model's parameters
     (in place) and its floating-point inputs are cast to the `precision`'s compute dtype first (`partc.precision`):
-    the graph and its byte counts are those of a run at that precision. `fused_attention`: count the attention op
+    the graph and its byte counts are those of a run at that precision, and the forward's casts at that precision
+    (`partc.precision.Autocast`) are ops of the graph. `fused_attention`: count the attention op
     as the fused kernel the cluster runs (`partc.passes.measure.CORE_OPS`)."""
     t0 = time.perf_counter()
     dtype = compute_dtype(precision)
     cast_parameters(model, dtype)
     args, kwargs = cast_floating((args, kwargs), dtype)
-    ep = export_on_meta(model, args, kwargs, path=path)
+    ep = export_on_meta(model, args, kwargs, path=path, precision=precision)
     t1 = time.perf_counter()
     if seq_len is None:
         seq_len = infer_seq_len(args, kwargs)
