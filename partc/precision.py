@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from partc._torch import tree_map
 from partc.errors import PartcError
@@ -106,15 +107,18 @@ class Autocast(TorchFunctionMode):
     def __init__(self, dtype: torch.dtype):
         super().__init__()
         self.dtype = dtype
+        self._casts = WeakIdKeyDictionary()
+        """source tensor -> (its version, dtype, its cast): one copy of a tensor several GEMMs read (the input of
+        q, k and v), where autocast, which caches only casts of leaf tensors, would make one for each."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in LOWER_PRECISION_OPS:
-            args, kwargs = _cast_to(self.dtype, args, kwargs)
+            args, kwargs = self._cast_to(self.dtype, args, kwargs)
         elif func in WIDEST_DTYPE_OPS:
             dtypes = _floating_dtypes((args, kwargs))
             if len(dtypes) > 1:
-                args, kwargs = _cast_to(max(dtypes, key=lambda d: d.itemsize), args, kwargs)
+                args, kwargs = self._cast_to(max(dtypes, key=lambda d: d.itemsize), args, kwargs)
         try:
             return func(*args, **kwargs)
         except (RuntimeError, TypeError) as e:
@@ -125,18 +129,25 @@ class Autocast(TorchFunctionMode):
                     "\n")[0]) from e
             raise
 
+    def _cast_to(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """`args` and `kwargs` with every floating-point tensor in `dtype`: one already in it as it is (no cast
+        in the graph), one cast before (and not changed in place since) as that cast."""
+        def cast(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == dtype:
+                return x
+            hit = self._casts.get(x)
+            if hit is not None and hit[0] == x._version and hit[1] == dtype:
+                return hit[2]
+            out = x.to(dtype)
+            self._casts[x] = (x._version, dtype, out)
+            return out
+        return tree_map(cast, (args, kwargs))
+
 
 def _floating_dtypes(value: Any) -> set[torch.dtype]:
     out: set[torch.dtype] = set()
     tree_map(lambda x: out.add(x.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else None, value)
     return out
-
-
-def _cast_to(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """`args` and `kwargs` with every floating-point tensor in `dtype`; one already in it is passed as is (no
-    ``to`` in the graph)."""
-    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
-                    and x.dtype != dtype else x, (args, kwargs))
 
 
 def op_name(func: Any) -> str:

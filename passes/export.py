@@ -131,7 +131,8 @@ def linears_of_transposes(ep: torch.export.ExportedProgram) -> None:
 # When torch.export meets data-dependent code it logs warnings and prints the partial graph to stderr; the one-line
 # PartcError already says what failed and where, so that output is dropped on failure (and passed on on success).
 # TORCH_LOGS, when set, is left to the user.
-_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+                   "torch._subclasses.fake_tensor")
 
 
 @contextlib.contextmanager
