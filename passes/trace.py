@@ -419,7 +419,7 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
     found: dict[tuple[str, str], Edge] = {}
     for n in nodes:
         dst = node_layer.get(n)
-        if dst is None:
+        if dst is None or n.target is aten._assert_tensor_metadata.default:  # reads no values (the program skips it)
             continue
         for a in n.all_input_nodes:
             if node_layer.get(a) == dst:
@@ -430,8 +430,20 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
                     continue
                 region = shard.regions.get(s)
                 ok = bool(region and region.valid and region.reaches.get(dst) and layers[dst].kind == "linear")
-                found[(s, dst)] = Edge(src=s, dst=dst, bytes=layers[s].out_bytes, shard_ok=ok)
+                found[(s, dst)] = Edge(src=s, dst=dst, bytes=_read_bytes(layers[s].out_bytes, a, n), shard_ok=ok)
     return list(found.values())
+
+
+_CASTS = (aten.to.dtype, aten._to_copy.default)
+
+
+def _read_bytes(out_bytes: int, a: torch.fx.Node, n: torch.fx.Node) -> int:
+    """Bytes of a source's output as a layer reads it: narrowed where a cast makes it smaller on the way (an fp32
+    norm output cast to bf16 for the GEMMs that read it, `partc.precision.Autocast`), since a colwise reader's
+    gradient all-reduce (`passes.tp_rewrite`) is of what the GEMM reads. A widening cast (an RMSNorm's upcast)
+    leaves the source's bytes: a collective for it runs before the cast."""
+    read = [val_bytes(x) for x in (a, n) if x.target in _CASTS and x.args and (x is a or x.args[0] is a)]
+    return min([out_bytes, *read])
 
 
 def _signature(unit: Unit, layers: dict[str, Layer]) -> str:
