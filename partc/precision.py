@@ -75,18 +75,18 @@ LOWER_PRECISION_OPS = frozenset({
     torch.addmm, _T.addmm, torch.baddbmm, _T.baddbmm, torch.addbmm, _T.addbmm, torch.addmv, _T.addmv,
     torch.addr, _T.addr, torch.einsum, torch.chain_matmul, torch.linalg.multi_dot, torch.linalg.vecdot,
 })
-"""Ops that run in the compute dtype whatever their inputs' floating dtypes: autocast's lower-precision list (the
+"""Ops that run in the compute dtype when their floating inputs' dtypes differ: autocast's lower-precision list (the
 GEMMs, convolutions and attention; ``torch/csrc/autograd/autocast_mode.cpp`` and the "CUDA Ops that can autocast
 to float16" table of torch.amp's documentation)."""
 
 WIDEST_DTYPE_OPS = frozenset({
-    _F.layer_norm, _F.group_norm, _F.rms_norm, torch.addcmul, _T.addcmul, torch.addcdiv, _T.addcdiv,
-    torch.atan2, _T.atan2, torch.cross, _T.cross, torch.linalg.cross, _F.bilinear, _F.grid_sample, torch.dot,
-    _T.dot, torch.vdot, _T.vdot, torch.tensordot, torch.scatter_add, _T.scatter_add, _T.index_put, _T.index_put_,
-    torch.index_put,
+    _F.layer_norm, _F.group_norm, _F.bilinear, _F.grid_sample, torch.dot, _T.dot, torch.vdot, _T.vdot,
+    torch.tensordot, torch.cross, _T.cross, torch.linalg.cross, torch.scatter_add, _T.scatter_add, _T.index_put,
+    _T.index_put_, torch.index_put,
 })
-"""Ops that take mixed floating inputs in the widest of their dtypes (autocast's promote list; and the norms,
-whose kernels refuse an fp32 input with a bf16 weight on the GPU and the CPU, though not on meta)."""
+"""Ops that take mixed floating inputs in the widest of their dtypes: those of autocast's promote list whose kernels
+refuse mixed dtypes (the others, ``addcmul`` or ``atan2``, promote by themselves), and the LayerNorm and GroupNorm
+kernels, which refuse an fp32 input with a bf16 weight on the GPU and the CPU (though not on meta)."""
 
 
 class MixedPrecisionError(RuntimeError):
@@ -96,11 +96,15 @@ class MixedPrecisionError(RuntimeError):
 class Autocast(TorchFunctionMode):
     """The bf16 forward's casts, as a torch function mode (what ``torch.autocast`` does per op, but independent of
     the device: the model is traced on meta, where autocast casts nothing, and the casts become ops of the traced
-    graph, so the generated program, the cost model and ``partc check`` see them). An op of `LOWER_PRECISION_OPS`
-    gets its floating inputs in `dtype`; an op of `WIDEST_DTYPE_OPS` gets them in the widest of their dtypes; every
-    other op runs as PyTorch runs it (elementwise ops promote: a bf16 activation times an fp32 table is fp32). The
+    graph, so the generated program, the cost model and ``partc check`` see them). An op whose floating inputs
+    have more than one dtype gets them in `dtype` if it is one of `LOWER_PRECISION_OPS`, in the widest of them if
+    it is one of `WIDEST_DTYPE_OPS`; every other op, and every op whose inputs agree, runs as PyTorch runs it
+    (elementwise ops promote: a bf16 activation times an fp32 table is fp32). Unlike autocast, a GEMM of fp32
+    tensors alone stays fp32: the model computed them in fp32 on purpose (Hugging Face's rotary frequencies, under
+    ``torch.autocast(enabled=False)``), and a model that runs at bf16 without the casts traces as it did. The
     parameters are already in `dtype` (FSDP casts them, `cast_parameters` in a trace), so no cast copy of a weight
-    is made: a cast copy is of an activation, saved for backward when the op that reads it saves its input.
+    is made for a GEMM: a cast copy is of an activation (or a norm's weight cast up to an fp32 input), saved for
+    backward when the op that reads it saves its input.
 
     An op that fails with inputs of more than one floating dtype raises `MixedPrecisionError` naming it."""
 
@@ -113,12 +117,11 @@ class Autocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in LOWER_PRECISION_OPS:
-            args, kwargs = self._cast_to(self.dtype, args, kwargs)
-        elif func in WIDEST_DTYPE_OPS:
+        if func in LOWER_PRECISION_OPS or func in WIDEST_DTYPE_OPS:
             dtypes = _floating_dtypes((args, kwargs))
             if len(dtypes) > 1:
-                args, kwargs = self._cast_to(max(dtypes, key=lambda d: d.itemsize), args, kwargs)
+                to = self.dtype if func in LOWER_PRECISION_OPS else max(dtypes, key=lambda d: d.itemsize)
+                args, kwargs = self._cast_to(to, args, kwargs)
         try:
             return func(*args, **kwargs)
         except (RuntimeError, TypeError) as e:
