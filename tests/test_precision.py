@@ -3,7 +3,8 @@ bf16 activations under `partc.precision.Autocast`'s casts, which are ops of the 
 
 The fast tests trace and compile; the slow one trains the two models of mixed_dtype_models.py under pp 2 x dp 2 and
 under tp 2 x dp 2 (one torchrun launch of 4 gloo ranks), against an fp32 run in one process (losses within bf16
-rounding) and against the plan (every rank's collective bytes, axis by axis).
+rounding) and against the plan (every rank's collective bytes, axis by axis), and runs `partc check` on the four
+programs (traffic byte for byte, memory rows within its tolerance).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import load_model_file
 from partc.parallel import Pins
+from partc.runtime.check import check_program
 from partc.runtime.testing import reference_run
 
 MODELS = str(Path(__file__).resolve().parent / "mixed_dtype_models.py")
@@ -139,3 +141,6 @@ def test_models_with_fp32_tensors_train_at_the_default_precision(tmp_path):
         assert any(not torch.equal(got["state"][k], init[k]) for k in init), "training must change the weights"
         assert assert_comm_matches_plan(outs[name], got["comm"]) > 0, name
         assert got["replica_diff"] == 0.0, name
+        for r in check_program(str(outs[name])):  # partc check: the same program on fake tensors, every pp rank
+            assert r.comm_bytes == {k: int(v) for k, v in r.predicted_comm_bytes.items()}, (name, r.pp_rank)
+            assert all(row.agrees for row in r.rows()), (name, [row.to_dict() for row in r.rows() if not row.agrees])
