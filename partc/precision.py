@@ -7,7 +7,9 @@ the data-parallel ranks) are fp32; the loss is computed in fp32 from the model's
 
 The model is traced with its parameters and floating-point inputs in the compute dtype, so the program runs what the
 model does at that precision (a Hugging Face RMSNorm's upcast to fp32 is in the graph), and the trace's byte counts
-are those of the run. Buffers keep the dtype ``__init__`` gave them.
+are those of the run. Buffers keep the dtype ``__init__`` gave them, and tensors the model makes in forward theirs:
+where an op meets bf16 and fp32 inputs, `Autocast` casts them as ``torch.autocast`` would (a GEMM's to bf16), and
+the casts are ops of the traced graph and so of the program (docs/precision.md).
 
 What each ZeRO stage keeps and moves at each precision (bytes per parameter, and per collective) is tabled once, in
 ``partc.passes.zero``: the runtime (``partc.runtime.parallelize``, FSDP2 with ``MixedPrecisionPolicy(param_dtype=
