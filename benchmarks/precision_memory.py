@@ -40,7 +40,6 @@ def load_models(size: dict):
 
 
 def measure(build, inputs, precision: str) -> dict:
-    from partc.compile import meta_inputs  # noqa: F401 - the same cast of inputs as the compiler's
     from partc.passes.trace import trace
     from partc.precision import cast_floating, compute_dtype
 

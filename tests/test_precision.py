@@ -24,7 +24,6 @@ from partc.runtime.check import check_program
 from partc.runtime.testing import reference_run
 
 MODELS = str(Path(__file__).resolve().parent / "mixed_dtype_models.py")
-aten = torch.ops.aten
 
 
 def _casts(out: Path) -> list[str]:
