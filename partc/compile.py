@@ -326,7 +326,8 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
     ep = traced.exported
     if b != 1 or plan.parallel.tp > 1:
         args, kwargs = meta_inputs(spec, b, plan.parallel.precision)
-        ep = rebatch(traced.exported, model, args, kwargs) or export_on_meta(model, args, kwargs, path=path)
+        ep = rebatch(traced.exported, model, args, kwargs) or export_on_meta(model, args, kwargs, path=path,
+                                                                             precision=plan.parallel.precision)
     return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers)
 
 

@@ -19,21 +19,28 @@ from torch import nn
 
 from partc.errors import PartcError, first_line
 from partc.frames import exception_frames, innermost, stack_trace_frames
+from partc.precision import MixedPrecisionError, forward_casts
 
 aten = torch.ops.aten
 
 
-def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "") -> torch.export.ExportedProgram:
-    """Export `model` (already on meta) with meta example inputs. Errors name the module and source line."""
+def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "",
+                   precision: str = "fp32") -> torch.export.ExportedProgram:
+    """Export `model` (already on meta) with meta example inputs, under the forward's casts at `precision`
+    (`partc.precision.forward_casts`: at bf16 the casts are ops of the graph). Errors name the module and source
+    line, and an op that cannot take the dtypes it meets at bf16 is named, with ``--precision fp32`` to try."""
     calls: list[str] = []
     try:
-        with _quiet_export(), norms_on_any_batch(), _checkpoint_calls(calls):
+        with _quiet_export(), norms_on_any_batch(), _checkpoint_calls(calls), forward_casts(precision):
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - anything export raises is a model the tracer cannot handle
-        with norms_on_any_batch():
+        with norms_on_any_batch(), forward_casts(precision):
             where = _locate_failure(model, args, kwargs, e)
-        first = first_line(e)
-        hint = _experts_hint(model) or failure_hint(e)
+        mixed = _mixed_precision_error(e)
+        first = first_line(mixed or e)
+        hint = (f"; at --precision {precision} parameters and activations are {precision}, tensors the model makes "
+                f"keep their dtype: train with --precision fp32") if mixed is not None else \
+            _experts_hint(model) or failure_hint(e)
         raise PartcError(f"cannot trace {path or type(model).__name__}{where}: {type(e).__name__}: {first}{hint}") \
             from None
     ep.graph_module.meta[CHECKPOINT_CALLS] = calls
@@ -187,6 +194,17 @@ def higher_order_refusal(n: torch.fx.Node, path: str = "") -> str:
                 break
     where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
     return f"cannot compile {path or 'the model'}: {what}{where} cannot be written into partc's program; {hint}"
+
+
+def _mixed_precision_error(e: BaseException) -> MixedPrecisionError | None:
+    """The `MixedPrecisionError` that caused `e` (export may wrap it), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, MixedPrecisionError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def device_neutral(ep: torch.export.ExportedProgram) -> None:

@@ -224,6 +224,8 @@ class _Rewriter:
                          f"not support; set tp[{layer.fqn!r}] to 'replicate'")
 
     def _call(self, node: Node) -> None:
+        if node.target is aten._assert_tensor_metadata.default:
+            return None  # an assertion on the traced tensor (a `.to`'s dtype): the program skips it, split or not
         layer_name = self.node_layer.get(node)
         layer = self.layers.get(layer_name) if layer_name else None
         style = self.styles.get(layer_name, "replicate") if layer else "replicate"

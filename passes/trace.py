@@ -420,7 +420,7 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
     found: dict[tuple[str, str], Edge] = {}
     for n in nodes:
         dst = node_layer.get(n)
-        if dst is None:
+        if dst is None or n.target is aten._assert_tensor_metadata.default:  # reads no values (the program skips it)
             continue
         for a in n.all_input_nodes:
             if node_layer.get(a) == dst:
@@ -431,8 +431,20 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
                     continue
                 region = shard.regions.get(s)
                 ok = bool(region and region.valid and region.reaches.get(dst) and layers[dst].kind == "linear")
-                found[(s, dst)] = Edge(src=s, dst=dst, bytes=layers[s].out_bytes, shard_ok=ok)
+                found[(s, dst)] = Edge(src=s, dst=dst, bytes=_read_bytes(layers[s].out_bytes, a, n), shard_ok=ok)
     return list(found.values())
+
+
+_CASTS = (aten.to.dtype, aten._to_copy.default)
+
+
+def _read_bytes(out_bytes: int, a: torch.fx.Node, n: torch.fx.Node) -> int:
+    """Bytes of a source's output as a layer reads it: narrowed where a cast makes it smaller on the way (an fp32
+    norm output cast to bf16 for the GEMMs that read it, `partc.precision.Autocast`), since a colwise reader's
+    gradient all-reduce (`passes.tp_rewrite`) is of what the GEMM reads. A widening cast (an RMSNorm's upcast)
+    leaves the source's bytes: a collective for it runs before the cast."""
+    read = [val_bytes(x) for x in (a, n) if x.target in _CASTS and x.args and (x is a or x.args[0] is a)]
+    return min([out_bytes, *read])
 
 
 def _signature(unit: Unit, layers: dict[str, Layer]) -> str:
@@ -492,13 +504,14 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: in
           path: str = "", precision: str = "bf16", fused_attention: bool = False) -> Traced:
     """Trace a meta-device model on one sample of meta inputs and build its `ModelGraph`. The model's parameters
     (in place) and its floating-point inputs are cast to the `precision`'s compute dtype first (`partc.precision`):
-    the graph and its byte counts are those of a run at that precision. `fused_attention`: count the attention op
+    the graph and its byte counts are those of a run at that precision, and the forward's casts at that precision
+    (`partc.precision.Autocast`) are ops of the graph. `fused_attention`: count the attention op
     as the fused kernel the cluster runs (`partc.passes.measure.CORE_OPS`)."""
     t0 = time.perf_counter()
     dtype = compute_dtype(precision)
     cast_parameters(model, dtype)
     args, kwargs = cast_floating((args, kwargs), dtype)
-    ep = export_on_meta(model, args, kwargs, path=path)
+    ep = export_on_meta(model, args, kwargs, path=path, precision=precision)
     t1 = time.perf_counter()
     if seq_len is None:
         seq_len = infer_seq_len(args, kwargs)

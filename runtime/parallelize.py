@@ -109,8 +109,11 @@ def apply_recompute(stage: StageModule, par: Parallel, blocks: set[str]) -> None
 
 def apply_zero(stage: StageModule, mesh: DeviceMesh, par: Parallel) -> nn.Module:
     """FSDP2 on each unit and on the stage, under the plan's ZeRO policy and precision (module docstring)."""
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(par.precision), reduce_dtype=MASTER_DTYPE) \
-        if par.precision != "fp32" else MixedPrecisionPolicy()
+    # Inputs keep their dtype: an fp32 tensor the trace passes between units (one the model made in fp32, or an
+    # activation it promoted) stays fp32, as the program and the plan have it; the runner casts the model's own
+    # floating-point inputs to the compute dtype.
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(par.precision), reduce_dtype=MASTER_DTYPE,
+                              cast_forward_inputs=False) if par.precision != "fp32" else MixedPrecisionPolicy()
     # A parameter shared by two units (a tied embedding and head on one stage) can be in one FSDP group only: those
     # units stay in the stage's root group (as `partc.passes.cost.fsdp_groups` charges).
     # So can a unit whose tensors other code of the stage reads (`StageFile.foreign_reads`).

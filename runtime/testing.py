@@ -36,8 +36,9 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
     `init_state`, under the runtime's precision policy (`partc.precision`); returns the losses and the final state
     dict. The model's parameters are the fp32 master weights; each micro-batch (`micro_batch_size` samples, in
     order; the whole batch by default) runs forward and backward on a copy in the compute dtype, from
-    floating-point inputs in that dtype, the loss in fp32 on the outputs upcast; the gradients are summed in fp32,
-    divided by the number of micro-batches, and the optimizer steps the fp32 weights. This is the runtime's
+    floating-point inputs in that dtype, under the forward's casts (`partc.precision.forward_casts`), the loss in
+    fp32 on the outputs upcast; the gradients are summed in fp32, divided by the number of micro-batches, and the
+    optimizer steps the fp32 weights. This is the runtime's
     arithmetic up to the order of the fp32 sums over micro-batches and data-parallel ranks. `untied`: each use of a
     tied weight gets its own compute copy, whose gradients are summed in fp32 (as the runtime does when the uses
     are on different pipeline ranks; one stage holding both sums them in the compute dtype, as here by default)."""
@@ -45,7 +46,7 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
 
     from partc._torch import tree_map
     from partc.model_file import load_model_file
-    from partc.precision import MASTER_DTYPE, cast_floating, cast_parameters, compute_dtype
+    from partc.precision import MASTER_DTYPE, cast_floating, cast_parameters, compute_dtype, forward_casts
     from partc.runtime.parallelize import OptimizerConfig
     from partc.runtime.train import global_batch
 
@@ -82,7 +83,9 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
                     for mp, wp in pairs:
                         wp.copy_(mp)
             a, kw_b = cast_floating((tree_map(take, args), tree_map(take, kw)), dtype)
-            loss = spec.loss_fn(cast_floating(work(*a, **kw_b), MASTER_DTYPE), tree_map(take, targets))
+            with forward_casts(precision):
+                out = work(*a, **kw_b)
+            loss = spec.loss_fn(cast_floating(out, MASTER_DTYPE), tree_map(take, targets))
             loss.backward()
             total += loss.item()
             if work is not master:

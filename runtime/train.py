@@ -13,8 +13,9 @@ micro-batch needs them, and each chunk gathered once a step, as the plan charges
 numbers.
 
 Precision. The program runs at the plan's precision (`partc.precision`): FSDP's mixed-precision policy casts the
-parameters (and a floating-point model input) to the compute dtype, the stages exchange compute-dtype activations,
-and the loss is computed in fp32 from the model's outputs upcast.
+parameters to the compute dtype, the runner a floating-point model input; the forward's casts (`partc.precision.
+Autocast`) are ops of the program, so the stages exchange what the trace had (compute-dtype activations, and an fp32
+tensor where the model made one), and the loss is computed in fp32 from the model's outputs upcast.
 
 Loss and gradients. ``loss_fn`` gives each micro-batch's mean; the schedule scales gradients by 1/m
 (``scale_grads``) and DP averages over dp, so the gradients are those of the global-batch mean, and the returned
@@ -134,6 +135,8 @@ class PipelineRunner:
         self.global_batch_size = par.global_batch_size
         self.num_microbatches = par.num_microbatches
         self.last_code = program.stages[-1].code
+        self.dtype = compute_dtype(par.precision)
+        """The dtype of the model's floating-point inputs (as the trace had them)."""
         local = [st for st in program.stages if st.rank == world.pp_rank]
         self.has_first = local[0].index == 0
         self.has_last = local[-1].index == program.num_stages - 1
@@ -187,7 +190,7 @@ class PipelineRunner:
             raise ValueError(f"the plan's global batch is {self.global_batch_size} samples, got {n}")
         part = self.dp_slice(n)
         device = self.world.device
-        local = [t[part].to(device) for t in inputs] if self.has_first else []
+        local = [cast_floating(t[part], self.dtype).to(device) for t in inputs] if self.has_first else []
         if self.has_last:
             self._targets = tree_map(lambda t: t[part].to(device) if isinstance(t, Tensor) else t, targets)
         index = torch.arange(part.stop - part.start, device=device)
