@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -280,7 +281,7 @@ class Reads:
         return _read_fields(cls or Parallel, self.ignores)
 
     def key(self, par: Parallel, *derived: Any) -> tuple:
-        return (self.name, *map(par.__getattribute__, _read_fields(type(par), self.ignores)), *derived)
+        return (self.name, *_read_getter(type(par), self.ignores)(par), *derived)
 
     def key_of(self, get, *derived: Any, cls: type | None = None) -> tuple:
         """`key` of the configuration whose field `f` is ``get(f)``."""
@@ -290,6 +291,15 @@ class Reads:
 @functools.cache
 def _read_fields(cls: type, ignores: frozenset[str]) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls) if f.name not in ignores)
+
+
+@functools.cache
+def _read_getter(cls: type, ignores: frozenset[str]):
+    """The values of `_read_fields` as a tuple, read at once (the search keys thousands of configurations)."""
+    names = _read_fields(cls, ignores)
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    return lambda par: tuple(getattr(par, name) for name in names)
 
 
 def group_spans_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
