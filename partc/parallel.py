@@ -37,6 +37,7 @@ TP_STYLES = ("colwise", "rowwise", "replicate", "inner")
 Embedding, whole, and ``inner``: a layer split inside as Megatron splits an MLP, its first products colwise and its
 last rowwise, its output a partial sum (a mixture of experts' packed weights, `partc.passes.experts`)."""
 
+
 @dataclass(frozen=True, slots=True)
 class MeshAxis:
     """One axis of the device mesh. Its `name` is the one word every layer uses for it: the `Parallel` field of its
@@ -45,14 +46,10 @@ class MeshAxis:
     and `partc check`'s per-rank records) and the CLI pin (``--<name>``, made from the field like every pin).
 
     How it divides the world: the degrees of all axes multiply to the world size, and the axes nest in `MESH`
-    order, outermost first (`Parallel.coords`): an axis's groups are `stride` ranks apart, the product of the
-    degrees inside it."""
+    order, outermost first (`Parallel.coords`): the members of one of its groups are the product of the degrees
+    inside it apart (`Parallel.spans_nodes`)."""
 
     name: str
-    title: str
-    """What people call it (``data-parallel``), for messages and docs."""
-    traffic: str
-    """What its groups move, as the cost model charges it (`partc.passes.cost.predict`, ``comm_bytes``)."""
 
     @property
     def position(self) -> int:
@@ -70,22 +67,21 @@ class MeshAxis:
         return f"{self.name}_rank"
 
     def degree(self, par: Parallel) -> int:
+        """How it divides the world: its degree in `par`."""
         return getattr(par, self.name)
 
 
-MESH = (
-    MeshAxis("pp", "pipeline-parallel", "activations and their gradients between neighbouring stages "
-                                        "(point-to-point), and the sums of weights shared by two stages"),
-    MeshAxis("dp", "data-parallel", "gradients reduced and, with ZeRO, parameters gathered"),
-    MeshAxis("tp", "tensor-parallel", "the collectives inside split layers, and the gathers of pipeline "
-                                      "boundaries sent 1/t a rank"),
-)
-"""The device mesh, outermost first: torchtitan's order, ``tp`` innermost (neighbouring ranks, one node: the most
-traffic) and ``pp`` outermost (point-to-point only). A new axis is one more record here and a `Parallel` field of
-the same name (docs/adding-a-dimension.md)."""
+MESH = (MeshAxis("pp"), MeshAxis("dp"), MeshAxis("tp"))
+"""The device mesh, outermost first: torchtitan's order. ``pp`` outermost: activations and their gradients between
+neighbouring stages (point-to-point) and the sums of weights two stages share; ``dp``: gradients reduced and, with
+ZeRO, parameters gathered; ``tp`` innermost (neighbouring ranks, one node: the most traffic): the collectives
+inside split layers and the gathers of pipeline boundaries sent 1/t a rank. A new axis is one more record here and
+a `Parallel` field of the same name (docs/adding-a-dimension.md)."""
 
 MESH_AXES = tuple(axis.name for axis in MESH)
 """The names of `MESH`, outermost first."""
+
+MESH_BY_NAME = {axis.name: axis for axis in MESH}
 
 MAX_GPUS = 2**20
 """The most GPUs partc plans for (1,048,576), and the bound of each degree: several times the largest GPU clusters
@@ -181,8 +177,8 @@ class Parallel:
     # -- the mesh ------------------------------------------------------------------------------------------------
 
     def degrees(self) -> dict[str, int]:
-        """Mesh axis -> its degree, in `MESH_AXES` order (outermost first)."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
+        """Mesh axis -> its degree, in `MESH` order (outermost first)."""
+        return {axis.name: axis.degree(self) for axis in MESH}
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh axis -> the coordinate of global rank `rank` (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
@@ -201,7 +197,7 @@ class Parallel:
 
     def _stride(self, axis: str) -> int:
         """Distance in global ranks between neighbours of an `axis` group: the product of the inner axes."""
-        return math.prod(getattr(self, a) for a in MESH_AXES[MESH_AXES.index(axis) + 1:])
+        return math.prod(getattr(self, a) for a in MESH_AXES[MESH_BY_NAME[axis].position + 1:])
 
     def spans_nodes(self, axis: str, gpus_per_node: int) -> bool:
         """Whether a group of `axis` crosses nodes (ranks are placed on nodes in order, `gpus_per_node` each)."""
@@ -275,10 +271,6 @@ class Reads:
         object.__setattr__(self, "ignores", frozenset(self.ignores))
         unknown = self.ignores - {f.name for f in fields(Parallel)}
         assert not unknown, f"{self.name}: not fields of Parallel: {sorted(unknown)}"
-
-    def reads(self, cls: type | None = None) -> tuple[str, ...]:
-        """The fields of `cls` (`Parallel`) in the key, in the order of the fields."""
-        return _read_fields(cls or Parallel, self.ignores)
 
     def key(self, par: Parallel, *derived: Any) -> tuple:
         return (self.name, *_read_getter(type(par), self.ignores)(par), *derived)
@@ -388,7 +380,7 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
     fixed = {a: getattr(pins, a) for a in SHOWN_AXES if getattr(pins, a) is not None}
     for axis, value in fixed.items():
         if gpus % value:
-            raise PartcError(f"--{axis} {value} does not divide the GPU count {gpus}")
+            raise PartcError(f"{MESH_BY_NAME[axis].pin} {value} does not divide the GPU count {gpus}")
     if fixed and gpus % math.prod(fixed.values()):
         raise PartcError(f"the pinned degrees {' x '.join(map(str, fixed.values()))} do not divide the GPU count "
                          f"{gpus}")
