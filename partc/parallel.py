@@ -251,7 +251,6 @@ class Parallel:
         return text + (f" {self.precision}" if self.precision != "bf16" else "")
 
 
-
 @dataclass(frozen=True, slots=True)
 class Reads:
     """What a cached quantity reads of a `Parallel`, and so its cache key: the values of every field except the

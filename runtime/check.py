@@ -138,7 +138,8 @@ class RankCheck:
         return self.needed_bytes <= self.usable_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {**rank_record(self.rank, self.coords), "comm_bytes": dict(self.comm_bytes), "memory_bytes": dict(self.memory_bytes),
+        return {**rank_record(self.rank, self.coords), "comm_bytes": dict(self.comm_bytes),
+                "memory_bytes": dict(self.memory_bytes),
                 "predicted_comm_bytes": dict(self.predicted_comm_bytes),
                 "predicted_memory_bytes": dict(self.predicted_memory_bytes), "needed_bytes": self.needed_bytes,
                 "usable_bytes": self.usable_bytes, "slack_bytes": self.slack_bytes, "fits": self.fits, "seconds": self.seconds,

@@ -41,8 +41,8 @@ The cost model (`partc.passes.cost`) charges exactly these bytes and gathers (`p
 Shared weights (a tied embedding and LM head on different stages, Megatron's "embedding all-reduce"): after the
 pipeline step the copies' gradients are summed over a process group of the pipeline ranks holding a copy (one
 group per coordinate on the other mesh axes, `pipeline_group`: both layers split a tied weight alike over tp, and
-FSDP shards it alike over dp, so the shards match); copies on one rank (interleaved stages) are summed locally first. The copies start equal and get equal
-gradients and equal updates, so they stay equal.
+FSDP shards it alike over dp, so the shards match); copies on one rank (interleaved stages) are summed locally
+first. The copies start equal and get equal gradients and equal updates, so they stay equal.
 """
 
 from __future__ import annotations
