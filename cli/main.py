@@ -21,7 +21,7 @@ from rich.table import Table
 
 from partc.cluster import PRESETS, Cluster
 from partc.errors import PartcError
-from partc.parallel import PINNABLE, Parallel, Pins, check_gpus
+from partc.parallel import PINNABLE, SHOWN_AXES, Parallel, Pins, check_gpus
 
 GiB = 1024**3
 
@@ -190,12 +190,12 @@ def print_summary(result, plan_path: Path) -> None:
     console = Console(highlight=False, width=max(Console().width, 100))
     # Names from the model and the cluster file are text, never markup: each goes through `escape`.
     console.print(f"[bold]{escape(model['name'])}[/]: {model['num_params'] / 1e9:.2f}B parameters, "
-                  f"{model['num_units']} units; {par['dp'] * par['tp'] * par['pp']} x "
+                  f"{model['num_units']} units; {result.plan.parallel.world_size} x "
                   f"{escape(result.plan.cluster['gpu'])}")
     t = Table(title="Plan", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("parallel", f"dp={par['dp']}  tp={par['tp']}  pp={par['pp']}  zero={par['zero']}")
+    t.add_row("parallel", "  ".join(f"{axis}={par[axis]}" for axis in SHOWN_AXES) + f"  zero={par['zero']}")
     t.add_row("batch", f"global {par['global_batch_size']} = dp {par['dp']} x micro-batch {par['micro_batch_size']} "
                        f"x {par['num_microbatches']} micro-batches")
     sched = par["schedule"] + (f" (v={par['virtual_stages']})" if par["virtual_stages"] > 1 else "")
@@ -253,13 +253,13 @@ def print_summary(result, plan_path: Path) -> None:
                   f"{timings['codegen']:.1f}s{searched})")
     out = escape(str(plan_path.parent))
     console.print(f"run it: partc run {out} --steps N   (or torchrun --nproc-per-node "
-                  f"{par['dp'] * par['tp'] * par['pp']} -m partc.runtime {out} ...)")
+                  f"{result.plan.parallel.world_size} -m partc.runtime {out} ...)")
 
 
 @main.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("out_dir", type=str)
 @click.option("--nproc-per-node", type=int, default=None, callback=_pos_int,
-              help="Processes to start; must equal the plan's dp x tp x pp (the default).")
+              help=f"Processes to start; must equal the plan's {' x '.join(SHOWN_AXES)} (the default).")
 @click.argument("runtime_args", nargs=-1, type=click.UNPROCESSED)
 def run_cmd(out_dir, nproc_per_node, runtime_args):
     """Train OUT_DIR's program here: torchrun with the plan's world size.
@@ -379,8 +379,9 @@ def _bytes(n: float) -> str:
 def print_check(results, worst, bad, unfit, tolerance: float, subset: bool = False) -> None:
     console = Console(highlight=False, width=max(Console().width, 100))
     for r in results:
-        t = Table(title=f"Pipeline rank {r.pp_rank} (global rank {r.rank}: dp {r.dp_rank}, tp {r.tp_rank}; "
-                        f"{r.seconds:.1f} s)", title_justify="left")
+        coords = ", ".join(f"{axis} {r.coords[axis]}" for axis in SHOWN_AXES if axis != "pp")
+        t = Table(title=f"Pipeline rank {r.pp_rank} (global rank {r.rank}: {coords}; {r.seconds:.1f} s)",
+                  title_justify="left")
         for col in ("", "predicted", "measured", "error", ""):
             t.add_column(col, justify="left" if not col else "right")
         for row in r.rows():

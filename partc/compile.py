@@ -26,7 +26,7 @@ from partc.deferred_init import InitRecord, record
 from partc.errors import PartcError
 from partc.frames import innermost, stack_trace_frames
 from partc.ir import ModelGraph
-from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
+from partc.parallel import MAX_BATCH, MAX_GPUS, MESH_AXES, Pins, check_gpus
 from partc.precision import cast_floating, compute_dtype
 from partc.plan import Plan, Stage, read_plan
 from partc.passes import cost
@@ -406,7 +406,7 @@ def _predicted(pred: cost.Prediction, global_batch_size: int) -> dict:
         # One entry per pipeline rank, in rank order: what one GPU of it needs and moves in a step (the runtime
         # measures the same: partc.runtime.comm, `--log-jsonl`).
         "ranks": [{"time_s": r.time_s, "memory_bytes": r.memory.to_dict(),
-                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0))) for axis in ("tp", "pp", "dp")},
+                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0))) for axis in MESH_AXES},
                    "timeline_s": r.timeline_s}  # what the step's walk takes (`partc.timeline`, report.html)
                   for r in pred.ranks],
     }

@@ -3,17 +3,18 @@
 Everything else is derived from `Parallel`: the plan's ``parallel`` section (`Parallel.to_dict` /
 `Parallel.from_dict`), the one-line summary people read (`Parallel.summary`), the search's pins (`Pins`, one
 optional field per choice of `Parallel`) and the CLI options that set them, the cache keys of the cost model
-(`Parallel.key`), where each mesh axis's groups sit on the nodes (`Parallel.spans_nodes`, `Parallel.ranks_per_node`)
-and the runtime's device mesh (`MESH_AXES`, `Parallel.degrees`, `Parallel.coords`).
+(`Reads`: every field but those a quantity declares it ignores), where each mesh axis's groups sit on the nodes
+(`Parallel.spans_nodes`, `Parallel.ranks_per_node`) and the runtime's device mesh (`MESH`, `Parallel.degrees`,
+`Parallel.coords`).
 
-The mesh is torchtitan's: axes ``MESH_AXES`` = (``pp``, ``dp``, ``tp``), outermost first. ``tp`` is innermost
+The mesh is torchtitan's: axes `MESH` = (``pp``, ``dp``, ``tp``), outermost first. ``tp`` is innermost
 (neighbouring ranks, the same node: the most traffic), ``pp`` outermost (point-to-point only):
 
     global rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 
-A new dimension (say, context parallelism ``cp``) is a field here, with its mesh axis in `MESH_AXES` if it has one;
-the cost model, the search space and the runtime's ``apply_*`` for it read the field (see
-docs/adding-a-dimension.md).
+A new dimension (say, context parallelism ``cp``) is a field here, with its `MeshAxis` in `MESH` if it has one;
+the cost model, the search space and the runtime's ``apply_*`` for it read the field
+(docs/adding-a-dimension.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -35,8 +37,51 @@ TP_STYLES = ("colwise", "rowwise", "replicate", "inner")
 Embedding, whole, and ``inner``: a layer split inside as Megatron splits an MLP, its first products colwise and its
 last rowwise, its output a partial sum (a mixture of experts' packed weights, `partc.passes.experts`)."""
 
-MESH_AXES = ("pp", "dp", "tp")
-"""The device mesh's axes, outermost first; each is also the name of a degree of `Parallel`."""
+
+@dataclass(frozen=True, slots=True)
+class MeshAxis:
+    """One axis of the device mesh. Its `name` is the one word every layer uses for it: the `Parallel` field of its
+    degree, the plan's key (``parallel.<name>``, ``predicted.ranks[].comm_bytes.<name>``), the runtime mesh's
+    dimension and process group (``world.groups[<name>]``), a rank's coordinate (``<name>_rank`` in `partc run`'s
+    and `partc check`'s per-rank records) and the CLI pin (``--<name>``, made from the field like every pin).
+
+    How it divides the world: the degrees of all axes multiply to the world size, and the axes nest in `MESH`
+    order, outermost first (`Parallel.coords`): the members of one of its groups are the product of the degrees
+    inside it apart (`Parallel.spans_nodes`)."""
+
+    name: str
+
+    @property
+    def position(self) -> int:
+        """Its index in the mesh, outermost first."""
+        return MESH_AXES.index(self.name)
+
+    @property
+    def pin(self) -> str:
+        """The CLI option that fixes its degree."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def rank_key(self) -> str:
+        """The coordinate's key in per-rank records (``dp_rank``)."""
+        return f"{self.name}_rank"
+
+    def degree(self, par: Parallel) -> int:
+        """How it divides the world: its degree in `par`."""
+        return getattr(par, self.name)
+
+
+MESH = (MeshAxis("pp"), MeshAxis("dp"), MeshAxis("tp"))
+"""The device mesh, outermost first: torchtitan's order. ``pp`` outermost: activations and their gradients between
+neighbouring stages (point-to-point) and the sums of weights two stages share; ``dp``: gradients reduced and, with
+ZeRO, parameters gathered; ``tp`` innermost (neighbouring ranks, one node: the most traffic): the collectives
+inside split layers and the gathers of pipeline boundaries sent 1/t a rank. A new axis is one more record here and
+a `Parallel` field of the same name (docs/adding-a-dimension.md)."""
+
+MESH_AXES = tuple(axis.name for axis in MESH)
+"""The names of `MESH`, outermost first."""
+
+MESH_BY_NAME = {axis.name: axis for axis in MESH}
 
 MAX_GPUS = 2**20
 """The most GPUs partc plans for (1,048,576), and the bound of each degree: several times the largest GPU clusters
@@ -132,8 +177,8 @@ class Parallel:
     # -- the mesh ------------------------------------------------------------------------------------------------
 
     def degrees(self) -> dict[str, int]:
-        """Mesh axis -> its degree, in `MESH_AXES` order (outermost first)."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
+        """Mesh axis -> its degree, in `MESH` order (outermost first)."""
+        return {axis.name: axis.degree(self) for axis in MESH}
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh axis -> the coordinate of global rank `rank` (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
@@ -152,7 +197,7 @@ class Parallel:
 
     def _stride(self, axis: str) -> int:
         """Distance in global ranks between neighbours of an `axis` group: the product of the inner axes."""
-        return math.prod(getattr(self, a) for a in MESH_AXES[MESH_AXES.index(axis) + 1:])
+        return math.prod(getattr(self, a) for a in MESH_AXES[MESH_BY_NAME[axis].position + 1:])
 
     def spans_nodes(self, axis: str, gpus_per_node: int) -> bool:
         """Whether a group of `axis` crosses nodes (ranks are placed on nodes in order, `gpus_per_node` each)."""
@@ -194,23 +239,58 @@ class Parallel:
 
     def world_text(self) -> str:
         """``dp x tp x pp = 3 x 2 x 2 = 12``: how the degrees make the world size, for messages."""
-        axes = [f.name for f in fields(self) if f.name in MESH_AXES]  # the plan's order: dp, tp, pp
-        return (f"{' x '.join(axes)} = {' x '.join(str(getattr(self, a)) for a in axes)} = {self.world_size}")
+        return (f"{' x '.join(SHOWN_AXES)} = {' x '.join(str(getattr(self, a)) for a in SHOWN_AXES)} = "
+                f"{self.world_size}")
 
     def summary(self) -> str:
         """One line for people: ``dp=64 tp=2 pp=4 zero=3 mb=1 recompute=none interleaved-1f1b v=4`` (and ``fp32``
         when not bf16)."""
-        text = (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} mb={self.micro_batch_size} "
-                f"recompute={self.recompute} {self.schedule}")
+        text = " ".join(f"{a}={getattr(self, a)}" for a in SHOWN_AXES)
+        text += f" zero={self.zero} mb={self.micro_batch_size} recompute={self.recompute} {self.schedule}"
         text += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         return text + (f" {self.precision}" if self.precision != "bf16" else "")
 
-    def key(self, *independent: str) -> tuple:
-        """A cache key for a quantity that depends on every field except the `independent` ones: a field added to
-        `Parallel` is part of every key until a quantity declares itself independent of it."""
-        names = {f.name for f in fields(self)}
-        assert set(independent) <= names, set(independent) - names
-        return tuple((n, getattr(self, n)) for n in sorted(names - set(independent)))
+
+@dataclass(frozen=True, slots=True)
+class Reads:
+    """What a cached quantity reads of a `Parallel`, and so its cache key: the values of every field except the
+    ones it declares it `ignores`. A field added to `Parallel` is therefore part of every key until a quantity
+    declares itself independent of it (no key lists the fields it reads, so none can leave a new one out).
+
+    A quantity that reads a function of ignored fields (whether the pipeline has more than one rank, the
+    micro-batch count) passes that value to `key` as `derived`. `key_of` reads the fields through a getter (the
+    search keys configurations before it builds their `Parallel`)."""
+
+    name: str
+    """The key's first element: keeps the quantities in one cache apart."""
+    ignores: frozenset[str]
+    """Fields of `Parallel` the quantity does not depend on (given as any iterable)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ignores", frozenset(self.ignores))
+        unknown = self.ignores - {f.name for f in fields(Parallel)}
+        assert not unknown, f"{self.name}: not fields of Parallel: {sorted(unknown)}"
+
+    def key(self, par: Parallel, *derived: Any) -> tuple:
+        return (self.name, *_read_getter(type(par), self.ignores)(par), *derived)
+
+    def key_of(self, get, *derived: Any, cls: type | None = None) -> tuple:
+        """`key` of the configuration whose field `f` is ``get(f)``."""
+        return (self.name, *map(get, _read_fields(cls or Parallel, self.ignores)), *derived)
+
+
+@functools.cache
+def _read_fields(cls: type, ignores: frozenset[str]) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.name not in ignores)
+
+
+@functools.cache
+def _read_getter(cls: type, ignores: frozenset[str]):
+    """The values of `_read_fields` as a tuple, read at once (the search keys thousands of configurations)."""
+    names = _read_fields(cls, ignores)
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    return lambda par: tuple(getattr(par, name) for name in names)
 
 
 def group_spans_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
@@ -249,6 +329,11 @@ def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
     if hi is not None and value > hi:
         raise PartcError(f"{where}.{f.name} must be <= {hi:,}, got {value:,}")
 
+
+SHOWN_AXES = tuple(f.name for f in fields(Parallel) if f.name in MESH_AXES)
+"""`MESH_AXES` in the order people read them, that of the fields of `Parallel`: ``dp, tp, pp`` (summaries,
+messages, the check's rows)."""
+assert sorted(SHOWN_AXES) == sorted(MESH_AXES), "every mesh axis is a degree of Parallel"
 
 PINNABLE = tuple(f for f in fields(Parallel) if f.metadata["pin"])
 """The choices of `Parallel` a user may fix for the search (all but the global batch, which is an input)."""
@@ -291,11 +376,10 @@ def check_gpus(gpus: int) -> None:
 def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None = None) -> None:
     """The pinned degrees must fit the GPU count and the model; PartcError names the first that does not."""
     check_gpus(gpus)
-    fixed = {f.name: getattr(pins, f.name) for f in PINNABLE
-             if f.name in MESH_AXES and getattr(pins, f.name) is not None}  # in the plan's order: dp, tp, pp
+    fixed = {a: getattr(pins, a) for a in SHOWN_AXES if getattr(pins, a) is not None}
     for axis, value in fixed.items():
         if gpus % value:
-            raise PartcError(f"--{axis} {value} does not divide the GPU count {gpus}")
+            raise PartcError(f"{MESH_BY_NAME[axis].pin} {value} does not divide the GPU count {gpus}")
     if fixed and gpus % math.prod(fixed.values()):
         raise PartcError(f"the pinned degrees {' x '.join(map(str, fixed.values()))} do not divide the GPU count "
                          f"{gpus}")

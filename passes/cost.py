@@ -7,7 +7,7 @@ per layer, section 4); Rajbhandari et al. 2020, "ZeRO" (model states, Figure 1; 
 from `passes.hw`. The IR is per sample and unsharded: here it is multiplied by the micro-batch size b and divided
 by the TP degree t. Symbols as in the papers: b, s, h, a, t, p, m, v, Ψ, N_d.
 
-The mesh is `partc.parallel.MESH_AXES` (torchtitan's ("pp", "dp", "tp"), tp innermost): a TP group crosses nodes
+The mesh is `partc.parallel.MESH` (torchtitan's ("pp", "dp", "tp"), tp innermost): a TP group crosses nodes
 when t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop when the world exceeds one node
 (`Parallel.spans_nodes`). A group crossing nodes uses the InfiniBand adapters of all its members in a node
 (`Parallel.ranks_per_node`, `hw.link`); a pipeline hop sends 1/t of the boundary from each TP rank and all-gathers
@@ -30,7 +30,7 @@ from typing import Sequence
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph, Unit
-from partc.parallel import MESH_AXES, TP_STYLES, Parallel
+from partc.parallel import MESH_AXES, TP_STYLES, Parallel, Reads
 from partc import timeline
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT, param_shard
@@ -45,6 +45,23 @@ ADAM_STEP_BYTES = 28
 LOSS_BYTES = 12
 """Bytes per logit the loss holds at its peak besides the compute-dtype logits, on the last stage: the fp32 copy
 the runtime computes the loss from, the fp32 log-probabilities cross-entropy saves, and their fp32 gradient."""
+
+
+# `predict`'s per-chunk terms and `unit_time_floor`'s per-unit ones, kept in the caller's memo (one graph, its TP
+# solution a function of (tp, micro-batch size)): each key is every field of `Parallel` but those the term ignores
+# (`partc.parallel.Reads`), then the derived values it reads (the rank's chunks, its parameters, ...).
+_PER_MICRO_BATCH = ("dp", "pp", "zero", "global_batch_size", "schedule", "virtual_stages")
+FORWARD_FLOOR = Reads("forward_floor", (*_PER_MICRO_BATCH, "recompute", "precision"))  # + the unit's signature
+TIED = Reads("tied", (*_PER_MICRO_BATCH, "recompute"))  # parameters held by two units: (tp, b)
+UNITS = Reads("units", (*_PER_MICRO_BATCH, "recompute"))  # parameters a unit holds on one GPU: (tp, b)
+PADDED = Reads("padded", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # + dp
+REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp, b, recompute)
+BACKWARD = Reads("backward", (*_PER_MICRO_BATCH, "recompute"))  # what a unit's backward holds: (tp, b)
+EXTRA = Reads("extra", ("dp", "pp", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks
+TIME = Reads("time", _PER_MICRO_BATCH)  # + the chunks
+FWD_TIME = Reads("fwd_time", _PER_MICRO_BATCH)  # the forward's share of TIME, for the timeline: + the chunks
+TP_BYTES = Reads("tp_bytes", _PER_MICRO_BATCH)  # + the micro-batch count and the chunks
+DP_TIME = Reads("dp_time", ("pp", "schedule", "virtual_stages", "recompute"))  # + the rank's parameters and groups
 
 
 # --- 1. Helpers: styles, recomputation, mesh placement -----------------------------------------------------------
@@ -172,9 +189,10 @@ def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel, memo: di
                               for u in graph.units]
     for unit, key in zip(graph.units, memo["floor_keys"]):
         if key not in seen:
-            if ("floor", t, b, key) not in memo:
-                memo["floor", t, b, key] = _forward_floor(graph, cluster, t, b, unit)
-            fwd, core = memo["floor", t, b, key]
+            floor = FORWARD_FLOOR.key(par, key)
+            if floor not in memo:
+                memo[floor] = _forward_floor(graph, cluster, t, b, unit)
+            fwd, core = memo[floor]
             mode = recompute_mode(unit, par)
             seen[key] = max(3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0),
                             launch_time(cluster, unit, mode))
@@ -682,13 +700,13 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
                  local_shapes: list[dict[str, tuple]], shared: dict[int, float], keep: _Memo):
     """Per pipeline rank, in order: (rank, its chunks, its units, parameters on one GPU, FSDP's padded elements
     (in groups of their own, in the root group), FSDP groups, memory), as `predict` counts them."""
-    p, v, b, t = par.pp, par.chunks_per_rank, par.micro_batch_size, par.tp
-    tied = keep(("tied", t, b), lambda: _tied_holders(graph, par, local_shapes))
-    units = keep(("units", t, b), lambda: _UnitSizes.of(shards, local_shapes))
-    padded_sums = keep(("padded", t, b, par.dp), lambda: [0, *itertools.accumulate(
+    p, v = par.pp, par.chunks_per_rank
+    tied = keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes))
+    units = keep(UNITS.key(par), lambda: _UnitSizes.of(shards, local_shapes))
+    padded_sums = keep(PADDED.key(par), lambda: [0, *itertools.accumulate(
         sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
-    rebuilt = keep(("rebuilt", t, b, par.recompute), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
-    backward = keep(("backward", t, b), lambda: unit_backward_bytes(graph, par, tp))
+    rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+    backward = keep(BACKWARD.key(par), lambda: unit_backward_bytes(graph, par, tp))
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
         idx = [i for lo, hi in chunks for i in range(lo, hi)]
@@ -703,7 +721,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             groups_n = len(idx)
         mem = model_state_bytes(params, par)
         def extra(last: bool = True) -> float:
-            return keep(("extra", t, b, par.recompute, par.zero, par.precision, tuple(chunks), last),
+            return keep(EXTRA.key(par, tuple(chunks), last),
                         lambda: _extra_bytes(graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx],
                                              idx[-1] == len(graph.units) - 1, [backward[i] for i in idx], last))
 
@@ -726,8 +744,7 @@ def fits_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan |
     check_bounds(graph, par, bounds)
     keep = _Memo(memo)
     shared = shared_weights(graph, par, tp, bounds, local_shapes,
-                            tied=keep(("tied", par.tp, par.micro_batch_size), lambda: _tied_holders(graph, par,
-                                                                                                     local_shapes)))
+                            tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
     return all(fits(cluster, mem) for *_, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
                                                               local_shapes, shared, keep))
 
@@ -760,13 +777,13 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     spans = mesh_spans(cluster, par)
 
     ranks, comps, dp_times, opt_times = [], [], [], []
-    t, keep = par.tp, _Memo(memo)
+    keep = _Memo(memo)
     shared = shared_weights(graph, par, tp, bounds, local_shapes,
-                            tied=keep(("tied", t, b), lambda: _tied_holders(graph, par, local_shapes)))
+                            tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
     for r, chunks, idx, params, padded, groups_n, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
                                                                       local_shapes, shared, keep):
         ck = tuple(chunks)  # the memo's key of the rank's units
-        compute, tp_comm = keep(("time", t, b, par.recompute, ck), lambda: (
+        compute, tp_comm = keep(TIME.key(par, ck), lambda: (
             sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
         pp_comm = sum(p2p_round_trip(cluster, par,
@@ -775,14 +792,18 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                       for lo, hi in chunks)
         pp_fwd = sum(p2p_round_trip(cluster, par, max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)),
                                     spans["pp"], 0.0) for lo, hi in chunks)  # the activations' half
-        fwd_compute, fwd_tp = keep(("fwd time", t, b, par.recompute, ck), lambda: (
+        fwd_compute, fwd_tp = keep(FWD_TIME.key(par, ck), lambda: (
             sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
-        tp_payload = keep(("tp", t, b, par.recompute, par.num_microbatches, ck),
+        tp_payload = keep(TP_BYTES.key(par, par.num_microbatches, ck),
                           lambda: tp_bytes(graph, par, tp, idx))
-        comm = {"tp": tp_payload + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
-                "dp": sum(zero.dp_bytes(par, params, *padded).values())}
+        # What one GPU of the rank passes to collectives in a step, on each mesh axis (`MeshAxis.traffic`; the
+        # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
+        comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
+                "dp": sum(zero.dp_bytes(par, params, *padded).values()),
+                "tp": tp_payload + gather_bytes(graph, par, chunks)}
+        assert tuple(comm) == MESH_AXES, (tuple(comm), MESH_AXES)
         comps.append((compute, tp_comm, pp_comm))
-        dp_time = keep(("dp", t, b, par.dp, par.zero, par.precision, m, spans["dp"], params, padded, groups_n),
+        dp_time = keep(DP_TIME.key(par, spans["dp"], params, padded, groups_n),
                        lambda: dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n))
         dp_times.append(dp_time + shared_time(cluster, par, shared.get(r, 0.0)))
         opt_times.append(optimizer_time(cluster, par, params))

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Iterator
 
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.parallel import RECOMPUTE, SCHEDULES, ZERO_STAGES, Parallel, Pins, check_pins
+from partc.parallel import RECOMPUTE, SCHEDULES, ZERO_STAGES, Parallel, Pins, Reads, check_pins
 from partc.passes import cost
 from partc.passes.stages import FreeSplits, partition_stages, stage_memory
 from partc.passes.tp import SolveCache, TPSolution, solve_tp
@@ -126,28 +126,30 @@ def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):
                             yield zero, recompute, schedule, v
 
 
-# What each cached quantity does NOT depend on: its cache key is every other field of `Parallel`
-# (`Parallel.key`), so a field added to `Parallel` is part of every key until it is listed here. A quantity that
-# depends on a function of fields listed here (say, whether the pipeline has more than one rank) adds that value
-# to its key explicitly.
+# The search's cached quantities (`partc.parallel.Reads`): each key is every field of `Parallel` but those the
+# quantity declares it ignores, so a field added to `Parallel` is part of every key until a quantity declares itself
+# independent of it. A quantity that depends on a function of ignored fields (say, whether the pipeline has more
+# than one rank) adds that value to its key explicitly.
 _PIPELINE = ("pp", "global_batch_size", "schedule", "virtual_stages")
-_INDEPENDENT = {
-    "tp": ("dp", "zero", "recompute", *_PIPELINE),  # the TP solve: (tp, b)
-    "parts": ("dp", "zero", *_PIPELINE),  # unit times: (tp, b, recompute)
-    "shards": ("dp", "zero", "recompute", *_PIPELINE),  # parameters on one GPU: (tp, b)
-    "acts": ("dp", "zero", *_PIPELINE),  # activations a micro-batch leaves: (tp, b, recompute)
-    "extra": ("dp", *_PIPELINE),  # ZeRO's working memory depends on the stage, not on dp
-    "cut": ("dp", "zero", "recompute", *_PIPELINE),  # + pp > 1 and whether a pipeline hop crosses nodes
-    "free": ("dp", "zero", *_PIPELINE),  # + pp > 1 and the pipeline hop's nodes (then the chunk count)
-}
-
-_KEPT = {name: tuple(sorted({f.name for f in fields(Parallel)} - set(independent)))
-         for name, independent in _INDEPENDENT.items()}
-"""The fields of each key (`Parallel.key`'s, looked up once instead of at every call)."""
+TP = Reads("tp", ("dp", "zero", "recompute", *_PIPELINE))  # the TP solve: (tp, b)
+PARTS = Reads("parts", ("dp", "zero", *_PIPELINE))  # unit times: (tp, b, recompute)
+SHARDS = Reads("shards", ("dp", "zero", "recompute", *_PIPELINE))  # parameters on one GPU: (tp, b)
+ACTS = Reads("acts", ("dp", "zero", *_PIPELINE))  # activations a micro-batch leaves: (tp, b, recompute)
+EXTRA = Reads("stage_extra", ("dp", *_PIPELINE))  # ZeRO's working memory depends on the stage, not on dp
+CUT = Reads("cut", ("dp", "zero", "recompute", *_PIPELINE))  # + pp > 1 and whether a pipeline hop crosses nodes
+FREE = Reads("free", ("dp", "zero", *_PIPELINE))  # + pp > 1 and the pipeline hop's nodes (then the chunk count)
+FLOOR_SUM = Reads("floor_sum", ("dp", "zero", *_PIPELINE))  # `cost.unit_time_floor` summed: (tp, b, recompute)
+FLOOR_CUT = Reads("floor_cut", ("zero", "recompute", "global_batch_size", "schedule", "virtual_stages"))
+FLOOR_RANK = Reads("floor_rank", ("zero", "global_batch_size", "schedule", "virtual_stages"))  # the two above
+FLOOR_DP = Reads("floor_dp", ("recompute", "schedule", "virtual_stages"))  # DP traffic and optimizer at 1/p
+FLOOR_PARAMS = Reads("floor_params", ("dp", "pp", "zero", "micro_batch_size", "recompute", "precision",
+                                      "global_batch_size", "schedule", "virtual_stages"))  # every layer t ways
+STATE_FLOOR = Reads("state_floor", ("micro_batch_size", "recompute", "global_batch_size", "schedule",
+                                    "virtual_stages"))  # model states at 1/p, and the communicators
 
 
 class _Costs:
-    """The search's caches: each quantity is computed once per key (`_INDEPENDENT`)."""
+    """The search's caches: each quantity is computed once per key (its `Reads`)."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, tp_pins: dict[str, str] | None):
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
@@ -157,31 +159,31 @@ class _Costs:
         # A TP plan whose every layer is colwise: each parameter t ways, the fewest it can have on a GPU.
         self._all_sharded = SimpleNamespace(styles={fqn: "colwise" for fqn in graph.layers}, collectives={})
 
-    def _get(self, name: str, par: Parallel, make, *derived):
-        key = (name, tuple(getattr(par, f) for f in _KEPT[name]), *derived)
+    def _get(self, reads: Reads, par: Parallel, make, *derived):
+        key = reads.key(par, *derived)
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
 
     def tp(self, par: Parallel) -> TPSolution:
-        return self._get("tp", par,
+        return self._get(TP, par,
                          lambda: solve_tp(self.graph, par.tp, self.cluster, par.micro_batch_size, self.tp_pins,
                                           cache=self._tp_cache))
 
     def parts(self, par: Parallel) -> list[cost.UnitTime]:
-        return self._get("parts", par, lambda: cost.unit_time_parts(self.graph, self.cluster, par, self.tp(par)))
+        return self._get(PARTS, par, lambda: cost.unit_time_parts(self.graph, self.cluster, par, self.tp(par)))
 
     def times(self, par: Parallel) -> list[float]:
-        return self._get("parts", par, lambda: [u.compute_s + u.tp_comm_s for u in self.parts(par)], "times")
+        return self._get(PARTS, par, lambda: [u.compute_s + u.tp_comm_s for u in self.parts(par)], "times")
 
     def shards(self, par: Parallel) -> list[dict[str, int]]:
-        return self._get("shards", par, lambda: cost.unit_param_shards(self.graph, par, self.tp(par)))
+        return self._get(SHARDS, par, lambda: cost.unit_param_shards(self.graph, par, self.tp(par)))
 
     def local_shapes(self, par: Parallel) -> list[dict[str, tuple]]:
-        return self._get("shards", par, lambda: cost.unit_local_shapes(self.graph, par, self.tp(par)), "shapes")
+        return self._get(SHARDS, par, lambda: cost.unit_local_shapes(self.graph, par, self.tp(par)), "shapes")
 
     def params(self, par: Parallel) -> list[int]:
-        return self._get("shards", par, lambda: [sum(d.values()) for d in self.shards(par)], "params")
+        return self._get(SHARDS, par, lambda: [sum(d.values()) for d in self.shards(par)], "params")
 
     def predict(self, par: Parallel, bounds: list[tuple[int, int]]) -> cost.Prediction:
         return cost.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
@@ -196,16 +198,16 @@ class _Costs:
     def params_all(self, par: Parallel) -> int:
         """Parameters of the whole model on one GPU after TP sharding, a tied tensor counted once: no more than the
         sum over pipeline ranks of what each holds (a rank holding both ends of a tie holds the tensor once)."""
-        return self._get("shards", par, lambda: cost.stage_param_count(self.graph, par, self.tp(par),
+        return self._get(SHARDS, par, lambda: cost.stage_param_count(self.graph, par, self.tp(par),
                                                                        range(len(self.graph.units))), "all")
 
     def acts(self, par: Parallel) -> list[float]:
-        return self._get("acts", par, lambda: cost.unit_activation_bytes(self.graph, par, self.tp(par)))
+        return self._get(ACTS, par, lambda: cost.unit_activation_bytes(self.graph, par, self.tp(par)))
 
     def extra(self, par: Parallel) -> tuple[float, float]:
         """Transient stage memory: (any stage, the last stage), bounded over all units."""
         units = list(range(len(self.graph.units)))
-        return self._get("extra", par, lambda: (
+        return self._get(EXTRA, par, lambda: (
             cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units, self.shards(par)),
             cost.stage_extra_bytes(self.graph, par, self.tp(par), units, self.shards(par))))
 
@@ -225,7 +227,7 @@ class _Costs:
                 out.append(once[sizes] if ok[i] else math.inf)
             return out
 
-        return self._get("cut", par, make, par.pp > 1, spans)
+        return self._get(CUT, par, make, par.pp > 1, spans)
 
     def floor_bound(self, par: Parallel) -> float:
         """A lower bound of `lower_bound` that needs no TP solve (`cost.unit_time_floor`, and each parameter
@@ -237,10 +239,10 @@ class _Costs:
         """`floor_bound` of the configuration whose fields `get(name)` reads; `make()` builds its `Parallel`,
         needed only when a term is not cached yet (they are cached by what they depend on: all but the micro-batch
         count and the chunks a rank)."""
-        p, t, b, dp, precision = get("pp"), get("tp"), get("micro_batch_size"), get("dp"), get("precision")
+        p, b, dp = get("pp"), get("micro_batch_size"), get("dp")
         v = get("virtual_stages") if get("schedule") == "interleaved-1f1b" else 1  # `Parallel.chunks_per_rank`
         m = get("global_batch_size") // (dp * b)  # `Parallel.num_microbatches`
-        key = ("floor_rank", t, b, get("recompute"), precision, p, dp)
+        key = FLOOR_RANK.key_of(get)
         rank = self._cache.get(key)
         if rank is None:
             rank = self._cache[key] = self._floor_rank(make())
@@ -248,7 +250,7 @@ class _Costs:
         per_rank = share
         if p > 1:
             per_rank += v * least_cut
-        key = ("floor_dp", t, b, dp, get("zero"), p, precision)
+        key = FLOOR_DP.key_of(get)
         dp_term = self._cache.get(key)
         if dp_term is None:
             par = make()
@@ -261,14 +263,14 @@ class _Costs:
     def _floor_rank(self, par: Parallel) -> tuple[float, float]:
         """`floor_bound`'s rank terms: its share of the unit times (at each layer's cheapest style), and the
         cheapest boundary (0 without a pipeline)."""
-        p, t, b = par.pp, par.tp, par.micro_batch_size
-        key = ("floor", t, b, par.recompute)
+        p = par.pp
+        key = FLOOR_SUM.key(par)
         if key not in self._cache:
             self._cache[key] = sum(cost.unit_time_floor(self.graph, self.cluster, par, memo=self._memo))
         share = self._cache[key] / p
         least_cut = 0.0
         if p > 1:
-            key = ("floor_cut", t, b, par.precision, p, par.dp)  # `cut_time`'s dependencies
+            key = FLOOR_CUT.key(par)  # `cut_time`'s dependencies
             if key not in self._cache:
                 self._cache[key] = min(self.cut_time(par), default=0.0)
             least_cut = self._cache[key]
@@ -276,18 +278,17 @@ class _Costs:
 
     def _floor_params(self, par: Parallel) -> int:
         """Parameters on one GPU with every layer sharded t ways (the fewest a TP plan leaves)."""
-        t = par.tp
-        if ("floor_params", t) not in self._cache:
-            self._cache["floor_params", t] = cost.stage_param_count(self.graph, par, self._all_sharded,
-                                                                    range(len(self.graph.units)))
-        return self._cache["floor_params", t]
+        key = FLOOR_PARAMS.key(par)
+        if key not in self._cache:
+            self._cache[key] = cost.stage_param_count(self.graph, par, self._all_sharded, range(len(self.graph.units)))
+        return self._cache[key]
 
     def state_floor(self, get, make) -> float:
         """Bytes one GPU needs at least whatever the TP map and stage split: the model states of 1/p of the model's
         parameters, each sharded t ways (`_floor_params`; the busiest rank holds at least the average, and model
         states are linear in the parameters), and the communicators' buffers of its tp, dp and pp groups. Read
         like `_floor_bound` (`get(name)`, `make()`)."""
-        key = ("state_floor", get("tp"), get("dp"), get("pp"), get("zero"), get("precision"))
+        key = STATE_FLOOR.key_of(get)
         floor = self._cache.get(key)
         if floor is None:
             par = make()
@@ -336,7 +337,7 @@ class _Costs:
         v = par.chunks_per_rank
         chunks = par.pp * v
         per_param = cost.model_state_bytes(1, par).total  # ZeRO model states are linear in the parameters
-        static = self._get("shards", par, lambda: [per_param * n for n in self.params(par)], "static", per_param)
+        static = self._get(SHARDS, par, lambda: [per_param * n for n in self.params(par)], "static", per_param)
         extra_any, extra_last = self.extra(par)
         # Chunk k runs on rank k % p. With v chunks a rank, each chunk gets 1/v of the memory (`predict` checks
         # the rank's exact total afterwards).
@@ -372,7 +373,7 @@ class _Costs:
         chunk count of the same unit and boundary times)."""
         graph = self.graph
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
-        splits = self._get("free", par, lambda: (FreeSplits(self.times(par), self.cut_time(par),
+        splits = self._get(FREE, par, lambda: (FreeSplits(self.times(par), self.cut_time(par),
                                                             first_required=len(graph.first_unit_required),
                                                             last_required=len(graph.last_unit_required)), {}),
                            par.pp > 1, spans)

@@ -92,8 +92,7 @@ class Program:
         device = self.world.device
         predicted = self.files.predicted_ranks
         mine = predicted[self.world.pp_rank] if predicted else {}
-        return {"rank": self.world.rank, "pp_rank": self.world.pp_rank, "dp_rank": self.world.dp_rank,
-                "tp_rank": self.world.tp_rank, "comm_bytes": dict(self.runner.comm_bytes),
+        return {**self.world.record(), "comm_bytes": dict(self.runner.comm_bytes),
                 "predicted_comm_bytes": mine.get("comm_bytes"),
                 "peak_memory_bytes": None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device),
                 "predicted_memory_bytes": (mine.get("memory_bytes") or {}).get("total")}

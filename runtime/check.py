@@ -53,9 +53,9 @@ from partc._torch import TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPRefType, 
 from partc.cluster import Cluster
 from partc.collectives import set_tp_group
 from partc.errors import PartcError
-from partc.parallel import Parallel
+from partc.parallel import SHOWN_AXES, Parallel
 from partc.runtime.api import Program, build, meta_model
-from partc.runtime.mesh import init_world
+from partc.runtime.mesh import init_world, rank_record
 from partc.runtime.parallelize import OptimizerConfig, reshard
 from partc.runtime.program import ProgramFiles, read_program
 
@@ -84,7 +84,8 @@ def categories(zero: int) -> dict[str, tuple[str, ...]]:
             "activations": transient}
 
 
-AXES = ("dp", "tp", "pp")
+AXES = SHOWN_AXES
+"""The mesh axes whose traffic is compared, in the order the rows show them (`partc.parallel.SHOWN_AXES`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,11 +94,10 @@ class RankCheck:
 
     rank: int
     """Global rank of the representative."""
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
+    coords: dict[str, int]
+    """Its coordinate on each mesh axis (`Parallel.coords`)."""
     comm_bytes: dict[str, int]
-    """Measured collective payload by axis (``dp``, ``tp``, ``pp``)."""
+    """Measured collective payload by mesh axis."""
     memory_bytes: dict[str, int]
     """Measured: the most each category (`CATEGORIES`) held at any moment of the step; ``total``: the peak."""
     predicted_comm_bytes: dict[str, float]
@@ -109,6 +109,11 @@ class RankCheck:
     """Differences up to this many bytes agree whatever the fraction."""
     seconds: float
     """Wall time of this rank's check (build and step)."""
+
+    @property
+    def pp_rank(self) -> int:
+        """The pipeline rank: the plan predicts per pipeline rank."""
+        return self.coords["pp"]
 
     def rows(self) -> list[Row]:
         """Every compared quantity of this rank: memory by category, the peak, traffic by axis."""
@@ -133,8 +138,8 @@ class RankCheck:
         return self.needed_bytes <= self.usable_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
-                "comm_bytes": dict(self.comm_bytes), "memory_bytes": dict(self.memory_bytes),
+        return {**rank_record(self.rank, self.coords), "comm_bytes": dict(self.comm_bytes),
+                "memory_bytes": dict(self.memory_bytes),
                 "predicted_comm_bytes": dict(self.predicted_comm_bytes),
                 "predicted_memory_bytes": dict(self.predicted_memory_bytes), "needed_bytes": self.needed_bytes,
                 "usable_bytes": self.usable_bytes, "slack_bytes": self.slack_bytes, "fits": self.fits, "seconds": self.seconds,
@@ -255,7 +260,7 @@ def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
                     opt.step()
             memory = tracker.categories()
     mine = predicted_ranks(files)[world.pp_rank]
-    return RankCheck(rank=rank, pp_rank=world.pp_rank, dp_rank=world.dp_rank, tp_rank=world.tp_rank,
+    return RankCheck(rank=rank, coords=dict(world.coords),
                      comm_bytes={a: int(prog.runner.comm_bytes.get(a, 0)) for a in AXES},
                      memory_bytes=memory, predicted_comm_bytes=mine["comm_bytes"],
                      predicted_memory_bytes=mine["memory_bytes"],

@@ -1,4 +1,4 @@
-"""Process group and device mesh: `partc.parallel.MESH_AXES` (``pp``, ``dp``, ``tp``) over the torchrun world.
+"""Process group and device mesh: `partc.parallel.MESH` (``pp``, ``dp``, ``tp``) over the torchrun world.
 
 torchtitan's `ParallelDims`: the degrees must multiply to the world size, and the mesh names its axes so every
 later step asks for ``mesh["dp"]`` rather than computing rank arithmetic. The plan's `Parallel` owns the degrees, the
@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partc._torch import set_pg_timeout
 from partc.errors import PartcError
-from partc.parallel import Parallel
+from partc.parallel import MESH, Parallel
 
 
 def check_world_size(par: Parallel, world_size: int) -> None:
@@ -47,27 +47,36 @@ class World:
     mesh: DeviceMesh
     device: torch.device
     rank: int
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
+    coords: dict[str, int]
+    """Mesh axis (`partc.parallel.MESH`) -> this rank's coordinate on it (`Parallel.coords`); also as
+    ``world.<axis>_rank``."""
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
-    """One process group per mesh axis: ``pp``, ``dp``, ``tp``."""
+    """Mesh axis -> this rank's process group on it; also as ``world.<axis>_group``."""
     tp_dp_mesh: DeviceMesh | None = None
     """This pipeline rank's ``(tp, dp)`` mesh (the groups of ``mesh``, tp outer), for checkpoint DTensors."""
     zero_mesh: DeviceMesh | None = None
     """The mesh FSDP shards over (`zero_mesh`)."""
 
-    @property
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.groups["pp"]
+    def record(self) -> dict[str, int]:
+        """This rank in a per-rank record (`partc run`'s ``--log-jsonl``, `partc check`): its global rank and its
+        coordinate on each mesh axis, ``{"rank", "pp_rank", "dp_rank", "tp_rank"}``."""
+        return rank_record(self.rank, self.coords)
 
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.groups["dp"]
 
-    @property
-    def tp_group(self) -> dist.ProcessGroup:
-        return self.groups["tp"]
+def rank_record(rank: int, coords: dict[str, int]) -> dict[str, int]:
+    """A global rank and its mesh coordinates as the per-rank records write them (`MeshAxis.rank_key`)."""
+    return {"rank": rank, **{axis.rank_key: coords[axis.name] for axis in MESH}}
+
+
+def _axis_property(axis: str, what: str) -> property:
+    if what == "rank":
+        return property(lambda self: self.coords[axis], doc=f"This rank's coordinate on the ``{axis}`` axis.")
+    return property(lambda self: self.groups[axis], doc=f"This rank's ``{axis}`` process group.")
+
+
+for _axis in MESH:  # world.pp_rank, world.dp_group, ...: one of each per mesh axis
+    setattr(World, _axis.rank_key, _axis_property(_axis.name, "rank"))
+    setattr(World, f"{_axis.name}_group", _axis_property(_axis.name, "group"))
 
 
 def pick_device() -> tuple[torch.device, str]:
@@ -83,7 +92,7 @@ def pick_device() -> tuple[torch.device, str]:
 
 
 def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
-    """Join the torchrun process group (if not joined yet) and build the ``(pp, dp, tp)`` mesh; a collective on
+    """Join the torchrun process group (if not joined yet) and build the mesh (`MESH`); a collective on
     any of its groups that waits longer than `timeout_s` fails (``--collective-timeout``)."""
     if not dist.is_initialized() and "RANK" not in os.environ:
         raise PartcError("partc.runtime runs under torchrun: `partc run OUT` or "
@@ -99,17 +108,21 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
     rank = dist.get_rank()
     coords = par.coords(rank)
     assert tuple(mesh.get_coordinate()) == tuple(coords.values()), (mesh.get_coordinate(), rank)
-    pp_rank, dp_rank, tp_rank = coords["pp"], coords["dp"], coords["tp"]
     groups = {name: mesh.get_group(name) for name in degrees}
     if dist.get_backend() != "fake":  # `partc check`'s fake process group has no timeout
         for group in groups.values():  # the mesh's groups get c10d's default timeout otherwise (30 min)
             set_pg_timeout(timedelta(seconds=timeout_s), group)
-    ranks = mesh.mesh[pp_rank].t().contiguous()  # [tp, dp] global ranks of this pipeline rank
-    tp_dp = DeviceMesh.from_group([groups["tp"], groups["dp"]], device.type, ranks, mesh_dim_names=("tp", "dp"))
-    world = World(par=par, mesh=mesh, device=device, rank=rank, pp_rank=pp_rank, dp_rank=dp_rank,
-                  tp_rank=tp_rank, groups=groups, tp_dp_mesh=tp_dp)
+    world = World(par=par, mesh=mesh, device=device, rank=rank, coords=coords, groups=groups)
+    world.tp_dp_mesh = tp_dp_mesh(world)
     world.zero_mesh = zero_mesh(world, par)
     return world
+
+
+def tp_dp_mesh(world: World) -> DeviceMesh:
+    """This pipeline rank's ``(tp, dp)`` mesh for checkpoint DTensors (module docstring)."""
+    ranks = world.mesh.mesh[world.pp_rank].t().contiguous()  # [tp, dp] global ranks of this pipeline rank
+    return DeviceMesh.from_group([world.tp_group, world.dp_group], world.device.type, ranks,
+                                 mesh_dim_names=("tp", "dp"))
 
 
 def zero_mesh(world: World, par: Parallel) -> DeviceMesh:

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from partc.errors import PartcError
+from partc.parallel import MESH, MESH_AXES
 from partc.runtime.parallelize import OPTIMIZERS
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -33,9 +34,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--init-checkpoint", default=None,
                    help="initial weights: torch.save(model.state_dict()) or a safetensors file (whole tensors)")
     p.add_argument("--log-jsonl", default=None,
-                   help="rank 0 writes a line per step: {step, loss, tokens_per_s, step_time_s, ranks: [{rank, pp_rank, "
-                        "dp_rank, tp_rank, comm_bytes {tp, pp, dp}, predicted_comm_bytes, peak_memory_bytes, "
-                        "predicted_memory_bytes}, ...]}")
+                   help="rank 0 writes a line per step: {step, loss, tokens_per_s, step_time_s, ranks: [{rank, "
+                        f"{', '.join(a.rank_key for a in MESH)}, comm_bytes {{{', '.join(MESH_AXES)}}}, "
+                        "predicted_comm_bytes, peak_memory_bytes, predicted_memory_bytes}, ...]}")
     p.add_argument("--save-full-state-dict", default=None,
                    help="at the end, gather the model's state_dict() and torch.save it here (rank 0)")
     p.add_argument("--checkpoint-dir", default=None,

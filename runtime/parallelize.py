@@ -40,13 +40,14 @@ The cost model (`partc.passes.cost`) charges exactly these bytes and gathers (`p
 
 Shared weights (a tied embedding and LM head on different stages, Megatron's "embedding all-reduce"): after the
 pipeline step the copies' gradients are summed over a process group of the pipeline ranks holding a copy (one
-group per dp and tp coordinate: both layers split a tied weight alike, and FSDP shards it alike, so the shards
-match); copies on one rank (interleaved stages) are summed locally first. The copies start equal and get equal
-gradients and equal updates, so they stay equal.
+group per coordinate on the other mesh axes, `pipeline_group`: both layers split a tied weight alike over tp, and
+FSDP shards it alike over dp, so the shards match); copies on one rank (interleaved stages) are summed locally
+first. The copies start equal and get equal gradients and equal updates, so they stay equal.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -59,7 +60,7 @@ from torch.distributed.tensor import DTensor
 
 from partc._torch import storage_key
 from partc.errors import PartcError
-from partc.parallel import Parallel
+from partc.parallel import MESH_AXES, Parallel
 from partc.precision import MASTER_DTYPE, compute_dtype
 from partc.runtime.mesh import World
 from partc.runtime.stage import StageModule
@@ -89,31 +90,41 @@ class OptimizerConfig:
 
 
 def parallelize(stages: list[StageModule], world: World, par: Parallel, blocks: set[str]) -> list[nn.Module]:
-    """Apply recomputation, mixed precision and ZeRO to each stage module (in place); returns the modules to hand
-    to the pipeline. `blocks`: the units that are repeated blocks (recomputed under ``full``)."""
-    mesh = world.zero_mesh
+    """torchtitan's ``parallelize_llama`` for this rank's stage modules: one ``apply_*`` a dimension, in its order
+    (module docstring), each given only what it reads. Returns the modules to hand to the pipeline. `blocks`: the
+    units that are repeated blocks (recomputed under ``full``)."""
     modules = []
-    for st in stages:
-        # 1. tensor parallelism: in the stage files.
-        apply_recompute(st, par, blocks)
-        # 3. compile: none.
-        modules.append(apply_zero(st, mesh, par))
+    for stage in stages:
+        # 1. tensor parallelism: in the stage files (they hold local shards and call `partc.collectives`).
+        apply_recompute(stage, par.recompute, blocks)  # 2.
+        # 3. compile: not applied.
+        modules.append(apply_zero(stage, world.zero_mesh, zero=par.zero, precision=par.precision))  # 4.
     return modules
 
 
-def apply_recompute(stage: StageModule, par: Parallel, blocks: set[str]) -> None:
-    """Full recomputation: each block unit keeps only its inputs and runs its forward again in backward."""
+def apply_recompute(stage: StageModule, mode: str, blocks: set[str]) -> None:
+    """``full`` recomputation: each block unit keeps only its inputs and runs its forward again in backward
+    (``selective`` is in the stage files)."""
     for fqn, unit in stage.units.items():
-        unit.recompute = par.recompute == "full" and fqn in blocks
+        unit.recompute = mode == "full" and fqn in blocks
 
 
-def apply_zero(stage: StageModule, mesh: DeviceMesh, par: Parallel) -> nn.Module:
-    """FSDP2 on each unit and on the stage, under the plan's ZeRO policy and precision (module docstring)."""
-    # Inputs keep their dtype: an fp32 tensor the trace passes between units (one the model made in fp32, or an
-    # activation it promoted) stays fp32, as the program and the plan have it; the runner casts the model's own
-    # floating-point inputs to the compute dtype.
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(par.precision), reduce_dtype=MASTER_DTYPE,
-                              cast_forward_inputs=False) if par.precision != "fp32" else MixedPrecisionPolicy()
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """FSDP's policy for the plan's precision: bf16 compute copies gathered from fp32 master weights, gradients
+    reduced in fp32 (`partc.precision`); for ``fp32`` FSDP's default (everything fp32). Inputs keep their dtype: an
+    fp32 tensor the trace passes between units (one the model made in fp32, or an activation it promoted) stays
+    fp32, as the program and the plan have it; the runner casts the model's own floating-point inputs to the
+    compute dtype."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=MASTER_DTYPE,
+                                cast_forward_inputs=False)
+
+
+def apply_zero(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision: str) -> nn.Module:
+    """FSDP2 on each unit and on the stage over `mesh` (`World.zero_mesh`), under ZeRO stage `zero` and the plan's
+    `precision` (module docstring)."""
+    mp = mixed_precision(precision)
     # A parameter shared by two units (a tied embedding and head on one stage) can be in one FSDP group only: those
     # units stay in the stage's root group (as `partc.passes.cost.fsdp_groups` charges).
     # So can a unit whose tensors other code of the stage reads (`StageFile.foreign_reads`).
@@ -123,14 +134,14 @@ def apply_zero(stage: StageModule, mesh: DeviceMesh, par: Parallel) -> nn.Module
              if all(holders[id(p)] == 1 for p in unit.parameters())
              and not any(name.startswith(fqn + ".") for name in foreign)]
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)
-    fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=par.zero == 3)
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=zero == 3)
+    fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=zero == 3)
     # In backward each unit prefetches the one before it (FSDP2's default picks the module that ran forward before
     # it, which across micro-batches in flight is the previous micro-batch's last unit: an extra gather). The first
     # unit names itself, a no-op, so that no default prefetch crosses into another micro-batch.
     for i, unit in enumerate(units):
         unit.set_modules_to_backward_prefetch([units[i - 1] if i else unit])
-    return SyncEveryStep(stage) if par.zero >= 2 else stage
+    return SyncEveryStep(stage) if zero >= 2 else stage
 
 
 class SyncEveryStep(nn.Module):
@@ -192,14 +203,10 @@ class GradSync:
                 by_ranks.setdefault(tuple(sorted({i % pp for i in idx})), []).append(name)
         for ranks, names in sorted(by_ranks.items()):
             sg = SharedGroup(names=names)
-            if len(ranks) > 1:  # every rank creates every group, in the same order (new_group is collective)
-                for dp_r in range(world.par.dp):
-                    for tp_r in range(world.par.tp):
-                        members = [world.par.rank_of(pp=r, dp=dp_r, tp=tp_r) for r in ranks]
-                        group = dist.new_group(members)
-                        if world.rank in members:
-                            sg.group = group
-                            self.groups.append(group)
+            if len(ranks) > 1:  # every rank creates every group (`pipeline_group`)
+                sg.group = pipeline_group(world, ranks)
+                if sg.group is not None:
+                    self.groups.append(sg.group)
             if world.pp_rank in ranks:
                 for name in names:
                     sg.copies[name] = [loc for st in stages for loc in _locations(st, name, canon)]
@@ -225,6 +232,20 @@ class GradSync:
                     dst = _local(getattr(m, attr).grad)
                     if (storage_key(dst), dst.storage_offset()) != (storage_key(g), g.storage_offset()):
                         dst.copy_(g)
+
+
+def pipeline_group(world: World, pp_ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """This rank's group of the pipeline ranks `pp_ranks` at its own coordinates on the other mesh axes (None when
+    its pipeline rank is not one of them). Every rank creates every such group (one per coordinate of the other
+    axes), in the same order: ``new_group`` is collective."""
+    others = [axis for axis in MESH_AXES if axis != "pp"]
+    mine = None
+    for point in itertools.product(*(range(getattr(world.par, axis)) for axis in others)):
+        members = [world.par.rank_of(pp=r, **dict(zip(others, point))) for r in pp_ranks]
+        group = dist.new_group(members)
+        if world.rank in members:
+            mine = group
+    return mine
 
 
 def _locations(st: nn.Module, canonical: str, canon: dict[str, str]) -> list[tuple[nn.Module, str]]:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from helpers import EXAMPLES, GiB
 from partc.cluster import PRESETS, Cluster
 from partc.passes import cost
 from partc.model_file import build_on_meta, load_model_file
-from partc.parallel import TP_STYLES, Parallel, Pins
+from partc.parallel import TP_STYLES, Parallel, Pins, Reads
+from partc.passes import search as search_module
 from partc.passes.search import _configs, _Costs, search
 from partc.passes.tp import allowed_styles, solve_tp, style_error
 from partc.passes.trace import trace
@@ -285,6 +287,35 @@ def test_cache_keys_miss_no_dependency():
     for par in configs[::7]:
         assert values(shared, par) == values(_Costs(graph, cluster, None), par), par
     assert len({(p.dp, p.tp, p.pp, p.zero, p.recompute, p.schedule) for p in configs[::7]}) > 20
+
+
+def test_cache_keys_see_a_new_field():
+    """No cache key of the search or the cost model lists the fields it reads: each is made by a `Reads` from what
+    the quantity ignores, so a field added to `Parallel` (here ``cp``, a new dimension) tells every key apart; and
+    every key a search leaves in its caches is one of those (none written by hand)."""
+    wide = dataclasses.make_dataclass("Wide", [("cp", int, dataclasses.field(default=1))], bases=(Parallel,),
+                                      kw_only=True, slots=True, frozen=True)
+    reads = [r for module in (search_module, cost) for r in vars(module).values() if isinstance(r, Reads)]
+    assert len({r.name for r in reads}) == len(reads) > 20
+    base = dict(dp=2, tp=2, pp=2, zero=1, micro_batch_size=1, global_batch_size=8)
+    one, two = wide(cp=1, **base), wide(cp=2, **base)
+    for r in reads:
+        assert r.key(one) != r.key(two), r.name
+        assert r.key_of(one.__getattribute__, cls=wide) != r.key_of(two.__getattribute__, cls=wide), r.name
+        assert r.key(Parallel(**base)) == r.key_of(dict(base, schedule="1f1b", virtual_stages=1, recompute="none",
+                                                        precision="bf16").__getitem__), r.name
+
+    graph, cluster = gpt_graph("tied"), small_cluster(2, gpus_per_node=2)
+    costs = _Costs(graph, cluster, None)
+    for par in list(_configs(graph, cluster, 8, 32, Pins()))[::13]:
+        costs.floor_bound(par)
+        costs.state_floor(par.__getattribute__, lambda: par)
+        bounds = costs.split_stages(par, mem_limit=cluster.usable_memory_bytes)
+        if bounds is not None:
+            costs.predict(par, bounds)
+    names = {r.name for r in reads}
+    assert {key[0] for key in costs._cache} <= names
+    assert {key[0] for key in costs._memo if key != "floor_keys"} <= names  # "floor_keys": the graph's alone
 
 
 # ---------------------------------------------------------------------------------------------------------------
