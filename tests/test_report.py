@@ -215,7 +215,7 @@ def test_check_draws_its_measurements_beside_the_bars(outs, tmp_path):
     for r, rank in enumerate(plan["predicted"]["ranks"]):
         mem = {c: int(rank["memory_bytes"][c] * (0.9 + 0.05 * r)) for c in ("params", "grads", "optimizer",
                                                                             "activations")}
-        measured.append(RankCheck(rank=r * 2, pp_rank=r, dp_rank=0, tp_rank=0, comm_bytes={"dp": 7, "tp": 0, "pp": 5},
+        measured.append(RankCheck(rank=r * 2, coords={"pp": r, "dp": 0, "tp": 0}, comm_bytes={"dp": 7, "tp": 0, "pp": 5},
                                   memory_bytes={**mem, "total": sum(mem.values())},
                                   predicted_comm_bytes=rank["comm_bytes"], predicted_memory_bytes=rank["memory_bytes"],
                                   usable_bytes=1e12, seconds=0.0).to_dict())
