@@ -150,7 +150,8 @@ def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = No
 
         def dataset() -> Any:
             if not made:
-                ds = _call_user(user_dataset, "dataset()", shown)
+                with torch.device("cpu"):  # data is made on the CPU, even when first asked for on meta
+                    ds = _call_user(user_dataset, "dataset()", shown)
                 if not isinstance(ds, (torch.utils.data.Dataset, torch.utils.data.IterableDataset)):
                     raise PartcError(f"{shown}: dataset() returned {type(ds).__name__}, expected a "
                                      f"torch.utils.data.Dataset or IterableDataset")
@@ -161,7 +162,8 @@ def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = No
 
         def first_sample() -> tuple[Any, Any]:
             if not sample:
-                sample.append(_first_sample(dataset(), shown))
+                with torch.device("cpu"):
+                    sample.append(_first_sample(dataset(), shown))
             return sample[0]
 
     if user_inputs is not None:

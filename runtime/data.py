@@ -50,9 +50,10 @@ class TokenFile(Dataset):
             what = "is a directory" if path.is_dir() else "does not exist"
             raise PartcError(f"--data {path} {what}; pass a .bin (uint16 token ids) or a 1-D .npy file")
         if path.suffix == ".bin":
-            tokens = np.memmap(path, dtype=np.uint16, mode="r") if path.stat().st_size else np.zeros(0, np.uint16)
-            if path.stat().st_size % 2:
-                raise PartcError(f"--data {path}: {path.stat().st_size} bytes is not a whole number of uint16 tokens")
+            size = path.stat().st_size
+            if size % 2:
+                raise PartcError(f"--data {path}: {size} bytes is not a whole number of uint16 tokens")
+            tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
         elif path.suffix == ".npy":
             try:
                 tokens = np.load(path, mmap_mode="r", allow_pickle=False)
