@@ -198,6 +198,7 @@ TRAIN = {"lr_schedule": "cosine", "warmup_steps": 5, "lr_decay_steps": STEPS, "m
          "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 OPT = {"optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.1}
 GBS = 8
+TP_STEPS = 8
 
 
 @pytest.fixture(scope="module")
@@ -221,10 +222,12 @@ def byte_lm(tmp_path_factory):
         for name, pins in (("a", Pins(tp=1, pp=2, dp=2, zero=1, micro_batch_size=2, schedule="1f1b",
                                       precision="fp32")),
                            ("b", Pins(tp=1, pp=1, dp=4, zero=3, micro_batch_size=1, schedule="gpipe",
+                                      precision="fp32")),
+                           ("c", Pins(tp=2, pp=1, dp=2, zero=0, micro_batch_size=2, schedule="gpipe",
                                       precision="fp32"))):
             result = compile_model(BYTE_LM, gpus=4, pins=pins, global_batch_size=GBS, out_dir=tmp / name)
             par = result.plan.parallel
-            assert (par.pp, par.dp, par.zero) == (pins.pp, pins.dp, pins.zero)
+            assert (par.tp, par.pp, par.dp, par.zero) == (pins.tp, pins.pp, pins.dp, pins.zero)
             plans[name] = tmp / name
         yield tmp, corpus, init, plans
     finally:
@@ -244,11 +247,13 @@ def runs(byte_lm):
                  {"out": str(plans["a"]), "steps": 15, "save": str(ck), "result": str(tmp / "first.pt"), **common},
                  # the schedule is the checkpoint's: the decay horizon asked for here does not apply
                  {"out": str(plans["b"]), "steps": STEPS, "load": str(ck), "result": str(tmp / "resumed.pt"),
-                  "data": True, "train": {**TRAIN, "lr_decay_steps": 1000}, **OPT}], tmp)
+                  "data": True, "train": {**TRAIN, "lr_decay_steps": 1000}, **OPT},
+                 # tensor parallelism and ZeRO-0's replicated gradients in the global norm
+                 {"out": str(plans["c"]), "steps": TP_STEPS, "result": str(tmp / "tp.pt"), **common}], tmp)
     stats: dict = {}
     losses, _ = reference_run(BYTE_LM, init, steps=STEPS, seed=0, global_batch_size=GBS, precision="fp32",
                               micro_batch_size=2, train=TRAIN, data=True, stats=stats, **OPT)
-    got = {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in ("whole", "first", "resumed")}
+    got = {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in ("whole", "first", "resumed", "tp")}
     return got, losses, stats, corpus
 
 
@@ -264,6 +269,16 @@ def test_pp2_dp2_zero1_matches_one_process_with_schedule_and_clipping(runs):
     assert any(clipped) and not all(clipped), "clipping must be active in some steps, not all"
     assert whole["clipped"] == clipped
     assert losses[-1] < losses[0] - 0.5, "the model learns"
+
+
+@pytest.mark.slow
+def test_tp2_dp2_zero0_gradient_norm_is_the_global_one(runs):
+    """Split and whole parameters over tp, gradients replicated over dp (ZeRO-0): each counted once."""
+    got, losses, stats, _ = runs
+    tp = got["tp"]
+    assert_close_losses(tp["losses"], losses[:TP_STEPS])
+    assert tp["grad_norms"] == pytest.approx(stats["grad_norms"][:TP_STEPS], rel=1e-4)
+    assert tp["clipped"] == [n > TRAIN["grad_clip"] for n in stats["grad_norms"][:TP_STEPS]]
 
 
 @pytest.mark.slow
