@@ -23,6 +23,7 @@ from gpt import GPT, GPTConfig  # the sibling file: partc imports a model file w
 
 SIZES = {
     "small": GPTConfig(vocab_size=256, seq_len=64, hidden=128, heads=4, layers=4),
+    "cpu": GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=2),  # docs/data.md's run
     "test": GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=2, layers=2),
 }
 

@@ -224,12 +224,14 @@ def byte_lm(tmp_path_factory):
                            ("b", Pins(tp=1, pp=1, dp=4, zero=3, micro_batch_size=1, schedule="gpipe",
                                       precision="fp32")),
                            ("c", Pins(tp=2, pp=1, dp=2, zero=0, micro_batch_size=2, schedule="gpipe",
-                                      precision="fp32"))):
-            result = compile_model(BYTE_LM, gpus=4, pins=pins, global_batch_size=GBS, out_dir=tmp / name)
+                                      precision="fp32")),
+                           ("d", Pins(tp=1, pp=1, dp=1, zero=0, micro_batch_size=2, precision="fp32"))):
+            result = compile_model(BYTE_LM, gpus=pins.tp * pins.pp * pins.dp, pins=pins, global_batch_size=GBS,
+                                   out_dir=tmp / name)
             par = result.plan.parallel
             assert (par.tp, par.pp, par.dp, par.zero) == (pins.tp, pins.pp, pins.dp, pins.zero)
             plans[name] = tmp / name
-        yield tmp, corpus, init, plans
+        yield tmp, corpus, init, plans, reference(init)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -238,9 +240,18 @@ def byte_lm(tmp_path_factory):
                 os.environ[k] = v
 
 
+def reference(init: dict) -> tuple[list[float], dict]:
+    """One process's 30 steps (`reference_run`: ``clip_grad_norm_``) on the runtime's order of the data: the
+    losses, and the gradient norms and learning rates per step."""
+    stats: dict = {}
+    losses, _ = reference_run(BYTE_LM, init, steps=STEPS, seed=0, global_batch_size=GBS, precision="fp32",
+                              micro_batch_size=2, train=TRAIN, data=True, stats=stats, **OPT)
+    return losses, stats
+
+
 @pytest.fixture(scope="module")
 def runs(byte_lm):
-    tmp, corpus, init, plans = byte_lm
+    tmp, corpus, init, plans, (losses, stats) = byte_lm
     common = {"init": str(tmp / "init.pt"), "data": True, "train": TRAIN, **OPT}
     ck = tmp / "ckpt"
     run_jobs(4, [{"out": str(plans["a"]), "steps": STEPS, "result": str(tmp / "whole.pt"), **common},
@@ -250,9 +261,6 @@ def runs(byte_lm):
                   "data": True, "train": {**TRAIN, "lr_decay_steps": 1000}, **OPT},
                  # tensor parallelism and ZeRO-0's replicated gradients in the global norm
                  {"out": str(plans["c"]), "steps": TP_STEPS, "result": str(tmp / "tp.pt"), **common}], tmp)
-    stats: dict = {}
-    losses, _ = reference_run(BYTE_LM, init, steps=STEPS, seed=0, global_batch_size=GBS, precision="fp32",
-                              micro_batch_size=2, train=TRAIN, data=True, stats=stats, **OPT)
     got = {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in ("whole", "first", "resumed", "tp")}
     return got, losses, stats, corpus
 
@@ -307,3 +315,25 @@ def test_each_dp_rank_reads_only_its_share(runs):
             mine = sorted(i for r in ranks if r["pp_rank"] == pp_rank for i in r["read"])
             assert mine == sorted(order(p) for p in range(first * GBS, steps * GBS))
 
+
+
+@pytest.mark.slow
+def test_cli_trains_on_a_token_file_logs_and_resumes(byte_lm):
+    """python -m partc.runtime --data: the runtime's token-file reader gives dataset()'s samples; 3 steps, then
+    --resume to 6 (the schedule and the data position from the checkpoint) log the one-process losses, gradient
+    norms and learning rates, with the MFU next to the plan's."""
+    tmp, corpus, _, plans, (losses, stats) = byte_lm
+    log, ck = tmp / "cli.jsonl", tmp / "cli_ck"
+    args = ["-m", "partc.runtime", str(plans["d"]), "--data", str(corpus), "--init-checkpoint", str(tmp / "init.pt"),
+            "--lr", str(OPT["lr"]), "--weight-decay", str(OPT["weight_decay"]), "--lr-schedule", "cosine",
+            "--warmup-steps", "5", "--lr-decay-steps", str(STEPS), "--min-lr", str(TRAIN["min_lr"]),
+            "--grad-clip", "1.0", "--beta2", "0.95", "--checkpoint-dir", str(ck), "--log-jsonl", str(log)]
+    torchrun(1, [*args, "--steps", "3"])
+    out = torchrun(1, [*args, "--steps", "6", "--resume"]).stdout
+    assert "resumed from" in out and "grad norm" in out and "MFU" in out
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))
+    assert_close_losses([r["loss"] for r in rows], losses[:6])
+    assert [r["grad_norm"] for r in rows] == pytest.approx(stats["grad_norms"][:6], rel=1e-4)
+    assert [r["lr"] for r in rows] == pytest.approx(stats["lrs"][:6], rel=1e-12)
+    assert all(r["mfu"] > 0 and r["predicted_mfu"] > 0 and r["tokens_per_s"] > 0 for r in rows)
