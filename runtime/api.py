@@ -43,7 +43,7 @@ from partc.runtime.materialize import (build_model, canonical_names, check_initi
                                        load_weights, materialize, open_checkpoint)
 from partc.runtime.comm import CommCounter
 from partc.runtime.mesh import World, init_world
-from partc.runtime.data import Batch, Loader, data_state, token_dataset
+from partc.runtime.data import Batch, Loader, check_resumable, data_state, token_dataset
 from partc.runtime.optim import LRSchedule, OptimizerConfig, build_optimizers, grad_copies, no_decay
 from partc.runtime.parallelize import GradSync, parallelize
 from partc.runtime.program import ProgramFiles, StageFile, read_program
@@ -75,8 +75,8 @@ class Program:
         """Buffers of the state dict no stage holds (forward does not read them): their initial values (CPU)."""
         self.next_step = 0
         """The step the next `step` trains (the schedule's step): 0, or the step of the checkpoint loaded."""
-        self._position: int | None = None
-        """The data position the loaded checkpoint recorded (None: none loaded, or it had no data)."""
+        self._data: dict | None = None
+        """What the loaded checkpoint recorded of the data (`partc.runtime.data.data_state`; None: none)."""
         self.loader: Loader | None = None
         """The last `data_loader` (its position goes into `save`'s checkpoint)."""
 
@@ -104,10 +104,12 @@ class Program:
             raise PartcError(f"no data: {self.spec.name} defines no dataset(); pass --data PATH (token ids) or "
                              f"define dataset() in the model file")
         g = self.plan.parallel.global_batch_size
-        start = 0 if self._position is None else self._position - self.next_step * g
+        seed = self.seed if seed is None else seed
+        check_resumable(self._data, dataset, seed)
+        start = 0 if self._data is None else self._data["position"] - self.next_step * g
         self.loader = Loader(dataset, input_keys=self.files.input_keys, global_batch_size=g,
                              dp=self.world.par.dp, dp_rank=self.world.dp_rank, inputs=self.runner.has_first,
-                             targets=self.runner.has_last, seed=self.seed if seed is None else seed,
+                             targets=self.runner.has_last, seed=seed,
                              shuffle=shuffle, start=start, device=self.world.device, num_workers=num_workers)
         return self.loader
 
@@ -207,8 +209,7 @@ class Program:
         if isinstance(manifest.get("schedule"), dict):
             self.runner.schedule_lr = LRSchedule.from_dict(manifest["schedule"])
         data = manifest.get("data")
-        self._position = data["position"] if isinstance(data, dict) and isinstance(data.get("position"), int) \
-            else None
+        self._data = dict(data) if isinstance(data, dict) and isinstance(data.get("position"), int) else None
         self.next_step = step
         return step
 

@@ -258,3 +258,16 @@ def data_state(loader: Loader, next_step: int) -> dict:
     """What a checkpoint records of the data: the next position and what the order depends on."""
     return {"position": loader.position(next_step), "seed": loader.seed, "shuffle": loader.shuffle,
             "samples": None if loader.iterable else len(loader.dataset)}
+
+
+def check_resumable(recorded: dict | None, dataset: Dataset | IterableDataset, seed: int) -> None:
+    """A checkpoint's data position means the same samples only on the same data in the same order: refuse a
+    dataset of another length or another seed (`data_state`'s record; None: the checkpoint recorded none)."""
+    if not recorded:
+        return
+    n = None if isinstance(dataset, IterableDataset) else len(dataset)
+    if recorded.get("samples") != n:
+        raise PartcError(f"the checkpoint was written training on a dataset of {recorded.get('samples')} samples, "
+                         f"this one has {n}: its data position would not continue the same sequence")
+    if recorded.get("seed") != seed:
+        raise PartcError(f"the checkpoint's data order has seed {recorded.get('seed')}, this loader {seed}")

@@ -24,7 +24,7 @@ from partc.errors import PartcError
 from partc.model_file import load_model_file
 from partc.parallel import Pins
 from partc.runtime import options
-from partc.runtime.data import GlobalOrder, Loader, TokenFile
+from partc.runtime.data import GlobalOrder, Loader, TokenFile, check_resumable, data_state
 from partc.runtime.materialize import build_initialized
 from partc.runtime.optim import LRSchedule, no_decay
 from partc.runtime.testing import reference_run
@@ -101,6 +101,16 @@ def test_a_resumed_loader_continues_the_sequence():
     moved = Loader(Numbers(20), input_keys=[0], global_batch_size=4, dp=1, dp_rank=0, inputs=True, targets=True,
                    seed=3, start=24 - 3 * 4)
     assert [b.targets.tolist() for b in moved.batches(3, 5)] == [whole[3][:4], whole[3][4:]]
+
+
+def test_a_checkpoint_position_continues_only_the_same_data():
+    recorded = data_state(_loader(Numbers(20), dp=1, rank=0), 3)
+    assert recorded == {"position": 24, "seed": 3, "shuffle": True, "samples": 20}
+    check_resumable(recorded, Numbers(20), 3)
+    with pytest.raises(PartcError, match="20 samples, this one has 21"):
+        check_resumable(recorded, Numbers(21), 3)
+    with pytest.raises(PartcError, match="seed 3"):
+        check_resumable(recorded, Numbers(20), 4)
 
 
 def test_token_files(tmp_path):
