@@ -6,6 +6,7 @@ The file contract (``examples/gpt.py`` is a complete example)::
     def example_inputs(batch_size) -> tuple | dict  # positional or keyword arguments for batch_size samples
     def example_targets(batch_size)                 # optional
     def loss_fn(outputs, targets) -> Tensor         # optional
+    def dataset() -> Dataset | IterableDataset      # optional: the training data (``partc run``)
 
 partc calls ``model()`` under ``with torch.device("meta"):``, so building a 175B model costs no memory; the tracer
 calls ``example_inputs`` under the meta device too, and the runtime calls it under the real device. Functions
@@ -33,6 +34,12 @@ on the ambient device, shaped like the logits without their last dim, in [0, V) 
   call, then cached; dim 0 of the logits is the batch).
 Only if that fails does ``targets`` raise, asking for ``example_targets``: models it cannot handle still load,
 compile and trace.
+
+Data. ``dataset()`` returns a ``torch.utils.data.Dataset`` (or ``IterableDataset``) whose items are one sample's
+``(inputs, targets)``: the inputs as ``example_inputs`` gives them without the batch dimension (a tensor, a tuple
+or a dict), the targets as ``example_targets`` would (`partc.runtime.data` reads it). A file with ``dataset()``
+needs neither ``example_inputs`` nor ``example_targets``: partc takes one sample (item 0, or the stream's first)
+and repeats it ``batch_size`` times, so the shapes and dtypes the compiler traces are the data's.
 
 Loss, when the file has no ``loss_fn``: ``F.cross_entropy(logits.flatten(0, -2), targets.flatten())`` (mean,
 ``ignore_index=-100``), where logits are ``outputs`` itself, ``outputs.logits`` (a Hugging Face ``ModelOutput``),
@@ -88,6 +95,8 @@ class ModelSpec:
     seq_len: int | None
     """Tokens per sample: the synthesized length, else dim 1 of ``input_ids`` (or of the first positional
     integer tensor) from ``example_inputs``; None when there is no such input."""
+    dataset: Callable[[], Any] | None = None
+    """The file's ``dataset()``, called once (later calls return the same object); None if it has none."""
 
 
 def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = None) -> ModelSpec:
@@ -127,11 +136,35 @@ def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = No
     user_inputs = getattr(module, "example_inputs", None)
     user_targets = getattr(module, "example_targets", None)
     user_loss = getattr(module, "loss_fn", None)
-    for fname, obj in (("example_inputs", user_inputs), ("example_targets", user_targets), ("loss_fn", user_loss)):
+    user_dataset = getattr(module, "dataset", None)
+    for fname, obj in (("example_inputs", user_inputs), ("example_targets", user_targets), ("loss_fn", user_loss),
+                       ("dataset", user_dataset)):
         if obj is not None and not callable(obj):
             raise PartcError(f"{shown}: '{fname}' is {article(type(obj).__name__)}, not a function")
     if seq_len is not None and seq_len < 1:
         raise PartcError(f"--seq-len must be at least 1, got {seq_len}")
+
+    dataset = None
+    if user_dataset is not None:
+        made: list = []
+
+        def dataset() -> Any:
+            if not made:
+                with torch.device("cpu"):  # data is made on the CPU, even when first asked for on meta
+                    ds = _call_user(user_dataset, "dataset()", shown)
+                if not isinstance(ds, (torch.utils.data.Dataset, torch.utils.data.IterableDataset)):
+                    raise PartcError(f"{shown}: dataset() returned {type(ds).__name__}, expected a "
+                                     f"torch.utils.data.Dataset or IterableDataset")
+                made.append(ds)
+            return made[0]
+
+        sample: list = []
+
+        def first_sample() -> tuple[Any, Any]:
+            if not sample:
+                with torch.device("cpu"):
+                    sample.append(_first_sample(dataset(), shown))
+            return sample[0]
 
     if user_inputs is not None:
         if seq_len is not None:
@@ -141,6 +174,20 @@ def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = No
         def inputs(batch_size: int) -> tuple[tuple, dict]:
             raw = _call_user(user_inputs, f"example_inputs({batch_size})", shown, batch_size)
             return _normalize_inputs(raw, batch_size, f"{shown}: example_inputs({batch_size})")
+
+        with torch.device("meta"):
+            args, kwargs = inputs(1)
+        seq_len = infer_seq_len(args, kwargs)
+    elif dataset is not None:
+        if seq_len is not None:
+            raise PartcError(f"--seq-len applies only to inputs partc synthesizes for a Hugging Face model; "
+                             f"{shown} defines dataset(), whose samples set the sequence length")
+
+        def inputs(batch_size: int) -> tuple[tuple, dict]:
+            raw, _ = first_sample()
+            raw = raw if isinstance(raw, (tuple, dict)) else (raw,)
+            return _normalize_inputs(_repeat(raw, batch_size), batch_size,
+                                     f"{shown}: dataset()'s first sample (its inputs)")
 
         with torch.device("meta"):
             args, kwargs = inputs(1)
@@ -159,11 +206,57 @@ def load_model_file(path: str, *, entry: str = "model", seq_len: int | None = No
                 raise PartcError(f"{shown}: example_targets({batch_size}) returned {type(out).__name__}, "
                                  f"expected a tensor (or a tuple/dict of tensors)")
             return out
+    elif dataset is not None:
+        def targets(batch_size: int) -> Any:
+            return _repeat(first_sample()[1], batch_size)
     else:
         targets = _default_targets(build, inputs, shown)
 
     return ModelSpec(path=str(file), name=file.stem, module=module, build=build, inputs=inputs, targets=targets,
-                     loss_fn=user_loss if user_loss is not None else default_loss, seq_len=seq_len)
+                     loss_fn=user_loss if user_loss is not None else default_loss, seq_len=seq_len,
+                     dataset=dataset)
+
+
+def _first_sample(ds: Any, shown: str) -> tuple[Any, Any]:
+    """Item 0 of a Dataset (the first item of an IterableDataset), checked to be ``(inputs, targets)``."""
+    what = f"{shown}: dataset()"
+    try:
+        if isinstance(ds, torch.utils.data.IterableDataset):
+            item = next(iter(ds), None)
+            if item is None:
+                raise PartcError(f"{what} is empty; it must yield (inputs, targets) samples")
+        else:
+            if len(ds) == 0:
+                raise PartcError(f"{what} is empty; it must hold (inputs, targets) samples")
+            item = ds[0]
+    except PartcError:
+        raise
+    except Exception as e:
+        raise PartcError(f"{_user_frame(e) or shown}: reading dataset()'s first sample raised {_describe(e)}") \
+            from None
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise PartcError(f"{what}'s items must be (inputs, targets) pairs, got {type(item).__name__}")
+    inputs, targets = item
+    if not _has_tensor(targets):
+        raise PartcError(f"{what}'s targets are {type(targets).__name__}; expected a tensor (or a tuple/dict of "
+                         f"tensors)")
+    return inputs, targets
+
+
+def _repeat(x: Any, batch_size: int) -> Any:
+    """`x` (one sample: tensors, tuples, dicts, scalars) as a batch of `batch_size` copies, on the ambient device."""
+    if isinstance(x, Tensor):
+        out = torch.empty((batch_size, *x.shape), dtype=x.dtype)
+        if out.device.type != "meta":
+            out.copy_(x.unsqueeze(0).expand(batch_size, *x.shape))
+        return out
+    if isinstance(x, tuple):
+        return tuple(_repeat(v, batch_size) for v in x)
+    if isinstance(x, list):
+        return [_repeat(v, batch_size) for v in x]
+    if isinstance(x, dict):
+        return {k: _repeat(v, batch_size) for k, v in x.items()}
+    return x
 
 
 def build_on_meta(spec: ModelSpec) -> nn.Module:

@@ -1,11 +1,14 @@
-"""Train a compiled program on the synthetic batches of the model file, under torchrun:
+"""Train a compiled program under torchrun:
 
     partc compile examples/gpt.py --gpus 4 -o partc_out
     torchrun --nproc-per-node 4 -m partc.runtime partc_out --steps 100 --lr 3e-4 --log-jsonl log.jsonl
-    partc run partc_out --steps 100          # the same: starts torchrun with the plan's world size
+    partc run partc_out --steps 100 --data train.bin --lr-schedule cosine --warmup-steps 10 --grad-clip 1
 
-Step k trains on ``torch.manual_seed(seed + k); example_inputs(G), example_targets(G)`` (see `partc.runtime.train`).
-Rank 0 prints loss, tokens/s and step time each step. ``--checkpoint-dir DIR --checkpoint-every K`` writes a
+The data (`partc.runtime.data`): ``--data PATH`` (token ids), else the model file's ``dataset()``, else step k's
+random batch ``torch.manual_seed(seed + k); example_inputs(G), example_targets(G)`` (see `partc.runtime.train`).
+The optimizer, schedule and clipping: `partc.runtime.optim`. Rank 0 prints loss, the global gradient norm, the
+learning rate, tokens/s (samples/s for a model without tokens), the measured MFU next to the plan's and the step
+time each step (the time from asking for the batch to the optimizer's step: data loading included). ``--checkpoint-dir DIR --checkpoint-every K`` writes a
 sharded checkpoint every K steps and at the end. DIR belongs to one run (`partc.runtime.checkpoint_dir`): it
 must be new or empty, and ``--resume`` continues the run recorded in it from its newest checkpoint (written under
 any plan of the same model, any dp, tp and pp), refusing a directory of another run. ``--init-checkpoint`` and
@@ -48,8 +51,12 @@ def train(args: argparse.Namespace) -> None:
     from partc.runtime.train import NonFiniteError
 
     prog = api.load(args.out_dir, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
-                    weight_decay=args.weight_decay, init_checkpoint=args.init_checkpoint,
+                    weight_decay=args.weight_decay, beta1=args.beta1, beta2=args.beta2, eps=args.eps,
+                    lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+                    lr_decay_steps=args.steps if args.lr_decay_steps is None else args.lr_decay_steps,
+                    min_lr=args.min_lr, grad_clip=args.grad_clip, init_checkpoint=args.init_checkpoint,
                     collective_timeout_s=args.collective_timeout)
+    asked = prog.schedule
     heartbeat = supervise.Heartbeat.start(args.collective_timeout)
     rank0 = dist.get_rank() == 0
     start = 0
@@ -64,6 +71,13 @@ def train(args: argparse.Namespace) -> None:
         if rank0:
             print(f"resumed from {newest} (step {start})" if newest else
                   f"no checkpoint in {args.checkpoint_dir} yet: starting at step 0", flush=True)
+            if newest and prog.schedule != asked:
+                print(f"the learning-rate schedule is the checkpoint's: {prog.schedule.to_dict()} (the options "
+                      f"asked for {asked.to_dict()})", flush=True)
+    loader = None
+    if args.data or prog.spec.dataset is not None:
+        loader = prog.data_loader(data_path=args.data, num_workers=args.data_workers)
+        batches = loader.batches(start, args.steps)
     par = prog.plan.parallel
     tokens = par.global_batch_size * (prog.spec.seq_len or 1)
     unit = "tokens" if prog.spec.seq_len else "samples"
@@ -73,18 +87,26 @@ def train(args: argparse.Namespace) -> None:
         for k in range(start, args.steps):
             if heartbeat:
                 heartbeat.step = k
-            inputs, targets = prog.batch(k)
             t0 = time.perf_counter()
             try:
-                loss = prog.step(inputs, targets)
+                if loader is not None:
+                    loss = prog.step(next(batches))
+                else:
+                    inputs, targets = prog.batch(k)
+                    loss = prog.step(inputs, targets)
                 dt = time.perf_counter() - t0
                 ranks = _gather_records(prog) if args.log_jsonl else None
                 if rank0:
-                    print(f"step {k + 1}/{args.steps}  loss {loss:.6f}  {tokens / dt:,.0f} {unit}/s  "
-                          f"{dt * 1e3:.1f} ms", flush=True)
+                    last, mfu, planned = prog.last_step, prog.measured_mfu(dt), prog.plan.predicted.get("mfu")
+                    shown = f"  MFU {mfu * 100:.3g}% (plan {planned * 100:.3g}%)" if mfu is not None else ""
+                    print(f"step {k + 1}/{args.steps}  loss {loss:.6f}  grad norm {last['grad_norm']:.4g}"
+                          f"{' (clipped)' if last['clipped'] else ''}  lr {last['lr']:.3g}  "
+                          f"{tokens / dt:,.0f} {unit}/s{shown}  {dt * 1e3:.1f} ms", flush=True)
                     if log:
-                        log.write(json.dumps({"step": k, "loss": loss, f"{unit}_per_s": tokens / dt,
-                                              "step_time_s": dt, "ranks": ranks}, allow_nan=False) + "\n")
+                        log.write(json.dumps({"step": k, "loss": loss, "grad_norm": last["grad_norm"],
+                                              "lr": last["lr"], "clipped": last["clipped"],
+                                              f"{unit}_per_s": tokens / dt, "step_time_s": dt, "mfu": mfu,
+                                              "predicted_mfu": planned, "ranks": ranks}, allow_nan=False) + "\n")
                         log.flush()
                 done = k + 1
                 if args.checkpoint_dir and (done == args.steps or

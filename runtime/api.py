@@ -2,13 +2,19 @@
 
     import partc.runtime
 
-    prog = partc.runtime.load("partc_out", optimizer="adamw", lr=3e-4)    # mesh, stages, ZeRO, optimizer
+    prog = partc.runtime.load("partc_out", optimizer="adamw", lr=3e-4,    # mesh, stages, ZeRO, optimizer
+                              lr_schedule="cosine", warmup_steps=10, lr_decay_steps=100, grad_clip=1.0)
     prog.load_state_dict(torch.load("init.pt", weights_only=True))         # optional: a full state dict
-    for step in range(100):
-        x, y = my_batch(step)              # the global batch, the same on every rank (tuple/dict, targets)
-        loss = prog.step(x, y)             # global-batch mean loss, on every rank
-    prog.save("ckpt/")                      # sharded; prog.load("ckpt/") under any plan of the same model
+    loader = prog.data_loader(my_dataset)  # this rank's share of each global batch (partc.runtime.data)
+    for batch in loader.batches(0, 100):
+        loss = prog.step(batch)            # global-batch mean loss, on every rank
+        print(prog.last_step)              # loss, grad_norm, lr, clipped
+    prog.save("ckpt/", 100)                # sharded, with the data position and the schedule; prog.load("ckpt/")
+                                           # under any plan of the same model, then prog.data_loader() resumes
     sd = prog.full_state_dict()             # rank 0: the model's own state_dict(); None elsewhere
+
+``prog.step(x, y)`` also takes a whole global batch (the same on every rank; each keeps its data-parallel slice),
+for a loop that makes its own batches.
 
 `load` does, in order: read the program, join the mesh (and give the stage files its tp group), build the model
 on meta (recording how its construction sets each tensor: `partc.deferred_init`), allocate and initialize this
@@ -37,7 +43,9 @@ from partc.runtime.materialize import (build_model, canonical_names, check_initi
                                        load_weights, materialize, open_checkpoint)
 from partc.runtime.comm import CommCounter
 from partc.runtime.mesh import World, init_world
-from partc.runtime.parallelize import GradSync, OptimizerConfig, build_optimizers, parallelize
+from partc.runtime.data import Batch, Loader, check_resumable, data_state, token_dataset
+from partc.runtime.optim import LRSchedule, OptimizerConfig, build_optimizers, grad_copies, no_decay
+from partc.runtime.parallelize import GradSync, parallelize
 from partc.runtime.program import ProgramFiles, StageFile, read_program
 from partc.runtime.stage import StageModule
 from partc.runtime.train import PipelineRunner, global_batch, stage_shapes
@@ -65,6 +73,45 @@ class Program:
         self._model_keys = model.state_dict(keep_vars=True)
         self._unheld = unheld
         """Buffers of the state dict no stage holds (forward does not read them): their initial values (CPU)."""
+        self.next_step = 0
+        """The step the next `step` trains (the schedule's step): 0, or the step of the checkpoint loaded."""
+        self._data: dict | None = None
+        """What the loaded checkpoint recorded of the data (`partc.runtime.data.data_state`; None: none)."""
+        self.loader: Loader | None = None
+        """The last `data_loader` (its position goes into `save`'s checkpoint)."""
+
+    @property
+    def last_step(self) -> dict:
+        """The last step's ``loss``, ``grad_norm`` (the global norm, before clipping), ``lr``, ``clipped``."""
+        return dict(self.runner.last)
+
+    @property
+    def schedule(self) -> LRSchedule | None:
+        return self.runner.schedule_lr
+
+    # -- data --------------------------------------------------------------------------------------------------
+
+    def data_loader(self, dataset: Any = None, *, data_path: str | Path | None = None, seed: int | None = None,
+                    shuffle: bool = True, num_workers: int | None = None) -> Loader:
+        """This rank's share of each global batch of `dataset` (items ``(inputs, targets)``), of the token file
+        `data_path`, or of the model file's ``dataset()`` (`partc.runtime.data`); `seed`: the order's (default:
+        the program's). After `load`, it continues from the position the checkpoint recorded."""
+        if dataset is None and data_path is not None:
+            dataset = token_dataset(data_path, self.spec, self.files.input_keys)
+        if dataset is None and self.spec.dataset is not None:
+            dataset = self.spec.dataset()
+        if dataset is None:
+            raise PartcError(f"no data: {self.spec.name} defines no dataset(); pass --data PATH (token ids) or "
+                             f"define dataset() in the model file")
+        g = self.plan.parallel.global_batch_size
+        seed = self.seed if seed is None else seed
+        check_resumable(self._data, dataset, seed)
+        start = 0 if self._data is None else self._data["position"] - self.next_step * g
+        self.loader = Loader(dataset, input_keys=self.files.input_keys, global_batch_size=g,
+                             dp=self.world.par.dp, dp_rank=self.world.dp_rank, inputs=self.runner.has_first,
+                             targets=self.runner.has_last, seed=seed,
+                             shuffle=shuffle, start=start, device=self.world.device, num_workers=num_workers)
+        return self.loader
 
     # -- training ----------------------------------------------------------------------------------------------
 
@@ -74,16 +121,34 @@ class Program:
         args, kwargs, targets = global_batch(self.spec, self.seed, step, self.plan.parallel.global_batch_size)
         return (args, kwargs), targets
 
-    def step(self, inputs: Any, targets: Any) -> float:
-        """One optimizer step on a global batch; returns the global-batch mean loss on every rank.
+    def step(self, inputs: Any, targets: Any = None) -> float:
+        """One optimizer step; returns the global-batch mean loss on every rank. The learning rate is the
+        schedule's at `next_step` (a `Batch`'s own step).
 
-        `inputs` as the model takes them: a tensor, a tuple (positional), a dict (keyword), or (args, kwargs).
-        Every rank passes the same batch; each keeps its data-parallel slice."""
-        args, kwargs = _as_args(inputs)
+        `inputs`: this rank's `Batch` from `data_loader`; or a whole global batch as the model takes it (a tensor,
+        a tuple (positional), a dict (keyword), or (args, kwargs)) and `targets`, every rank passing the same batch
+        and each keeping its data-parallel slice."""
         device = self.world.device
         if device.type != "cpu":
             torch.accelerator.reset_peak_memory_stats(device)
-        return self.runner.step(args, kwargs, targets)
+        if isinstance(inputs, Batch):
+            self.next_step = inputs.step
+            loss = self.runner.step_local(inputs.inputs, inputs.targets, step=inputs.step)
+        else:
+            args, kwargs = _as_args(inputs)
+            loss = self.runner.step(args, kwargs, targets, step=self.next_step)
+        self.next_step += 1
+        return loss
+
+    def measured_mfu(self, step_time_s: float) -> float | None:
+        """The model FLOPs utilization of a step that took `step_time_s`, as the plan counts it: its predicted MFU
+        times its predicted step time over the measured one (the same model FLOPs, the same peak); None if the plan
+        has no prediction."""
+        pred = self.plan.predicted
+        mfu, t = pred.get("mfu"), pred.get("step_time_s")
+        if not isinstance(mfu, (int, float)) or not isinstance(t, (int, float)) or step_time_s <= 0:
+            return None
+        return mfu * t / step_time_s
 
     def step_record(self) -> dict:
         """What this rank did in the last `step`, next to what the plan predicted for its pipeline rank: collective
@@ -119,33 +184,55 @@ class Program:
                 if canon.get(k, k) == k]
 
     def save(self, directory: str | Path, step: int = 0) -> Path:
-        """A sharded checkpoint (model and optimizer) in ``DIR/step-K``. Collective."""
+        """A sharded checkpoint (model and optimizer) in ``DIR/step-K``, with the learning-rate schedule and, if a
+        `data_loader` was made, the data position of step K (what `load` restores). Collective."""
         info = {"model": self.plan.model.get("name"), "parallel": self.plan.to_dict()["parallel"],
                 "plan": checkpoint_dir.plan_fingerprint(self.plan)}
+        if self.runner.schedule_lr is not None:
+            info["schedule"] = self.runner.schedule_lr.to_dict()
+        if self.loader is not None:
+            info["data"] = data_state(self.loader, step)
         return checkpoint.save(directory, step, self.states, info)
 
     def load(self, path: str | Path) -> int:
-        """Load a checkpoint written under any plan of this model: ``DIR/step-K``, or DIR for its newest one.
-        Returns its step. Collective."""
+        """Load a checkpoint written under any plan of this model: ``DIR/step-K``, or DIR for its newest one, with
+        the schedule and the data position it recorded (for the next `data_loader`). Returns its step. Collective."""
         path = Path(path)
         if not (path / checkpoint_dir.MANIFEST).exists():
             newest = checkpoint_dir.latest(path)
             if newest is None:
                 raise PartcError(f"no checkpoint in {path}")
             path = newest
-        return checkpoint.load(path, self.states)
+        step = checkpoint.load(path, self.states)
+        manifest = checkpoint_dir.read_manifest(path)
+        if isinstance(manifest.get("schedule"), dict):
+            self.runner.schedule_lr = LRSchedule.from_dict(manifest["schedule"])
+        data = manifest.get("data")
+        self._data = dict(data) if isinstance(data, dict) and isinstance(data.get("position"), int) else None
+        self.next_step = step
+        return step
 
 
 def load(out_dir: str | Path, *, seed: int = 0, optimizer: str = "adamw", lr: float = 3e-4,
-         weight_decay: float = 0.0, init_checkpoint: str | Path | None = None,
+         weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+         lr_schedule: str = "constant", warmup_steps: int = 0, lr_decay_steps: int = 0, min_lr: float = 0.0,
+         grad_clip: float | None = None, init_checkpoint: str | Path | None = None,
          collective_timeout_s: float = 600.0) -> Program:
     """Set up this rank's part of the compiled program in `out_dir` (run under torchrun). A collective that
-    waits longer than `collective_timeout_s` fails (every process group of the mesh)."""
+    waits longer than `collective_timeout_s` fails (every process group of the mesh). The schedule and clipping:
+    `partc.runtime.optim`."""
     files = read_program(out_dir)
-    opt_config = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay)
+    opt_config = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
+                                 eps=eps)
+    schedule = LRSchedule(kind=lr_schedule, lr=lr, warmup=warmup_steps, total=lr_decay_steps, min_lr=min_lr)
+    if grad_clip is not None and not grad_clip > 0:
+        raise PartcError(f"--grad-clip must be > 0, got {grad_clip}")
     # 1. The mesh (pp, dp, tp).
     world = init_world(files.plan.parallel, timeout_s=collective_timeout_s)
-    return build(files, world, seed=seed, optimizer=opt_config, init_checkpoint=init_checkpoint)
+    prog = build(files, world, seed=seed, optimizer=opt_config, init_checkpoint=init_checkpoint)
+    prog.runner.schedule_lr = schedule
+    prog.runner.max_norm = grad_clip
+    return prog
 
 
 def meta_model(files: ProgramFiles) -> tuple[ModelSpec, nn.Module, InitRecord]:
@@ -200,11 +287,14 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
 
     # 5. Recomputation and ZeRO (torchtitan's order), optimizers, gradient sync, the pipeline schedule.
     modules = parallelize(stages, world, par, set(files.blocks))
-    optimizers = build_optimizers(stages, opt_config)
+    optimizers = build_optimizers(stages, opt_config, no_decay(model))
     holders = shared_holders(files, model, canon)
     grad_sync = GradSync(stages, world, holders=holders, canon=canon)
     counter = CommCounter({**{axis: [g] for axis, g in world.groups.items()}, "pp": [world.pp_group, *grad_sync.groups]})
     runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes, counter)
+    split = {n for n in canon if layout.shard(n) is not None}
+    runner.grad_copies = grad_copies(stages, tp=par.tp, dp=par.dp, split=split,
+                                     holders={c: len(idx) for c, idx in holders.items()}, canon=canon)
     return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
                    runner=runner, canon=canon, layout=layout, seed=seed, unheld=unheld)
 

@@ -56,7 +56,8 @@ from partc.errors import PartcError
 from partc.parallel import SHOWN_AXES, Parallel
 from partc.runtime.api import Program, build, meta_model
 from partc.runtime.mesh import init_world, rank_record
-from partc.runtime.parallelize import OptimizerConfig, reshard
+from partc.runtime.optim import OptimizerConfig
+from partc.runtime.parallelize import reshard
 from partc.runtime.program import ProgramFiles, read_program
 
 TOLERANCE = 0.10

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from partc.errors import PartcError
 from partc.parallel import MESH, MESH_AXES
-from partc.runtime.parallelize import OPTIMIZERS
+from partc.runtime.optim import OPTIMIZERS, SCHEDULES
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 MAX_SEED = 2**63 - 1
@@ -30,11 +30,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="data and initialization seed (default 0)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="weight decay (default 0); never on norms, biases and position tables")
+    p.add_argument("--beta1", type=float, default=0.9, help="AdamW's beta1 (default 0.9)")
+    p.add_argument("--beta2", type=float, default=0.999, help="AdamW's beta2 (default 0.999; nanoGPT uses 0.95)")
+    p.add_argument("--eps", type=float, default=1e-8, help="AdamW's eps (default 1e-8)")
+    p.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+                   help="learning rate after the warm-up: constant, or cosine/linear decay to --min-lr "
+                        "(default constant)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps (default 0)")
+    p.add_argument("--lr-decay-steps", type=int, default=None,
+                   help="the step the decay reaches --min-lr (default --steps)")
+    p.add_argument("--min-lr", type=float, default=0.0, help="the decay's floor (default 0)")
+    p.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
+                   help="clip the gradients to this global norm (default: no clipping)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="token ids to train on: a .bin of uint16 (nanoGPT's) or a 1-D .npy, cut into samples of "
+                        "seq_len + 1 tokens (default: the model file's dataset(), else random example_inputs)")
+    p.add_argument("--data-workers", type=int, default=None,
+                   help="loader processes per rank (default 2 on an accelerator, 0 on a CPU)")
     p.add_argument("--init-checkpoint", default=None,
                    help="initial weights: torch.save(model.state_dict()) or a safetensors file (whole tensors)")
     p.add_argument("--log-jsonl", default=None,
-                   help="rank 0 writes a line per step: {step, loss, tokens_per_s, step_time_s, ranks: [{rank, "
+                   help="rank 0 writes a line per step: {step, loss, grad_norm, lr, clipped, tokens_per_s (or "
+                        "samples_per_s), step_time_s, mfu, predicted_mfu, ranks: [{rank, "
                         f"{', '.join(a.rank_key for a in MESH)}, comm_bytes {{{', '.join(MESH_AXES)}}}, "
                         "predicted_comm_bytes, peak_memory_bytes, predicted_memory_bytes}, ...]}")
     p.add_argument("--save-full-state-dict", default=None,
@@ -59,9 +78,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise PartcError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if not 0 <= args.seed <= MAX_SEED - args.steps:
         raise PartcError(f"--seed must be between 0 and 2**63 - 1 - --steps, got {args.seed}")
-    for flag, value in (("--lr", args.lr), ("--weight-decay", args.weight_decay)):
+    for flag, value in (("--lr", args.lr), ("--weight-decay", args.weight_decay), ("--min-lr", args.min_lr)):
         if not math.isfinite(value) or value < 0:
             raise PartcError(f"{flag} must be a finite number >= 0, got {value}")
+    if args.min_lr > args.lr:
+        raise PartcError(f"--min-lr ({args.min_lr:g}) must not exceed --lr ({args.lr:g})")
+    for flag, value in (("--beta1", args.beta1), ("--beta2", args.beta2)):
+        if not 0 <= value < 1:
+            raise PartcError(f"{flag} must be in [0, 1), got {value}")
+    if not (math.isfinite(args.eps) and args.eps > 0):
+        raise PartcError(f"--eps must be a positive number, got {args.eps}")
+    for flag, value in (("--warmup-steps", args.warmup_steps), ("--lr-decay-steps", args.lr_decay_steps),
+                        ("--data-workers", args.data_workers)):
+        if value is not None and value < 0:
+            raise PartcError(f"{flag} must be >= 0, got {value}")
+    if args.grad_clip is not None and not (math.isfinite(args.grad_clip) and args.grad_clip > 0):
+        raise PartcError(f"--grad-clip must be a positive number, got {args.grad_clip}")
     if not math.isfinite(args.collective_timeout) or args.collective_timeout <= 0:
         raise PartcError(f"--collective-timeout must be a positive number of seconds, got {args.collective_timeout}")
     if args.resume and not args.checkpoint_dir:
@@ -74,6 +106,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def check_paths(args: argparse.Namespace) -> None:
     """The input files exist and the output files can be written (a missing directory would otherwise fail
     after the training, when the file is written)."""
+    if args.data is not None:
+        path = Path(args.data)
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise PartcError(f"--data {path} {what}; pass a .bin (uint16 token ids) or a 1-D .npy file")
+        if path.suffix not in (".bin", ".npy"):
+            raise PartcError(f"--data {path}: expected a .bin (uint16 token ids, as nanoGPT writes) or .npy file")
     if args.init_checkpoint is not None:
         path = Path(args.init_checkpoint)
         if not path.is_file():

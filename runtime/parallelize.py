@@ -1,4 +1,4 @@
-"""Data parallelism, ZeRO, mixed precision, recomputation and the optimizer, applied to this rank's stage modules.
+"""Data parallelism, ZeRO, mixed precision and recomputation, applied to this rank's stage modules.
 
 The order is torchtitan's, one ``apply_*`` a dimension in `parallelize`:
 
@@ -59,35 +59,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from partc._torch import storage_key
-from partc.errors import PartcError
 from partc.parallel import MESH_AXES, Parallel
 from partc.precision import MASTER_DTYPE, compute_dtype
 from partc.runtime.mesh import World
 from partc.runtime.stage import StageModule
-
-OPTIMIZERS = ("adamw", "sgd")
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimizerConfig:
-    name: str = "adamw"
-    """``adamw`` (torch.optim.AdamW) or ``sgd`` (torch.optim.SGD, no momentum)."""
-    lr: float = 3e-4
-    """Learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise PartcError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
-        if self.lr < 0 or self.weight_decay < 0:
-            raise PartcError("--lr and --weight-decay must be >= 0")
-
-    def optimizer_class(self) -> tuple[type[torch.optim.Optimizer], dict]:
-        if self.name == "sgd":
-            return torch.optim.SGD, {"lr": self.lr, "weight_decay": self.weight_decay}
-        return torch.optim.AdamW, {"lr": self.lr, "weight_decay": self.weight_decay}
-
 
 def parallelize(stages: list[StageModule], world: World, par: Parallel, blocks: set[str]) -> list[nn.Module]:
     """torchtitan's ``parallelize_llama`` for this rank's stage modules: one ``apply_*`` a dimension, in its order
@@ -163,13 +138,6 @@ def reshard(modules: list[nn.Module]) -> None:
         for sub in m.modules():
             if isinstance(sub, FSDPModule):
                 sub.reshard()
-
-
-def build_optimizers(modules: list[nn.Module], config: OptimizerConfig) -> list[torch.optim.Optimizer]:
-    """One optimizer per stage module (torchtitan's per-model-part optimizers) over its sharded fp32 parameters
-    (the master weights): its state dict is keyed by that module's FQNs."""
-    cls, kwargs = config.optimizer_class()
-    return [cls([p for p in m.parameters() if p.requires_grad], **kwargs) for m in modules]
 
 
 @dataclass(kw_only=True, slots=True)

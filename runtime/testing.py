@@ -4,13 +4,15 @@
     python -m torch.distributed.run --standalone --nproc-per-node 4 -m partc.runtime.testing JOBS.json
 
 JOBS.json is a list of jobs: ``{"out": OUT, "steps": N, "seed": S, "optimizer": "sgd", "lr": 0.1,
-"weight_decay": 0.0, "init": FILE (a full state dict, loaded with Program.load_state_dict), "init_checkpoint":
+"weight_decay": 0.0, "train": {more keyword arguments of `load`: the schedule, clipping, betas} (optional),
+"data": true (optional: train on the model file's dataset() through `Program.data_loader`), "init": FILE (a full state dict, loaded with Program.load_state_dict), "init_checkpoint":
 FILE (the same, passed to load() as --init-checkpoint is), "result": FILE, "save": DIR (optional: a checkpoint
 after the run), "load": DIR (optional: resume from it first), "initial": true (optional: also the full state dict
 before the first step)}``. Rank 0 writes ``{"losses": [...], "state": full state dict, "start": step resumed from,
 "comm": per step, every rank's comm bytes by axis, "replica_diff": the largest difference between tp ranks' copies
 of a parameter the program does not split (0.0: they stay identical), "initial": the full state dict before the
-first step, if asked}`` to ``result``. A job ``{"check": "collectives", "result": FILE}`` runs `check_collectives`
+first step, if asked, and with "data": "grad_norms", "lrs", "clipped" per step and "read": every rank's dataset
+indices read, by rank}`` to ``result``. A job ``{"check": "collectives", "result": FILE}`` runs `check_collectives`
 over all ranks instead.
 
 The workers leave with ``os._exit`` after destroying the process group (see `partc.runtime.__main__`).
@@ -30,7 +32,8 @@ import torch.distributed as dist
 def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps: int, seed: int,
                   global_batch_size: int, optimizer: str = "sgd", lr: float = 0.1, weight_decay: float = 0.0,
                   entry: str = "model", start: int = 0, seq_len: int | None = None, precision: str = "fp32",
-                  micro_batch_size: int | None = None, untied: bool = False
+                  micro_batch_size: int | None = None, untied: bool = False, train: dict | None = None,
+                  data: bool = False, stats: dict | None = None
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train the whole model in this process on the runtime's batches (steps `start` .. `steps` - 1) from
     `init_state`, under the runtime's precision policy (`partc.precision`); returns the losses and the final state
@@ -41,13 +44,18 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
     optimizer steps the fp32 weights. This is the runtime's
     arithmetic up to the order of the fp32 sums over micro-batches and data-parallel ranks. `untied`: each use of a
     tied weight gets its own compute copy, whose gradients are summed in fp32 (as the runtime does when the uses
-    are on different pipeline ranks; one stage holding both sums them in the compute dtype, as here by default)."""
+    are on different pipeline ranks; one stage holding both sums them in the compute dtype, as here by default).
+
+    `train`: `load`'s schedule, clipping and AdamW settings (``torch.nn.utils.clip_grad_norm_`` here); `data`: the
+    model file's ``dataset()`` in the runtime's order (`partc.runtime.data.GlobalOrder`) instead of random
+    batches; `stats` (a dict) gets ``grad_norms``, ``lrs`` per step."""
     import copy
 
     from partc._torch import tree_map
     from partc.model_file import load_model_file
     from partc.precision import MASTER_DTYPE, cast_floating, cast_parameters, compute_dtype, forward_casts
-    from partc.runtime.parallelize import OptimizerConfig
+    from partc.runtime.data import GlobalOrder
+    from partc.runtime.optim import LRSchedule, OptimizerConfig, no_decay, param_groups
     from partc.runtime.train import global_batch
 
     spec = load_model_file(model_path, entry=entry, seq_len=seq_len)
@@ -66,13 +74,36 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
                     pairs.append((next(mp for mp, w in pairs if w is wp), copy_))
                 elif wp is not None:
                     seen.add(id(wp))
-    cls, kwargs = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay).optimizer_class()
-    opt = cls(master.parameters(), **kwargs)
+    train = dict(train or {})
+    clip = train.pop("grad_clip", None)
+    schedule = LRSchedule(kind=train.pop("lr_schedule", "constant"), lr=lr, warmup=train.pop("warmup_steps", 0),
+                          total=train.pop("lr_decay_steps", 0), min_lr=train.pop("min_lr", 0.0))
+    config = OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay, **train)
+    cls, kwargs = config.optimizer_class()
+    opt = cls(param_groups(master, no_decay(master), weight_decay), **kwargs)
+    if data:
+        dataset = spec.dataset()
+        order = GlobalOrder(len(dataset), seed)
+
+        def batch_at(k: int) -> tuple[tuple, dict, object]:
+            items = [dataset[order(k * global_batch_size + j)] for j in range(global_batch_size)]
+            xs, ys = zip(*items)
+            x = xs[0]
+            if isinstance(x, dict):
+                return (), {n: torch.stack([v[n] for v in xs]) for n in x}, torch.utils.data.default_collate(ys)
+            if isinstance(x, tuple):
+                return tuple(torch.stack(v) for v in zip(*xs)), {}, torch.utils.data.default_collate(ys)
+            return (torch.stack(xs),), {}, torch.utils.data.default_collate(ys)
+    else:
+        def batch_at(k: int) -> tuple[tuple, dict, object]:
+            return global_batch(spec, seed, k, global_batch_size)
+    stats = stats if stats is not None else {}
+    stats.update(grad_norms=[], lrs=[])
     b = micro_batch_size or global_batch_size
     micro = range(0, global_batch_size, b)
     losses = []
     for k in range(start, steps):
-        args, kw, targets = global_batch(spec, seed, k, global_batch_size)
+        args, kw, targets = batch_at(k)
         opt.zero_grad()
         total = 0.0
         for i in micro:
@@ -97,6 +128,11 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
         for mp in master.parameters():
             if mp.grad is not None:
                 mp.grad /= len(micro)
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr_at(k)
+        stats["lrs"].append(schedule.lr_at(k))
+        if clip is not None:
+            stats["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), clip)))
         opt.step()
         losses.append(total / len(micro))
     return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
@@ -115,25 +151,38 @@ def run_job(job: dict[str, Any]) -> None:
 
     prog = api.load(job["out"], seed=job.get("seed", 0), optimizer=job.get("optimizer", "sgd"),
                     lr=job.get("lr", 0.1), weight_decay=job.get("weight_decay", 0.0),
-                    init_checkpoint=job.get("init_checkpoint"))
+                    init_checkpoint=job.get("init_checkpoint"), **job.get("train", {}))
     if job.get("init"):
         prog.load_state_dict(torch.load(job["init"], weights_only=True))
     start = prog.load(job["load"]) if job.get("load") else 0
     initial = prog.full_state_dict() if job.get("initial") else None
     losses, comm = [], []
+    extra: dict[str, list] = {"grad_norms": [], "lrs": [], "clipped": []}
+    batches = prog.data_loader().batches(start, job["steps"]) if job.get("data") else None
     for k in range(start, job["steps"]):
-        inputs, targets = prog.batch(k)
-        losses.append(prog.step(inputs, targets))
+        if batches is not None:
+            losses.append(prog.step(next(batches)))
+        else:
+            inputs, targets = prog.batch(k)
+            losses.append(prog.step(inputs, targets))
+        for key, name in (("grad_norms", "grad_norm"), ("lrs", "lr"), ("clipped", "clipped")):
+            extra[key].append(prog.last_step[name])
         ranks: list = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, prog.runner.comm_bytes)
         comm.append(ranks)
+    if job.get("data"):
+        read: list = [None] * dist.get_world_size()
+        dist.all_gather_object(read, {"read": list(prog.loader.read), "pp_rank": prog.world.pp_rank,
+                                      "dp_rank": prog.world.dp_rank, "first": prog.runner.has_first,
+                                      "last": prog.runner.has_last})
+        extra["read"] = read
     if job.get("save"):
         prog.save(job["save"], job["steps"])
     state = prog.full_state_dict()
     diff = replica_diff(prog)
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "state": state, "start": start, "replica_diff": diff, "initial": initial,
-                    "comm": comm},
+                    "comm": comm, **extra},
                    job["result"])
 
 

@@ -1,9 +1,11 @@
 """One training step: data for the step, the pipeline schedule, gradient sync, optimizer step, the loss.
 
-Data. Step k uses the global batch ``torch.manual_seed(seed + k); x = example_inputs(G); y = example_targets(G)``
-(G = the plan's global batch size), drawn on the CPU on every rank (so the numbers do not depend on the device
-type or the plan), then each DP rank keeps its slice of dim 0, ``[r·G/dp, (r+1)·G/dp)``, and the schedule splits
-that into the plan's micro-batches.
+Data. `step` takes a global batch (every rank the same; each DP rank keeps its slice of dim 0, ``[r·G/dp,
+(r+1)·G/dp)``); `step_local` takes this rank's slice only, as `partc.runtime.data` reads it (inputs on the
+first stage's ranks, targets on the last's). Without data, step k uses the global batch ``torch.manual_seed(seed
++ k); x = example_inputs(G); y = example_targets(G)`` (G = the plan's global batch size), drawn on the CPU on every
+rank (so the numbers do not depend on the device type or the plan). The schedule splits the slice into the plan's
+micro-batches.
 
 Pipeline. ``torch.distributed.pipelining``: one `PipelineStage` per local stage (stages r, r + pp, ... for
 interleaved 1F1B), with static shapes from `stage_shapes` (the stage files run once on meta at the micro-batch
@@ -25,8 +27,12 @@ positions is).
 
 Traffic. Each step counts what this rank passes to collectives by mesh axis (`partc.runtime.comm`):
 `PipelineRunner.comm_bytes`, the quantity the plan predicts as ``predicted.ranks[].comm_bytes``: the pipeline
-schedule, FSDP's gathers and reductions and the shared weights' sums; not the one all-reduce of 16 bytes that
-reports the loss and checks for non-finite gradients.
+schedule, FSDP's gathers and reductions and the shared weights' sums; not the one all-reduce of 24 bytes that
+reports the loss, checks for non-finite gradients and sums the squares of the gradients (clipping,
+`partc.runtime.optim`).
+
+Optimizer step. The learning rate of the step (`LRSchedule.lr_at`), the gradients clipped to the global norm
+``max_norm`` (when set), then each optimizer's step.
 
 With tensor parallelism every tp rank of the last stage computes the same loss from the same (gathered)
 outputs and runs backward from it; the program's collectives give each rank the gradient of its shards.
@@ -56,6 +62,7 @@ from partc.model_file import ModelSpec
 from partc.precision import MASTER_DTYPE, cast_floating, compute_dtype
 from partc.runtime.comm import CommCounter
 from partc.runtime.mesh import World
+from partc.runtime.optim import LRSchedule, clip_, local_sq_norm, set_lr
 from partc.runtime.parallelize import reshard
 from partc.runtime.program import ProgramFiles
 from partc.runtime.schedule import GatherOnceInterleaved1F1B, PipeStage
@@ -155,6 +162,14 @@ class PipelineRunner:
             assert len(self.stages) == 1
             self.schedule = cls(self.stages[0], n_microbatches=self.num_microbatches, loss_fn=self._loss)
         self._targets: Any = None
+        self.schedule_lr: LRSchedule | None = None
+        """The learning rate by step; None: the optimizers' own (constant)."""
+        self.max_norm: float | None = None
+        """Clip the gradients to this global norm (None: no clipping)."""
+        self.grad_copies: list[tuple[nn.Parameter, float]] = []
+        """(parameter, 1 / its copies in the job): the gradient norm's terms (`partc.runtime.optim.grad_copies`)."""
+        self.last: dict = {}
+        """The last step's ``loss``, ``grad_norm`` (before clipping), ``lr``, ``clipped``."""
 
     def _loss(self, output: Any, index: Tensor) -> Tensor:
         flat = output if isinstance(output, tuple) else (output,)
@@ -167,33 +182,63 @@ class PipelineRunner:
             raise ValueError(f"a global batch of {n} samples does not split over {dp} data-parallel ranks")
         return slice(r * n // dp, (r + 1) * n // dp)
 
-    def step(self, args: tuple, kwargs: dict, targets: Any) -> float:
+    def step(self, args: tuple, kwargs: dict, targets: Any, *, step: int | None = None) -> float:
         """One optimizer step on the global batch; returns the global-batch mean loss (on every rank)."""
-        losses = self.forward_backward(args, kwargs, targets)
-        loss, bad_grads = self._global_mean(losses)  # the report: 16 bytes, not part of the step's traffic
+        return self._finish(self.forward_backward(args, kwargs, targets), step)
+
+    def step_local(self, inputs: list[Tensor] | None, targets: Any, *, step: int | None = None) -> float:
+        """One optimizer step on this rank's slice of the global batch: `inputs` (the model's tensor inputs in the
+        program's order) on the first stage's ranks, `targets` on the last's (None elsewhere)."""
+        return self._finish(self.forward_backward_local(inputs, targets), step)
+
+    def _finish(self, losses: list[Tensor], step: int | None) -> float:
+        loss, bad_grads, sq = self._global_mean(losses)  # the report: 24 bytes, not part of the step's traffic
         reshard(self.modules)  # the gathered copies: stale once the optimizer updates the sharded weights
         if not math.isfinite(loss) or bad_grads:
             what = f"the loss is {loss}" if not math.isfinite(loss) else \
                 f"{bad_grads:.0f} gradient tensors hold nan or inf (loss {loss:.6g})"
             raise NonFiniteError(f"{what}: the step was not applied")
+        norm = math.sqrt(sq)
+        lr = None
+        if self.schedule_lr is not None and step is not None:
+            lr = self.schedule_lr.lr_at(step)
+            set_lr(self.optimizers, lr)
+        clipped = self.max_norm is not None and clip_(self.params, norm, self.max_norm)
         for opt in self.optimizers:
             opt.step()
+        if lr is None and self.optimizers and self.optimizers[0].param_groups:
+            lr = self.optimizers[0].param_groups[0]["lr"]
+        self.last = {"loss": loss, "grad_norm": norm, "lr": lr, "clipped": clipped}
         return loss
 
     def forward_backward(self, args: tuple, kwargs: dict, targets: Any) -> list[Tensor]:
-        """The step up to the optimizer: gradients cleared, the pipeline schedule on this rank's slice of the global
-        batch, the shared weights' gradients summed; counts the traffic (`comm_bytes`). Returns the last stage's
-        micro-batch losses (empty on other ranks)."""
+        """The step up to the optimizer on a global batch: this rank's slice of it to `forward_backward_local`."""
         inputs = flatten_inputs(args, kwargs, self.input_keys)
         n = inputs[0].shape[0]
         if n != self.global_batch_size:
             raise ValueError(f"the plan's global batch is {self.global_batch_size} samples, got {n}")
         part = self.dp_slice(n)
+        local = [t[part] for t in inputs] if self.has_first else None
+        mine = tree_map(lambda t: t[part] if isinstance(t, Tensor) else t, targets) if self.has_last else None
+        return self.forward_backward_local(local, mine)
+
+    def forward_backward_local(self, inputs: list[Tensor] | None, targets: Any) -> list[Tensor]:
+        """The step up to the optimizer: gradients cleared, the pipeline schedule on this rank's slice of the global
+        batch, the shared weights' gradients summed; counts the traffic (`comm_bytes`). Returns the last stage's
+        micro-batch losses (empty on other ranks)."""
         device = self.world.device
-        local = [cast_floating(t[part], self.dtype).to(device) for t in inputs] if self.has_first else []
+        n = self.global_batch_size // self.world.par.dp
+        if self.has_first:
+            assert inputs is not None, "the first stage's ranks need the inputs"
+            if inputs[0].shape[0] != n:
+                raise ValueError(f"this rank's share of the global batch is {n} samples, got {inputs[0].shape[0]}")
+            # The model's floating-point inputs in the compute dtype (FSDP keeps every input's dtype: apply_zero).
+            local = [cast_floating(t, self.dtype).to(device, non_blocking=True) for t in inputs]
         if self.has_last:
-            self._targets = tree_map(lambda t: t[part].to(device) if isinstance(t, Tensor) else t, targets)
-        index = torch.arange(part.stop - part.start, device=device)
+            assert targets is not None, "the last stage's ranks need the targets"
+            self._targets = tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, Tensor) else t,
+                                     targets)
+        index = torch.arange(n, device=device)
 
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -208,11 +253,11 @@ class PipelineRunner:
         self._targets = None
         return losses
 
-    def _global_mean(self, losses: list[Tensor]) -> tuple[float, float]:
-        """(the loss: mean over micro-batches and DP ranks; how many gradient tensors hold nan or inf), on every
-        rank: one all-reduce over the world, where only the ranks of the last stage contribute to the loss (each tp
-        rank holds the same loss)."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.world.device)
+    def _global_mean(self, losses: list[Tensor]) -> tuple[float, float, float]:
+        """(the loss: mean over micro-batches and DP ranks; how many gradient tensors hold nan or inf; the global
+        gradient norm squared), on every rank: one all-reduce over the world, where only the ranks of the last stage
+        contribute to the loss (each tp rank holds the same loss)."""
+        total = torch.zeros(3, dtype=torch.float64, device=self.world.device)
         if self.has_last:
             assert len(losses) == self.num_microbatches
             par = self.world.par
@@ -221,6 +266,7 @@ class PipelineRunner:
                  if p.grad is not None]
         if grads:
             total[1] += torch.stack([~torch.isfinite(g).all() for g in grads]).sum()
+        total[2] += local_sq_norm(self.grad_copies, self.world.device)
         dist.all_reduce(total)
-        loss, bad = total.tolist()
-        return loss, bad
+        loss, bad, sq = total.tolist()
+        return loss, bad, sq
