@@ -10,11 +10,6 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 
-PENDING = {
-           "docs/data.md"}
-"""Pages the README links to that are written on other branches. Each leaves this set when it lands:
-`test_pending_pages_are_not_there_yet` fails until it does."""
-
 CODE = [p for d in ("partc", "passes", "runtime", "cli", "benchmarks", "tests", "examples")
         for p in sorted((ROOT / d).rglob("*.py"))]
 
@@ -47,7 +42,7 @@ def test_ci_runs_the_readme_test_command():
 def test_links_resolve():
     missing = [f"{page.relative_to(ROOT)}: {link}" for page in [ROOT / "README.md", *DOCS]
                for link, target in _links(page)
-               if not target.exists() and str(target.relative_to(ROOT)) not in PENDING]
+               if not target.exists()]
     assert not missing, missing
 
 
@@ -65,10 +60,6 @@ def test_anchors_resolve():
     missing = [f"{page.relative_to(ROOT)}: {link}" for page, link, target in links
                if link.split("#", 1)[1] not in _anchors(target)]
     assert not missing, missing
-
-
-def test_pending_pages_are_not_there_yet():
-    assert not [p for p in PENDING if (ROOT / p).exists()], "take the pages that landed out of PENDING"
 
 
 def test_nothing_points_outside_the_repository():
