@@ -47,7 +47,7 @@ from partc.passes.export import GRAD_ENABLED
 from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
 from partc.passes.measure import CORE_OPS, stack_fqns
 from partc.passes.same_shapes import SameShapes
-from partc.passes.trace import Assignment, assign
+from partc.passes.assign import Assignment, assign
 from partc.sharding import param_shard
 
 SKIPPED = {torch.ops.aten._assert_tensor_metadata.default}

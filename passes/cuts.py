@@ -23,7 +23,7 @@ from partc.passes.measure import NodeStats, activation_bytes
 from partc.passes.rebatch import sizes_hold_one
 
 if TYPE_CHECKING:
-    from partc.passes.trace import Assignment
+    from partc.passes.assign import Assignment
 
 
 @dataclass(kw_only=True, slots=True)

@@ -339,12 +339,12 @@ def test_view_whose_outer_part_is_taken_apart_reads_as_fused_pieces(use, fused, 
     permute) is 3 fused pieces: the split lands on the heads and reaches proj on its input features. Any other
     read of the 3 keeps the old reading (the 3 carries the split), which the analysis refuses as before."""
     from partc.passes.shard import ShardAnalysis
-    from partc.passes.trace import _layer_outputs, assign
+    from partc.passes.assign import assign, layer_outputs
 
     model = _ViewAttention(use)
     ep = torch.export.export(model, (torch.randn(2, 5, 32),))
     a = assign(ep, model)
-    region = ShardAnalysis(ep.graph, a.node_layer, _layer_outputs(a)).regions["qkv"]
+    region = ShardAnalysis(ep.graph, a.node_layer, layer_outputs(a)).regions["qkv"]
     assert (region.valid, region.reason, region.fused, region.groups) == (not reason, reason, fused, groups)
     if not reason:
         assert region.reaches == {"proj": True}
@@ -414,7 +414,7 @@ def test_multihead_attention_reads_as_a_linear_of_three_pieces_and_out_proj():
     features; out_proj's linear is out_proj's, the core no layer's. Cross-attention splits the weight in forward:
     the MHA layer stays whole, with its reason."""
     from partc.passes.shard import ShardAnalysis
-    from partc.passes.trace import _layer_outputs, assign
+    from partc.passes.assign import assign, layer_outputs
 
     model = _MHA()
     ep = torch.export.export(model, (torch.randn(1, 16, 64),))
@@ -422,7 +422,7 @@ def test_multihead_attention_reads_as_a_linear_of_three_pieces_and_out_proj():
     assert sorted({(n.target.__name__, a.node_layer[n]) for n in a.node_layer}) == \
         [("linear.default", "attn"), ("linear.default", "attn.out_proj")]
     assert (a.attention, a.kind("attn")) == ({"attn": ""}, "linear")
-    region = ShardAnalysis(ep.graph, a.node_layer, _layer_outputs(a)).regions["attn"]
+    region = ShardAnalysis(ep.graph, a.node_layer, layer_outputs(a)).regions["attn"]
     assert (region.valid, region.reason, region.fused, region.groups) == (True, "", 3, 4)
     assert region.reaches == {"attn.out_proj": True}
 
