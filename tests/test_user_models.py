@@ -125,6 +125,25 @@ def test_wrong_input_width_prints_one_line(tmp_path):
     assert "in module fc1" in lines[0] and "shapes of example_inputs do not fit" in lines[0], lines[0]
 
 
+@pytest.mark.slow  # partc check spawns a process per pipeline rank: 30-60 s on 2 shared cores
+def test_copied_value_all_reduce_is_priced_to_the_byte(tmp_path):
+    """moe_dense under tp 2 x pp 2 with its experts split: experts on both stages read the block's input, each
+    stage copies it (`copy_to_tp`) and all-reduces its gradient; the plan's tp bytes equal partc check's on every
+    pipeline rank with no slack."""
+    from partc.runtime.check import check_program
+
+    tp_pp = Pins(tp=2, pp=2, dp=1, zero=0, micro_batch_size=2, schedule="1f1b", recompute="none", precision="fp32")
+    path, _ = compile_user(tmp_path, "moe_dense", pins=tp_pp, out="c")
+    set_styles(tmp_path, "moe_dense", path, "c")
+    plan = json.loads((tmp_path / "c" / "plan.json").read_text())
+    experts = [{m for m in st["modules"] if m.startswith("moe.experts.")} for st in plan["stages"]]
+    assert all(experts), f"experts on both stages: {plan['stages']}"
+    results = check_program(str(tmp_path / "c"), slack_bytes=0)
+    assert len(results) == 2
+    for r in results:
+        assert r.comm_bytes["tp"] > 0 and r.comm_bytes["tp"] == r.predicted_comm_bytes["tp"], r
+
+
 def test_wording():
     assert article("Albert") == "an Albert" and article("Conv2d") == "a Conv2d"
     cut = first_line(ValueError("word " * 100), limit=32)
