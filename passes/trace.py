@@ -12,6 +12,7 @@ Everything is measured for one sample (micro-batch size 1); the cost model scale
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -24,6 +25,7 @@ from torch import nn
 from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
 from partc.precision import cast_floating, cast_parameters, compute_dtype
+from partc.value_sized import expected_sizes
 from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
 from partc.passes.experts import mark_inner, param_placeholders
 from partc.passes.export import export_on_meta, norms_on_any_batch
@@ -503,9 +505,11 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: in
         seq_len = infer_seq_len(args, kwargs)
     if seq_len is None:
         seq_len = _tokens_from_graph(ep)
-    with norms_on_any_batch():  # one sample: a BatchNorm may see one value per channel
-        stats = measure(ep, args, kwargs, seq_len, fused_attention=fused_attention)
-    graph = build_graph(ep, model, stats, name=name, seq_len=seq_len)
+    sizes = expected_sizes(ep.graph_module.meta)  # value-sized ops at their expected sizes (`partc.value_sized`)
+    with sizes or contextlib.nullcontext():
+        with norms_on_any_batch():  # one sample: a BatchNorm may see one value per channel
+            stats = measure(ep, args, kwargs, seq_len, fused_attention=fused_attention)
+        graph = build_graph(ep, model, stats, name=name, seq_len=seq_len)
     t2 = time.perf_counter()
     return Traced(graph=graph, exported=ep, model=model, trace_s=t1 - t0, measure_s=t2 - t1)
 
