@@ -87,14 +87,13 @@ def concrete_sizes(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, 
         mask = n.args[0]
         if not (isinstance(mask, torch.fx.Node) and mask.target in (aten.eq.Scalar, aten.eq.Tensor)
                 and isinstance(mask.args[0], torch.fx.Node)):
-            raise PartcError(f"cannot trace the model: {n.target}{_where(n, path)}: {VALUE_SHAPED_HINT}; partc "
-                             f"expects sizes only of nonzero(x == c), one per value c of x (the experts of a routing)")
+            raise PartcError(f"cannot trace the model: {n.target}{_where(n, path)}: {VALUE_SHAPED_HINT}")
         groups.setdefault(mask.args[0], []).append(n)
     counts = {len(g) for g in groups.values()}
     if len(counts) != 1 or counts == {1}:
         n = sized[0]
-        raise PartcError(f"cannot trace the model: {n.target}{_where(n, path)}: {VALUE_SHAPED_HINT}; partc expects "
-                         f"the same number (two or more) of nonzero(x == c) on each routed x, one per expert")
+        raise PartcError(f"cannot trace the model: {n.target}{_where(n, path)}: {VALUE_SHAPED_HINT} (the same "
+                         f"number of experts, two or more, on each routed tensor)")
     n_groups = counts.pop()
     for n in list(reversed(ep.graph.nodes)):  # the checks, then what only they read
         if n.op == "call_function" and (n.target in TRACE_ASSERTS or (
@@ -453,7 +452,8 @@ def _experts_hint(model: nn.Module) -> str:
 
 VALUE_SHAPED_HINT = (
     "its output's size depends on tensor values (nonzero, torch.where(mask) with one argument, boolean-mask "
-    "indexing, unique), which partc cannot price or split: keep every shape fixed, e.g. for a mixture of experts "
+    "indexing, unique), which partc prices only as a mixture's routing, idx = torch.nonzero(choice == e) once per "
+    "expert e: write it so, or keep every shape fixed, e.g. for a mixture of experts "
     "run each expert on all tokens and multiply its output by its routing weight times the mask "
     "(y = y + expert(x) * (weight * (choice == e)).unsqueeze(-1)), or use one grouped GEMM over the experts")
 """What to write instead of an op whose output size depends on values (the hint names no such op as the fix)."""

@@ -23,6 +23,7 @@ from partc.passes.export import VALUE_SHAPED_HINT
 from user_models import USER, write_user_model
 
 REFUSED = {  # name: what the one line must say
+    "masked_rows": r"aten\.index\.Tensor at .*user_masked_rows\.py:\d+: its output's size depends on tensor values",
     "data_control": r"in module Net at .*user_data_control\.py:\d+: .*replace Python control flow on tensor values",
     "autocast": r"torch\.autocast in forward at .*user_autocast\.py:\d+ cannot be written into partc's program; .*"
                 r"--precision",
