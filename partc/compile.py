@@ -392,9 +392,10 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
                          f"{graph.units[pos].fqn} and after")
     for k, (_, end) in enumerate(bounds[:-1]):
         if graph.cut_ok and not graph.cut_ok[end - 1]:
-            raise PartcError(f"stage {k} cannot end at {graph.units[end - 1].fqn}: an op before that boundary "
-                             f"reads one after it, or a tensor whose size depends on values crosses it; move the "
-                             f"boundary")
+            why = "a tensor whose size depends on values (a routing's selected tokens) would cross it" \
+                if graph.cut_value_sized and graph.cut_value_sized[end - 1] else \
+                "an op before that boundary reads one after it"
+            raise PartcError(f"stage {k} cannot end at {graph.units[end - 1].fqn}: {why}; move the boundary")
     unknown = sorted(set(plan.tp) - set(graph.layers))
     if unknown:
         raise PartcError(f"the plan's tp map names {unknown[0]!r}, which is not a layer of the model")

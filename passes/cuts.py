@@ -100,13 +100,14 @@ def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[s
                 grad_fixed=sums[False, True])
 
 
-def realizable_cuts(a: Assignment) -> list[bool]:
+def realizable_cuts(a: Assignment) -> tuple[list[bool], list[bool]]:
     """For each boundary after a unit (all but the last): whether no op of a unit before it reads an op of a unit
-    after it (codegen's stages follow data flow), and no value whose size depends on tensor values
-    (`partc.value_sized.VALUE_SIZED`: a mixture's routed tokens) crosses it (the pipeline's send and receive need
-    shapes known before the step)."""
+    after it (codegen's stages follow data flow) and no value whose size depends on tensor values crosses it; and
+    whether one does (`partc.value_sized.VALUE_SIZED`: a mixture's routed tokens; the pipeline's send and receive
+    need shapes known before the step)."""
     pos = {u: i for i, u in enumerate(a.unit_names)}
     ok = [True] * max(len(a.unit_names) - 1, 0)
+    sized = [False] * len(ok)
     for n in a.nodes:
         if a.node_unit.get(n) is None:
             continue
@@ -118,8 +119,8 @@ def realizable_cuts(a: Assignment) -> list[bool]:
                     ok[i] = False
             elif x.meta.get(VALUE_SIZED):
                 for i in range(pos[a.node_unit[x]], pos[a.node_unit[n]]):
-                    ok[i] = False
-    return ok
+                    ok[i], sized[i] = False, True
+    return ok, sized
 
 
 def val_bytes(n: torch.fx.Node) -> int:

@@ -264,7 +264,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
     cuts = pipeline_cuts(ep, a, units, stats)             # 8. bytes across each pipeline cut; unit inputs
-    cut_ok = realizable_cuts(a)                            #    and which cuts the program can make
+    cut_ok, sized = realizable_cuts(a)                     #    and which cuts the program can make
     for u in units.values():
         u.signature = _signature(u, layers)                # 9. identical blocks share TP decisions
     ordered = [units[u] for u in a.unit_names]
@@ -272,7 +272,8 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     return ModelGraph(name=name, num_params=sum(_numel(tuple(p.shape)) for p in _unique_params(model)),
                       seq_len=seq_len or 1, units=ordered, layers={m: layers[m] for m in a.ordered_layers},
                       edges=edges, cut_bytes=cuts.per_sample, cut_grad_bytes=cuts.grad_per_sample,
-                      cut_fixed_bytes=cuts.fixed, cut_grad_fixed_bytes=cuts.grad_fixed, cut_ok=cut_ok, tied=tied,
+                      cut_fixed_bytes=cuts.fixed, cut_grad_fixed_bytes=cuts.grad_fixed, cut_ok=cut_ok,
+                      cut_value_sized=sized if any(sized) else [], tied=tied,
                       first_unit_required=first_req,
                       last_unit_required=last_req, info=_model_info(layers, ordered, seq_len))
 
