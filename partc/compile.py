@@ -8,6 +8,7 @@ Each step is a function over typed data; `--dump-dir` writes the intermediate re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -36,6 +37,7 @@ from partc.passes.tp import TPSolution, evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
 from partc.passes.export import CHECKPOINT_CALLS, export_on_meta
 from partc.passes.rebatch import rebatch
+from partc.value_sized import EXPECTED_SIZES, expected_sizes
 from partc.passes.trace import Traced, trace
 
 DEFAULT_BATCH_TOKENS = 2 * 1024 * 1024
@@ -194,6 +196,11 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                                          "recompute": best.parallel.recompute}
         warnings.append(checkpoint_note(calls, best.parallel))
 
+    sizes = traced.exported.graph_module.meta.get(EXPECTED_SIZES)
+    if sizes:
+        plan.model["expected_sizes"] = dict(sizes, tokens_per_group=f"1/{sizes['groups']}")
+        warnings.append(expected_sizes_note(sizes))
+
     # 5. The sharded program: the traced graph at the micro-batch size, split by stages.
     t_codegen = time.perf_counter()
     if out_dir is not None:
@@ -293,6 +300,13 @@ def checkpoint_note(calls: list[str], par) -> str:
             f"({par.recompute}) decides what backward recomputes (--recompute full recomputes every unit)")
 
 
+def expected_sizes_note(sizes: dict) -> str:
+    """One line for a model whose tensor sizes depend on values (`partc.value_sized`)."""
+    return (f"sizes depend on values: {sizes['op']} at {sizes['where']} (one of {sizes['groups']} per routed "
+            f"tensor) is priced and checked at the expected 1/{sizes['groups']} of its elements each (uniform "
+            f"routing); the program runs at the real sizes, and no pipeline boundary cuts a tensor of such a size")
+
+
 def tp_unsplit_note(graph: ModelGraph, sol: TPSolution, tp: int) -> str | None:
     """One line when tensor parallelism at degree `tp` > 1 splits no layer at all, with the first reason."""
     if tp == 1 or any(s != "replicate" for s in sol.styles.values()):
@@ -328,7 +342,8 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
         args, kwargs = meta_inputs(spec, b, plan.parallel.precision)
         ep = rebatch(traced.exported, model, args, kwargs) or export_on_meta(model, args, kwargs, path=path,
                                                                              precision=plan.parallel.precision)
-    return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers)
+    with expected_sizes(ep.graph_module.meta) or contextlib.nullcontext():  # the TP rewrite runs ops on meta
+        return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers)
 
 
 def _no_fit_message(clus: Cluster, result: SearchResult) -> str:
@@ -378,8 +393,10 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
                          f"{graph.units[pos].fqn} and after")
     for k, (_, end) in enumerate(bounds[:-1]):
         if graph.cut_ok and not graph.cut_ok[end - 1]:
-            raise PartcError(f"stage {k} cannot end at {graph.units[end - 1].fqn}: an op before that boundary "
-                             f"reads one after it; move the boundary")
+            why = "a tensor whose size depends on values (a routing's selected tokens) would cross it" \
+                if graph.cut_value_sized and graph.cut_value_sized[end - 1] else \
+                "an op before that boundary reads one after it"
+            raise PartcError(f"stage {k} cannot end at {graph.units[end - 1].fqn}: {why}; move the boundary")
     unknown = sorted(set(plan.tp) - set(graph.layers))
     if unknown:
         raise PartcError(f"the plan's tp map names {unknown[0]!r}, which is not a layer of the model")

@@ -176,7 +176,11 @@ class ModelGraph:
     """The part of `cut_fixed_bytes` that needs a gradient. Empty: none."""
     cut_ok: list[bool] = field(default_factory=list)
     """cut_ok[i]: a pipeline boundary after units[i] can be realized, no op before it reads one after it (units
-    whose ops read each other both ways stay in one stage); empty: every boundary can."""
+    whose ops read each other both ways stay in one stage) and no tensor whose size depends on values crosses it
+    (`cut_value_sized`); empty: every boundary can."""
+    cut_value_sized: list[bool] = field(default_factory=list)
+    """cut_value_sized[i]: a tensor whose size depends on values (a mixture's routed tokens, `partc.value_sized`)
+    would cross the boundary after units[i] (a pipeline sends only shapes known before the step); empty: none."""
     tied: dict[str, str] = field(default_factory=dict)
     """Parameter FQN -> the FQN of the parameter it shares storage with (first in execution order)."""
     first_unit_required: list[str] = field(default_factory=list)

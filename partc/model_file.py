@@ -66,6 +66,7 @@ from torch import Tensor, nn
 
 from partc.errors import PartcError, article
 from partc.frames import exception_frames, innermost
+from partc.value_sized import ExpectedSizes
 
 DEFAULT_MAX_SEQ_LEN = 1024
 """Default tokens per sample for a Hugging Face token model: min(this, the config's max positions)."""
@@ -462,7 +463,10 @@ def _default_targets(build: Callable[[], nn.Module], inputs: Callable[[int], tup
                 model = build()
                 args, kwargs = inputs(1)
                 rule = _hf_targets(model, args, kwargs)
-                logits = None if rule else _logits(model(*args, **kwargs))
+                # a value-sized op (a mixture's routing, `partc.value_sized`) at all of its rows: only the logits'
+                # shape is read
+                with ExpectedSizes(1):
+                    logits = None if rule else _logits(model(*args, **kwargs))
         except Exception as e:  # a PartcError from build/inputs too: the hint is what matters here
             raise PartcError(f"{shown} defines no example_targets, and partc could not infer them from a forward on "
                              f"the meta device ({_describe(e)}); define example_targets(batch_size)") from None

@@ -53,6 +53,7 @@ the runtime computes the loss from, the fp32 log-probabilities cross-entropy sav
 _PER_MICRO_BATCH = ("dp", "pp", "zero", "global_batch_size", "schedule", "virtual_stages")
 FORWARD_FLOOR = Reads("forward_floor", (*_PER_MICRO_BATCH, "recompute", "precision"))  # + the unit's signature
 TIED = Reads("tied", (*_PER_MICRO_BATCH, "recompute"))  # parameters held by two units: (tp, b)
+COPIES = Reads("copies", (*_PER_MICRO_BATCH, "recompute"))  # the TP copies' readers (`copy_all_reduces`): (tp, b)
 UNITS = Reads("units", (*_PER_MICRO_BATCH, "recompute"))  # parameters a unit holds on one GPU: (tp, b)
 PADDED = Reads("padded", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # + dp
 REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp, b, recompute)
@@ -575,6 +576,42 @@ def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequenc
     return total * par.micro_batch_size * par.num_microbatches
 
 
+def copy_all_reduces(graph: ModelGraph, tp: TPPlan | None) -> list[tuple[int, tuple[int, ...], int]]:
+    """The backward all-reduces of `copy_to_tp` whose readers are not all in the source's unit: (source unit index,
+    reader unit indices, bytes per sample). `tp_bytes` and `unit_time_parts` charge each once, to its source's unit;
+    the program runs it once on each stage that holds a reader (`copy_moves`)."""
+    if tp is None:
+        return []
+    index = {u.fqn: i for i, u in enumerate(graph.units)}
+    out = []
+    for fqn, colls in tp.collectives.items():
+        for c in colls:
+            readers = tuple(index[u] for u in getattr(c, "reader_units", ()))
+            if readers and set(readers) != {index[fqn]}:
+                out.append((index[fqn], readers, c.nbytes))
+    return out
+
+
+def copy_moves(copies: Sequence[tuple[int, tuple[int, ...], int]], bounds: Sequence[tuple[int, int]],
+               chunks: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(count, bytes per sample) to add to the collectives of the rank holding `chunks` of the plan's `bounds`: a
+    value read by colwise (or split-inside) layers of several stages is copied by each of them (`passes.codegen`),
+    and each copy's backward all-reduces the value's gradient over tp on that stage. One all-reduce per stage that
+    holds a reader, where the unit sums charged one to the source's stage (+1 on each reader stage, -1 on the
+    source's)."""
+    if not copies:
+        return []
+    starts = [lo for lo, _ in bounds]
+    mine = {bisect.bisect_right(starts, lo) - 1 for lo, _ in chunks}
+    out = []
+    for src, readers, nbytes in copies:
+        held = {bisect.bisect_right(starts, r) - 1 for r in readers}
+        count = len(held & mine) - (bisect.bisect_right(starts, src) - 1 in mine)
+        if count:
+            out.append((count, nbytes))
+    return out
+
+
 def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
     """Pipeline payload of one GPU in a step: per micro-batch and chunk, the boundary received and sent forward and
     the gradients sent and received backward (what needs one: `ModelGraph.cut_grad_bytes`), each its 1/t part
@@ -796,6 +833,13 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
             sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
         tp_payload = keep(TP_BYTES.key(par, par.num_microbatches, ck),
                           lambda: tp_bytes(graph, par, tp, idx))
+        if par.tp > 1:  # a copied value's gradient all-reduced on each stage that reads it (`copy_moves`)
+            for count, nbytes in copy_moves(keep(COPIES.key(par), lambda: copy_all_reduces(graph, tp)), bounds,
+                                            chunks):
+                once = hw.collective_time(cluster, "all_reduce", nbytes * b, par.tp, spans_nodes=spans["tp"],
+                                          ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
+                tp_comm += count * once
+                tp_payload += count * nbytes * b * m
         # What one GPU of the rank passes to collectives in a step, on each mesh axis (`MeshAxis.traffic`; the
         # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
         comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),

@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from partc.ir import Unit
+from partc.value_sized import VALUE_SIZED
 from partc.passes.measure import NodeStats, activation_bytes
 from partc.passes.rebatch import sizes_hold_one
 
@@ -99,19 +100,27 @@ def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[s
                 grad_fixed=sums[False, True])
 
 
-def realizable_cuts(a: Assignment) -> list[bool]:
+def realizable_cuts(a: Assignment) -> tuple[list[bool], list[bool]]:
     """For each boundary after a unit (all but the last): whether no op of a unit before it reads an op of a unit
-    after it (codegen's stages follow data flow)."""
+    after it (codegen's stages follow data flow) and no value whose size depends on tensor values crosses it; and
+    whether one does (`partc.value_sized.VALUE_SIZED`: a mixture's routed tokens; the pipeline's send and receive
+    need shapes known before the step)."""
     pos = {u: i for i, u in enumerate(a.unit_names)}
     ok = [True] * max(len(a.unit_names) - 1, 0)
+    sized = [False] * len(ok)
     for n in a.nodes:
         if a.node_unit.get(n) is None:
             continue
         for x in n.all_input_nodes:
-            if a.node_unit.get(x) is not None and pos[a.node_unit[x]] > pos[a.node_unit[n]]:
+            if a.node_unit.get(x) is None:
+                continue
+            if pos[a.node_unit[x]] > pos[a.node_unit[n]]:
                 for i in range(pos[a.node_unit[n]], pos[a.node_unit[x]]):
                     ok[i] = False
-    return ok
+            elif x.meta.get(VALUE_SIZED):
+                for i in range(pos[a.node_unit[x]], pos[a.node_unit[n]]):
+                    ok[i], sized[i] = False, True
+    return ok, sized
 
 
 def val_bytes(n: torch.fx.Node) -> int:

@@ -45,9 +45,92 @@ def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "
             from None
     ep.graph_module.meta[CHECKPOINT_CALLS] = calls
     inline_grad_regions(ep, path=path)
+    concrete_sizes(ep, args, kwargs, path=path)
     device_neutral(ep)
     linears_of_transposes(ep)
     return ep
+
+
+TRACE_ASSERTS = (aten._assert_scalar.default, aten.sym_constrain_range_for_size.default,
+                 aten.sym_constrain_range.default)
+"""torch.export's checks on unbacked sizes: their bounds are the traced sample's (``u0 <= 6`` tokens at one sample),
+not the program's micro-batch, so the program does not run them."""
+
+
+def _unbacked(val) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    try:
+        return bool(free_unbacked_symbols(val))
+    except Exception:  # noqa: BLE001 - a value free_unbacked_symbols does not walk
+        return False
+
+
+def _where(n: torch.fx.Node, path: str) -> str:
+    stack = [re.sub(r"@\d+$", "", p) for p, _ in (n.meta.get("nn_module_stack") or {}).values()]
+    where = f" in module {stack[-1]}" if stack and stack[-1] else ""
+    frame = innermost(stack_trace_frames(n.meta.get("stack_trace")))
+    return where + (f" at {frame.filename}:{frame.lineno}" if frame is not None else "")
+
+
+def concrete_sizes(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, *, path: str = "") -> None:
+    """Give a graph that torch.export traced with unbacked sizes (`partc.value_sized`) concrete values at the
+    expected sizes, in place: every node's ``val`` becomes its value at those sizes and a node whose size depended
+    on values is marked (`VALUE_SIZED`); torch.export's runtime checks of those sizes (`TRACE_ASSERTS`) and the
+    size arithmetic only they read leave the graph. The expectation: each value-sized op (`VALUE_SIZED_OPS`) reads a
+    mask ``x == c``, and the `n` such ops comparing one tensor `x` (the routing's choice, one per expert) each select
+    1/n of its elements. A value-sized op of another form is refused in one line."""
+    from partc.value_sized import EXPECTED_SIZES, VALUE_SIZED, VALUE_SIZED_OPS, ExpectedSizes
+
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
+    if not any(_unbacked(n.meta.get("val")) for n in nodes):
+        return
+    sized = [n for n in nodes if n.target in VALUE_SIZED_OPS]
+    others = [n for n in nodes if _unbacked(n.meta.get("val")) and n.target not in VALUE_SIZED_OPS
+              and not any(_unbacked(x.meta.get("val")) for x in n.all_input_nodes)]
+    if others:
+        raise PartcError(f"cannot trace the model: {others[0].target}{_where(others[0], path)}: {VALUE_SHAPED_HINT}")
+    groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in sized:
+        mask = n.args[0]
+        if not (isinstance(mask, torch.fx.Node) and mask.target in (aten.eq.Scalar, aten.eq.Tensor)
+                and isinstance(mask.args[0], torch.fx.Node)):
+            raise PartcError(f"cannot trace the model: {n.target}{_where(n, path)}: {VALUE_SHAPED_HINT}")
+        groups.setdefault(mask.args[0], []).append(n)
+    counts = {len(g) for g in groups.values()}
+    if len(counts) != 1 or counts == {1}:
+        n = sized[0]
+        raise PartcError(f"cannot trace the model: {n.target}{_where(n, path)}: {VALUE_SHAPED_HINT} (the same "
+                         f"number of experts, two or more, on each routed tensor)")
+    n_groups = counts.pop()
+    for n in list(reversed(ep.graph.nodes)):  # the checks, then what only they read
+        if n.op == "call_function" and (n.target in TRACE_ASSERTS or (
+                not n.users and (n.target is aten.sym_size.int or getattr(n.target, "__module__", "") in
+                                 ("_operator", "operator")))):
+            ep.graph.erase_node(n)
+    ep.graph_module.recompile()
+    marked = {n for n in ep.graph.nodes if _unbacked(n.meta.get("val"))}
+    mode = ExpectedSizes(n_groups)
+    vals: dict[str, object] = {}
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            vals[n.name] = out
+            return out
+
+    flat = ep._graph_module_flat_inputs(args, kwargs)
+    with torch.no_grad(), mode:
+        Record(ep.graph_module).run(*flat)
+    for n in ep.graph.nodes:
+        if n.name in vals and n.op == "call_function":
+            n.meta["val"] = vals[n.name]
+        if n in marked:
+            n.meta[VALUE_SIZED] = True
+    first = sized[0]
+    frame = innermost(stack_trace_frames(first.meta.get("stack_trace")))
+    ep.graph_module.meta[EXPECTED_SIZES] = {
+        "op": str(first.target), "where": f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame else "",
+        "groups": n_groups, "calls": len(sized)}
 
 
 CHECKPOINT_CALLS = "partc_checkpoint_calls"
@@ -387,7 +470,8 @@ def _experts_hint(model: nn.Module) -> str:
 
 VALUE_SHAPED_HINT = (
     "its output's size depends on tensor values (nonzero, torch.where(mask) with one argument, boolean-mask "
-    "indexing, unique), which partc cannot price or split: keep every shape fixed, e.g. for a mixture of experts "
+    "indexing, unique), which partc prices only as a mixture's routing, idx = torch.nonzero(choice == e) once per "
+    "expert e: write it so, or keep every shape fixed, e.g. for a mixture of experts "
     "run each expert on all tokens and multiply its output by its routing weight times the mask "
     "(y = y + expert(x) * (weight * (choice == e)).unsqueeze(-1)), or use one grouped GEMM over the experts")
 """What to write instead of an op whose output size depends on values (the hint names no such op as the fix)."""

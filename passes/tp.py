@@ -71,6 +71,10 @@ class Collective:
     """FQN of the layer whose output (forward) or output gradient (backward) it converts."""
     reason: str
     """A short sentence for people."""
+    reader_units: tuple[str, ...] = ()
+    """A backward all-reduce of partial input gradients (the backward of `copy_to_tp`): the units of the layers
+    that hand them back. The program runs it once on each pipeline stage holding one of them (each stage copies the
+    value itself, `passes.codegen`), not on the source's stage: `passes.cost.copy_all_reduces` moves the charge."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -366,7 +370,9 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
                 reader_style = "colwise" if inner == {False} else "split-inside" if inner == {True} else \
                     "colwise or split-inside"
                 coll = Collective(kind=kind, phase=phase, nbytes=src.nbytes, src=src.layer,
-                                  reason=_reason(phase, kind, layer, style, readers, reader_style))
+                                  reason=_reason(phase, kind, layer, style, readers, reader_style),
+                                  reader_units=tuple(dict.fromkeys(graph.layers[r].unit for r in readers))
+                                  if (phase, kind) == ("bwd", "all_reduce") else ())
                 collectives.setdefault(layer.unit, []).append(coll)
                 unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + hw.collective_time(
                     cluster, kind, src.nbytes * b, tp, spans_nodes=_spans_nodes(cluster, tp))

@@ -12,6 +12,7 @@ Everything is measured for one sample (micro-batch size 1); the cost model scale
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
 from partc.precision import cast_floating, cast_parameters, compute_dtype
 from partc.passes.assign import Assignment, assign, layer_outputs, owner
+from partc.value_sized import expected_sizes
 from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
 from partc.passes.experts import mark_inner, param_placeholders
 from partc.passes.export import export_on_meta, norms_on_any_batch
@@ -48,7 +50,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
     cuts = pipeline_cuts(ep, a, units, stats)             # 8. bytes across each pipeline cut; unit inputs
-    cut_ok = realizable_cuts(a)                            #    and which cuts the program can make
+    cut_ok, sized = realizable_cuts(a)                     #    and which cuts the program can make
     for u in units.values():
         u.signature = _signature(u, layers)                # 9. identical blocks share TP decisions
     ordered = [units[u] for u in a.unit_names]
@@ -56,7 +58,8 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     return ModelGraph(name=name, num_params=sum(_numel(tuple(p.shape)) for p in _unique_params(model)),
                       seq_len=seq_len or 1, units=ordered, layers={m: layers[m] for m in a.ordered_layers},
                       edges=edges, cut_bytes=cuts.per_sample, cut_grad_bytes=cuts.grad_per_sample,
-                      cut_fixed_bytes=cuts.fixed, cut_grad_fixed_bytes=cuts.grad_fixed, cut_ok=cut_ok, tied=tied,
+                      cut_fixed_bytes=cuts.fixed, cut_grad_fixed_bytes=cuts.grad_fixed, cut_ok=cut_ok,
+                      cut_value_sized=sized if any(sized) else [], tied=tied,
                       first_unit_required=first_req,
                       last_unit_required=last_req, info=_model_info(layers, ordered, seq_len))
 
@@ -294,9 +297,11 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: in
         seq_len = infer_seq_len(args, kwargs)
     if seq_len is None:
         seq_len = _tokens_from_graph(ep)
-    with norms_on_any_batch():  # one sample: a BatchNorm may see one value per channel
-        stats = measure(ep, args, kwargs, seq_len, fused_attention=fused_attention)
-    graph = build_graph(ep, model, stats, name=name, seq_len=seq_len)
+    sizes = expected_sizes(ep.graph_module.meta)  # value-sized ops at their expected sizes (`partc.value_sized`)
+    with sizes or contextlib.nullcontext():
+        with norms_on_any_batch():  # one sample: a BatchNorm may see one value per channel
+            stats = measure(ep, args, kwargs, seq_len, fused_attention=fused_attention)
+        graph = build_graph(ep, model, stats, name=name, seq_len=seq_len)
     t2 = time.perf_counter()
     return Traced(graph=graph, exported=ep, model=model, trace_s=t1 - t0, measure_s=t2 - t1)
 

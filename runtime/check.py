@@ -52,6 +52,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partc._torch import TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPRefType, InferenceMode, mod_tracker_module
 from partc.cluster import Cluster
 from partc.collectives import set_tp_group
+from partc.value_sized import expected_sizes
 from partc.errors import PartcError
 from partc.parallel import SHOWN_AXES, Parallel
 from partc.runtime.api import Program, build, meta_model
@@ -248,7 +249,9 @@ def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
     model = meta_model(files)  # outside the fake mode: a model's own construction may do what fake tensors refuse
     with _fake_world(par, rank):
         world = init_world(par)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        # a value-sized op (a mixture's routing: fake tensors hold no values) at the plan's expected size
+        with FakeTensorMode(allow_non_fake_inputs=True), expected_sizes(files.plan.model, par.micro_batch_size) \
+                or contextlib.nullcontext():
             prog = build(files, world, optimizer=OptimizerConfig(name=optimizer), model=model)
             _answer_warmup_vote(prog)
             _create_optimizer_states(prog)

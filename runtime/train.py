@@ -47,6 +47,7 @@ micro-batches); the loss looks the targets up, so targets may be any structure o
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -67,6 +68,7 @@ from partc.runtime.parallelize import reshard
 from partc.runtime.program import ProgramFiles
 from partc.runtime.schedule import GatherOnceInterleaved1F1B, PipeStage
 from partc.sharding import TPLayout
+from partc.value_sized import expected_sizes
 
 
 class NonFiniteError(PartcError):
@@ -108,8 +110,10 @@ def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
     p |= {n: _meta(t) for n, t in model.named_buffers(remove_duplicate=False)}
     meta = torch.device("meta")
     shapes = []
+    sizes = expected_sizes(program.plan.model)  # a value-sized op (never on a boundary) at an expected size
     for st in program.stages:
-        out = tuple(t.contiguous() for t in st.code.forward(p, *x, device=meta))  # as `StageModule` sends them
+        with sizes or contextlib.nullcontext():
+            out = tuple(t.contiguous() for t in st.code.forward(p, *x, device=meta))  # as `StageModule` sends them
         shapes.append((x, out))
         x = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
     return shapes

@@ -28,6 +28,7 @@ class FakeCollective:
     nbytes: int
     src: str = ""
     reason: str = ""
+    reader_units: tuple[str, ...] = ()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -291,6 +292,34 @@ def test_predict_consistent():
     assert pred.ranks[1].memory.activations >= g.layers["lm_head"].out_bytes / 2 * 2 * cost.LOSS_BYTES  # the loss
     assert st0.memory.buffers == 5 * A100.communicator_bytes  # world, tp, dp, pp, the tied embedding's group
     assert pred.to_dict()["memory_per_gpu"]["total"] == int(round(pred.memory_per_gpu.total))
+
+
+def test_copied_value_all_reduced_on_each_stage_that_reads_it():
+    """A value read by colwise layers of two stages is copied (`copy_to_tp`) on each: its gradient's all-reduce runs
+    once on every stage holding a reader, not once on the source's stage (`cost.copy_moves`)."""
+    s, h, n = 32, 64, 1000
+    g = gpt(L=4, s=s, h=h)
+    p_ = par(tp=2, pp=2, micro_batch_size=2, global_batch_size=8)
+    bounds = [(0, 3), (3, 7)]
+    once = hw.collective_time(A100, "all_reduce", n * 2, 2)
+
+    def predict(readers):
+        tp = megatron_tp(g, s=s, h=h)
+        tp.collectives["blocks.0"].append(FakeCollective(kind="all_reduce", phase="bwd", nbytes=n,
+                                                         reader_units=readers))
+        return cost.predict(g, A100, p_, tp, bounds).ranks
+
+    m = p_.num_microbatches
+    base = predict(())  # charged to blocks.0's stage, as one stage holding every reader runs it
+    assert [r.comm_bytes["tp"] for r in predict(("blocks.0", "blocks.1"))] == [r.comm_bytes["tp"] for r in base]
+    both = predict(("blocks.1", "blocks.3"))  # stage 0 copies, stage 1 copies again
+    assert both[0].comm_bytes["tp"] == base[0].comm_bytes["tp"]
+    assert both[1].comm_bytes["tp"] == base[1].comm_bytes["tp"] + n * 2 * m
+    assert both[1].time_s == pytest.approx(base[1].time_s + once)
+    later = predict(("blocks.3",))  # only stage 1 reads it: the one all-reduce runs there
+    assert later[0].comm_bytes["tp"] == base[0].comm_bytes["tp"] - n * 2 * m
+    assert later[1].comm_bytes["tp"] == base[1].comm_bytes["tp"] + n * 2 * m
+    assert later[0].time_s == pytest.approx(base[0].time_s - once)
 
 
 @pytest.mark.parametrize("zero_stage,bounds", [(3, [(0, 3), (3, 7)]), (1, [(0, 1), (1, 6), (6, 7)])])

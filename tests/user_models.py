@@ -409,6 +409,26 @@ USER = {
         def example_inputs(batch_size):
             return (torch.randn(batch_size, 8),)
     """,
+    # Boolean-mask selection of the rows a threshold keeps: a size that depends on values, but no routing over
+    # groups to expect a share from.
+    "masked_rows": """
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = nn.Linear(8, 16)
+                self.fc2 = nn.Linear(16, 4)
+
+            def forward(self, x):
+                h = self.fc1(x)
+                keep = h[h.sum(-1) > 0]
+                return self.fc2(h) + self.fc2(keep).sum()
+
+        def model():
+            return Net()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 8),)
+    """,
     # torch.cond: both branches traced, one taken at run time by a tensor's value.
     "cond": """
         class Net(nn.Module):
