@@ -7,9 +7,23 @@ the Megatron-LM calibration, and anything else over about 10 s.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from helpers import EXAMPLES, HF_MODELS, trace_file, write_hf_model
+from helpers import EXAMPLES, HF_MODELS, compile_program, trace_file, write_hf_model
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (what .ci/run uses), a module's tests go to one worker together, so
+    its module-scoped fixtures (compiled programs, a torchrun launch of many jobs) are built once; a test module may
+    set its own ``xdist_group`` mark instead to share a worker with others."""
+    if not getattr(config.option, "loadgroup", False):  # set on the workers (whose own ``dist`` is "no")
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(autouse=True)
@@ -42,5 +56,28 @@ def traced_example():
                 mp.delenv("PARTC_LLAMA_SIZE", raising=False)
                 cache[name] = trace_file(EXAMPLES / f"{name}.py")
         return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    """``compiled(model, **kwargs)``: `helpers.compile_program`'s output directory for these arguments, compiled
+    once per session (per test process under xdist) and shared by every module that asks for the same program.
+    Tests only read it (a test that edits a program copies it first)."""
+    cache: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("compiled")
+
+    def get(model, **kwargs) -> Path:
+        path = str(model) if str(model).endswith(".py") else str(EXAMPLES / f"{model}.py")
+        key = repr((path, sorted(kwargs.items())))  # a tp_styles function by its identity
+        if key not in cache:
+            out = root / f"p{len(cache)}"
+            with pytest.MonkeyPatch.context() as mp:  # at the examples' tiny size, as every test sees them
+                mp.delenv("PARTC_GPT_SIZE", raising=False)
+                mp.delenv("PARTC_LLAMA_SIZE", raising=False)
+                compile_program(path, out, **kwargs)
+            cache[key] = out
+        return cache[key]
 
     return get

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -107,21 +106,22 @@ def load_stage(path: Path):
 # --- compiling ---------------------------------------------------------------------------------------------------
 
 
-def compile_program(model: str | Path, out: Path, *, global_batch_size: int = 4, gpus: int | None = None,
-                    seq_len: int | None = None, tp_styles=None, **pins) -> Path:
+def compile_program(model: str | Path, out: Path, *, global_batch_size: int | None = None, gpus: int | None = None,
+                    seq_len: int | None = None, tp_styles=None, **pins):
     """Compile a model file (a path, or the name of an examples/ file) into `out` with exactly the given `Pins`
     fields (``tp=2, pp=2, micro_batch_size=1, schedule="1f1b", precision="fp32"``...: what is not given is
     searched); `gpus` defaults to the product of the pinned mesh degrees. With `tp_styles` the tp map is then set
     in plan.json by hand and that file compiled again with ``--from-plan``, as a user would: a dict updates the
-    solver's map, a function ``(fqn, solver's style) -> style`` rewrites every entry. Returns `out`."""
+    solver's map, a function ``(fqn, solver's style) -> style`` rewrites every entry. Returns the last
+    `CompileResult` (the program is in `out`)."""
     from partc.compile import compile_model
     from partc.parallel import MESH_AXES, Pins
 
     path = str(model) if Path(str(model)).suffix == ".py" else str(EXAMPLES / f"{model}.py")
     out = Path(out)
     gpus = gpus or math.prod(pins.get(axis) or 1 for axis in MESH_AXES)
-    compile_model(path, gpus=gpus, pins=Pins(**pins), global_batch_size=global_batch_size, seq_len=seq_len,
-                  out_dir=out)
+    result = compile_model(path, gpus=gpus, pins=Pins(**pins), global_batch_size=global_batch_size,
+                           seq_len=seq_len, out_dir=out)
     if tp_styles is not None:
         plan = json.loads((out / "plan.json").read_text())
         if callable(tp_styles):
@@ -130,8 +130,8 @@ def compile_program(model: str | Path, out: Path, *, global_batch_size: int = 4,
             plan["tp"].update(tp_styles)
         edited = out.parent / f"{out.name}.plan.json"
         edited.write_text(json.dumps(plan, indent=2))
-        compile_model(path, gpus=gpus, from_plan=str(edited), seq_len=seq_len, out_dir=out)
-    return out
+        result = compile_model(path, gpus=gpus, from_plan=str(edited), seq_len=seq_len, out_dir=out)
+    return result
 
 
 # --- tensor parallelism ----------------------------------------------------------------------------------------
