@@ -97,11 +97,19 @@ def compile_tp(name: str, tmp: Path) -> Path:
     return out
 
 
+_REFERENCES: dict[tuple, tuple[list[float], dict]] = {}
+
+
 def reference(name: str, tmp: Path, init: dict, *, steps: int = STEPS, **opt) -> tuple[list[float], dict]:
-    model, _, pp, _, _, _, mb, gbs, _, _ = CONFIGS[name]
-    return reference_run(model_path(model, tmp), init, steps=steps, seed=0, global_batch_size=gbs,
-                         seq_len=seq_len(model), precision="bf16" if name in BF16 else "fp32",
-                         micro_batch_size=mb, untied=pp > 1, **(opt or SGD))
+    """One process from `init` (always the config's model's saved initial state here): computed once per
+    arguments, as the five checkpoint pairs compare with the same AdamW run (callers only read the result)."""
+    key = (name, str(tmp), steps, tuple(sorted((opt or SGD).items())))
+    if key not in _REFERENCES:
+        model, _, pp, _, _, _, mb, gbs, _, _ = CONFIGS[name]
+        _REFERENCES[key] = reference_run(model_path(model, tmp), init, steps=steps, seed=0, global_batch_size=gbs,
+                                         seq_len=seq_len(model), precision="bf16" if name in BF16 else "fp32",
+                                         micro_batch_size=mb, untied=pp > 1, **(opt or SGD))
+    return _REFERENCES[key]
 
 
 @pytest.fixture(scope="module")
