@@ -90,7 +90,7 @@ def compiled(tmp_path_factory):
         path = str(model) if str(model).endswith(".py") else str(EXAMPLES / f"{model}.py")
         key = repr((path, sorted(kwargs.items())))  # a tp_styles function by its identity
         if key not in cache:
-            out = root / f"p{len(cache)}"
+            out = root / f"program-{len(cache):04d}"  # no name a prefix of another (tests find processes by it)
             with pytest.MonkeyPatch.context() as mp:  # at the examples' tiny size, as every test sees them
                 mp.delenv("PARTC_GPT_SIZE", raising=False)
                 mp.delenv("PARTC_LLAMA_SIZE", raising=False)

@@ -4,7 +4,6 @@ gathered state dict must equal `reference_run`. All programs share one torchrun 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
