@@ -21,9 +21,10 @@ tiny one of the same code (2 layers or stages, hidden size 32-64, dropout off). 
     pp 2         the tiny model trained 3 SGD steps on 2 gloo ranks, pipeline of 2 stages
     dp 2 ZeRO-3  the same, data parallel over 2 ranks with ZeRO-3
     tp 2         the same, tensor parallel over 2 ranks with Megatron-LM's map set by hand, as a user would with
-                 ``--from-plan`` (`MEGATRON`: attention's query/key/value and the MLP's first layers colwise, their
-                 output projections rowwise, a mixture of experts' experts split inside, everything else whole; a tiny model is too small for the solver to split
-                 anything itself): "ok (6 split)" says 6 layers were split; a map partc refuses shows its error
+                 ``--from-plan`` (`partc.passes.tp.MEGATRON_NAMES`: attention's query/key/value and the MLP's
+                 first layers colwise, their output projections rowwise, a mixture of experts' experts split
+                 inside, everything else whole; a tiny model is too small for the solver to split anything
+                 itself): "ok (6 split)" says 6 layers were split; a map partc refuses shows its error
 
 A tiny run is "ok" when each step's loss equals `partc.runtime.testing.reference_run` (the whole model in one
 process, fp32, micro-batches of one sample) within 1e-5 relative; "FAIL" gives the worst relative difference;
@@ -63,24 +64,12 @@ CLUSTER = "h100-80g"
 # name: (tp, pp, dp, zero)
 TINY_RUNS = {"pp 2": (1, 2, 1, 0), "dp 2 ZeRO-3": (1, 1, 2, 3), "tp 2": (2, 1, 1, 0)}
 
-MEGATRON = {
-    "colwise": r"(q_proj|k_proj|v_proj|qkv_proj|query_key_value|(^|\.)(query|key|value|qkv|q|k|v|self_attn)|"
-               r"query_proj|key_proj|value_proj|gate_proj|up_proj|gate_up_proj|dense_h_to_4h|fc1|c_attn|c_fc|"
-               r"intermediate\.dense|wi|wi_0|wi_1|linear1)$",
-    "rowwise": r"(o_proj|out_proj|down_proj|dense_4h_to_h|fc2|c_proj|(attention|self_attention|attn)\.dense|"
-               r"attention\.output\.dense|(^|\.)output\.dense|wo|(^|\.)(o|proj)|linear2)$",
-    "inner": r"(^|\.)experts$",
-}
-"""Megatron-LM's tensor-parallel map by layer name across the families: the inputs of attention (query, key, value,
-fused or not) and of the MLP (first layer, gate, up) split by output features, the projections after them by input
-features (an nn.MultiheadAttention named self_attn is the Linear of its packed q, k and v); a mixture of experts'
-packed experts split inside, each as a Megatron MLP (`partc.passes.experts`). Layers of other names stay whole."""
-
-
 def megatron_map(layers: dict[str, str]) -> dict[str, str]:
-    """Each layer of a plan's ``tp`` map -> its Megatron-LM style (`MEGATRON`), or "replicate"."""
-    return {fqn: next((style for style, pattern in MEGATRON.items() if re.search(pattern, fqn)), "replicate")
-            for fqn in layers}
+    """Each layer of a plan's ``tp`` map -> its Megatron-LM style by name (`partc.passes.tp.MEGATRON_NAMES`), or
+    "replicate"."""
+    from partc.passes.tp import megatron_style
+
+    return {fqn: megatron_style(fqn) or "replicate" for fqn in layers}
 
 
 @dataclass(kw_only=True, slots=True)

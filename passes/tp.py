@@ -41,6 +41,7 @@ itself. Identical sources are merged with a multiplicity, so 128 blocks solve as
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -273,6 +274,36 @@ def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str], r
 
 
 # 2. Why a layer is kept whole (or off Megatron's pattern)
+
+
+MEGATRON_NAMES = {
+    "colwise": r"(q_proj|k_proj|v_proj|qkv_proj|query_key_value|(^|\.)(query|key|value|qkv|q|k|v|self_attn)|"
+               r"query_proj|key_proj|value_proj|gate_proj|up_proj|gate_up_proj|dense_h_to_4h|fc1|c_attn|c_fc|"
+               r"intermediate\.dense|wi|wi_0|wi_1|linear1|^blocks\.\d+\.mlp\.(gate|up))$",
+    "rowwise": r"(o_proj|out_proj|down_proj|dense_4h_to_h|fc2|c_proj|(attention|self_attention|attn)\.dense|"
+               r"attention\.output\.dense|(^|\.)output\.dense|wo|(^|\.)(o|proj)|linear2|^blocks\.\d+\.mlp\.down)$",
+    "inner": r"(^|\.)experts$",
+}
+"""Megatron-LM's pattern by layer name, across the model families partc is tried on (its examples, Hugging Face's
+and timm's layer names, ``nn.MultiheadAttention``): the inputs of attention (query, key, value, fused or not) and of
+the MLP (first layer, gate, up; examples/llama.py's ``blocks.N.mlp.gate`` and ``up``, not a mixture's router
+``mlp.gate``) split by output features, the projections after them by input features (an
+``nn.MultiheadAttention`` named self_attn is the Linear of its packed q, k and v); packed experts split inside, each
+as a Megatron MLP (`partc.passes.experts`). This is the map a user writes into a plan's ``tp`` by hand
+(``--from-plan``) to run Megatron's split; `megatron_styles` reads the pattern off a traced model's data flow."""
+
+MEGATRON_VOCAB = {"rowwise": r"(^tok|wte|embed_tokens)$", "colwise": r"^lm_head$"}
+"""Megatron-LM's vocabulary split by layer name: the token embedding rowwise, the LM head colwise."""
+
+
+def megatron_style(fqn: str, *, vocab: bool = False) -> str | None:
+    """A layer's style in Megatron's pattern by its name (`MEGATRON_NAMES`; with `vocab`, also `MEGATRON_VOCAB`);
+    None where the pattern names nothing (the layer stays whole)."""
+    for table in (MEGATRON_NAMES, MEGATRON_VOCAB if vocab else {}):
+        for style, pattern in table.items():
+            if re.search(pattern, fqn):
+                return style
+    return None
 
 
 def megatron_styles(graph: ModelGraph) -> dict[str, str]:

@@ -1,15 +1,47 @@
 """Fixtures shared by the test modules (constants and plain helpers: helpers.py; hand-built graphs: ir_fixtures.py).
 
-Tiers: ``pytest -m "not slow"`` runs the fast tier (single process, a few minutes on two cores); plain ``pytest``
-(what .ci/run runs) runs everything, including the tests marked ``slow``: torchrun / gloo launches, GPT-3 175B,
-the Megatron-LM calibration, and anything else over about 10 s.
+Tiers: ``pytest -m "not slow"`` runs the fast tier (single process); plain ``pytest`` runs everything, including the
+tests marked ``slow``: torchrun / gloo launches, GPT-3 175B, the Megatron-LM calibration, and anything else over
+about 10 s. .ci/run adds ``-n 2 --dist loadgroup`` (pytest-xdist: two workers, a module's tests on one of them).
 """
 
 from __future__ import annotations
 
-import pytest
+import os
+from pathlib import Path
 
-from helpers import EXAMPLES, HF_MODELS, trace_file, write_hf_model
+import pytest
+import torch
+
+from helpers import EXAMPLES, HF_MODELS, compile_program, trace_file, write_hf_model
+
+
+HEAVY_FIRST = ("test_runtime_tp", "test_runtime_safety", "test_runtime_dist", "test_check", "test_tp_rewrite",
+               "test_moe", "test_zoo_dist", "test_runtime_init", "test_compile_safety", "test_calibration")
+"""The modules that take longest (torchrun launches, `partc run`, `partc check`), longest first: under xdist they
+start first, and the short modules fill in around them."""
+
+
+def pytest_configure(config):
+    if config.getoption("dist", "no") == "loadgroup":  # the xdist controller: hand out the modules in our order
+        config.option.loadscopereorder = False
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each
+        torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (what .ci/run uses), a module's tests go to one worker together, so
+    its module-scoped fixtures (compiled programs, a torchrun launch of many jobs) are built once, and the modules of
+    `HEAVY_FIRST` are handed out first; a test module may set its own ``xdist_group`` mark instead to share a worker
+    with others."""
+    if not getattr(config.option, "loadgroup", False):  # set on the workers (whose own ``dist`` is "no")
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: the rest as collected
 
 
 @pytest.fixture(autouse=True)
@@ -42,5 +74,28 @@ def traced_example():
                 mp.delenv("PARTC_LLAMA_SIZE", raising=False)
                 cache[name] = trace_file(EXAMPLES / f"{name}.py")
         return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    """``compiled(model, **kwargs)``: `helpers.compile_program`'s output directory for these arguments, compiled
+    once per session (per test process under xdist) and shared by every module that asks for the same program.
+    Tests only read it (a test that edits a program copies it first)."""
+    cache: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("compiled")
+
+    def get(model, **kwargs) -> Path:
+        path = str(model) if str(model).endswith(".py") else str(EXAMPLES / f"{model}.py")
+        key = repr((path, sorted(kwargs.items())))  # a tp_styles function by its identity
+        if key not in cache:
+            out = root / f"program-{len(cache):04d}"  # no name a prefix of another (tests find processes by it)
+            with pytest.MonkeyPatch.context() as mp:  # at the examples' tiny size, as every test sees them
+                mp.delenv("PARTC_GPT_SIZE", raising=False)
+                mp.delenv("PARTC_LLAMA_SIZE", raising=False)
+                compile_program(path, out, **kwargs)
+            cache[key] = out
+        return cache[key]
 
     return get

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from partc.model_file import build_on_meta, load_model_file
+from partc.passes.tp import MEGATRON_VOCAB, megatron_style  # noqa: F401 (re-exported)
 from partc.passes.trace import trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,28 +103,42 @@ def load_stage(path: Path):
     return mod
 
 
+# --- compiling ---------------------------------------------------------------------------------------------------
+
+
+def compile_program(model: str | Path, out: Path, *, global_batch_size: int | None = None, gpus: int | None = None,
+                    seq_len: int | None = None, tp_styles=None, **pins):
+    """Compile a model file (a path, or the name of an examples/ file) into `out` with exactly the given `Pins`
+    fields (``tp=2, pp=2, micro_batch_size=1, schedule="1f1b", precision="fp32"``...: what is not given is
+    searched); `gpus` defaults to the product of the pinned mesh degrees. With `tp_styles` the tp map is then set
+    in plan.json by hand and that file compiled again with ``--from-plan``, as a user would: a dict updates the
+    solver's map, a function ``(fqn, solver's style) -> style`` rewrites every entry. Returns the last
+    `CompileResult` (the program is in `out`)."""
+    from partc.compile import compile_model
+    from partc.parallel import MESH_AXES, Pins
+
+    path = str(model) if Path(str(model)).suffix == ".py" else str(EXAMPLES / f"{model}.py")
+    out = Path(out)
+    gpus = gpus or math.prod(pins.get(axis) or 1 for axis in MESH_AXES)
+    result = compile_model(path, gpus=gpus, pins=Pins(**pins), global_batch_size=global_batch_size,
+                           seq_len=seq_len, out_dir=out)
+    if tp_styles is not None:
+        plan = json.loads((out / "plan.json").read_text())
+        if callable(tp_styles):
+            plan["tp"] = {fqn: tp_styles(fqn, style) for fqn, style in plan["tp"].items()}
+        else:
+            plan["tp"].update(tp_styles)
+        edited = out.parent / f"{out.name}.plan.json"
+        edited.write_text(json.dumps(plan, indent=2))
+        result = compile_model(path, gpus=gpus, from_plan=str(edited), seq_len=seq_len, out_dir=out)
+    return result
+
+
 # --- tensor parallelism ----------------------------------------------------------------------------------------
 
-COLWISE = r"(qkv|fc1|c_attn|c_fc|q_proj|k_proj|v_proj|gate_proj|up_proj|query|key|value|intermediate\.dense|" \
-          r"attn\.[qkv]|mlp\.gate|mlp\.up)$"
-ROWWISE = r"(attn\.proj|fc2|attn\.c_proj|mlp\.c_proj|o_proj|down_proj|attention\.output\.dense|output\.dense|" \
-          r"attn\.o|mlp\.down)$"
-VOCAB = r"(^tok|wte|embed_tokens)$"
-
-
-def megatron_style(fqn: str, *, vocab: bool) -> str | None:
-    """Megatron-LM's style of a layer of the example or Hugging Face models: QKV / fc1 / gate / up colwise, the
-    output projections rowwise, and with `vocab` the vocabulary split (token embedding rowwise, LM head colwise);
-    None where the pattern says nothing."""
-    if re.search(COLWISE, fqn):
-        return "colwise"
-    if re.search(ROWWISE, fqn):
-        return "rowwise"
-    if vocab and re.search(VOCAB, fqn):
-        return "rowwise"
-    if vocab and fqn == "lm_head":
-        return "colwise"
-    return None
+# Megatron-LM's map by layer name lives with the solver (`partc.passes.tp.megatron_style`); these names stay for
+# the test modules that import them from here.
+VOCAB = MEGATRON_VOCAB["rowwise"]
 
 
 # --- torchrun ---------------------------------------------------------------------------------------------------

@@ -12,10 +12,13 @@ of its own unit and of the next one (``residual="trace"``) or every later norm (
 from __future__ import annotations
 
 from partc.ir import ACTIVATION_BYTES, Edge, Gemm, Layer, ModelGraph, Unit
+from partc.passes.tp import megatron_style
 
-MEGATRON = {"ln_1": "replicate", "attn.qkv": "colwise", "attn.proj": "rowwise", "ln_2": "replicate",
-            "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
-"""Megatron-LM's TP styles of a block's layers (names relative to the block)."""
+BLOCK_LAYERS = ("ln_1", "attn.qkv", "attn.proj", "ln_2", "mlp.fc1", "mlp.fc2")
+"""A block's layers (names relative to the block), in execution order."""
+
+MEGATRON = {name: megatron_style(name) or "replicate" for name in BLOCK_LAYERS}
+"""Megatron-LM's TP styles of a block's layers: qkv and fc1 colwise, proj and fc2 rowwise, the norms whole."""
 
 
 def linear(fqn: str, unit: str, tokens: int, in_f: int, out_f: int, *, col_groups: int = 0, row_groups: int = 0,

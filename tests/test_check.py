@@ -31,17 +31,10 @@ PLANS = {
 }
 
 
-def compile_plan(name: str, tmp: Path) -> Path:
-    model, gpus, pins, gbs = PLANS[name]
-    compile_model(str(EXAMPLES / f"{model}.py"), gpus=gpus, pins=Pins(**pins), global_batch_size=gbs,
-                  out_dir=tmp / name)
-    return tmp / name
-
-
 @pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("check")
-    return {name: compile_plan(name, tmp) for name in PLANS}
+def plans(compiled):
+    return {name: compiled(model, gpus=gpus, global_batch_size=gbs, **pins)
+            for name, (model, gpus, pins, gbs) in PLANS.items()}
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,11 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from helpers import assert_close_losses, assert_close_states, assert_comm_matches_plan, run_jobs
+from helpers import assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program, run_jobs
 from partc.cli.main import main
 from partc.cluster import PRESETS
-from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import build_on_meta, load_model_file
-from partc.parallel import Pins
 from partc.passes import hw
 from partc.passes.experts import inner_split, param_placeholders
 from partc.passes.export import export_on_meta
@@ -249,18 +247,14 @@ def runs(mixtral_file, tmp_path_factory):
     for name, (tp, pp, dp, zero, mb, gbs) in CONFIGS.items():
         torch.manual_seed(1234)
         torch.save(load_model_file(mixtral_file, seq_len=S).build().state_dict(), tmp / f"{name}.init.pt")
-        pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
-                    precision="fp32")
         out = tmp / name
-        compile_model(mixtral_file, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, seq_len=S, out_dir=out)
-        if tp > 1:  # the Megatron map, set by hand as a user would (`--from-plan`)
-            plan = json.loads((out / "plan.json").read_text())
-            styles = {**TP_STYLES, **INNER.get(name, {})}
-            plan["tp"] = {fqn: next((s for k, s in styles.items() if fqn.endswith(k)), "replicate")
-                          for fqn in plan["tp"]}
-            (tmp / f"{name}.plan.json").write_text(json.dumps(plan))
-            compile_model(mixtral_file, gpus=tp * pp * dp, from_plan=str(tmp / f"{name}.plan.json"), seq_len=S,
-                          out_dir=out)
+        styles = {**TP_STYLES, **INNER.get(name, {})}
+        compile_program(mixtral_file, out, global_batch_size=gbs, seq_len=S,
+                        # the Megatron map, set by hand as a user would (`--from-plan`)
+                        tp_styles=(lambda fqn, solved: next((s for k, s in styles.items() if fqn.endswith(k)),
+                                                            "replicate")) if tp > 1 else None,
+                        tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
+                        precision="fp32")
         jobs.append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{name}.init.pt"),
                      "result": str(tmp / f"{name}.pt"), **SGD})
     # A checkpoint saved with the experts split inside (gate and up stored as pieces) resumes under dp 2 ZeRO-3.

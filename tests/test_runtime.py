@@ -35,21 +35,17 @@ from partc.runtime.train import global_batch, stage_shapes
 CPU = torch.device("cpu")
 
 
-def _compile(tmp_path: Path, model: str, *, pp: int, dp: int = 1, mb: int = 1, gbs: int = 4, name: str = "out"):
-    pins = Pins(tp=1, pp=pp, dp=dp, zero=0, micro_batch_size=mb, schedule="1f1b", recompute="none")
-    compile_model(str(EXAMPLES / f"{model}.py"), gpus=pp * dp, pins=pins, global_batch_size=gbs,
-                  out_dir=tmp_path / name)
-    return tmp_path / name
+PINS = dict(tp=1, dp=1, zero=0, micro_batch_size=1, schedule="1f1b", recompute="none")
 
 
 @pytest.fixture(scope="module")
-def gpt_pp2(tmp_path_factory):
-    return _compile(tmp_path_factory.mktemp("gpt"), "gpt", pp=2)
+def gpt_pp2(compiled):
+    return compiled("gpt", pp=2, global_batch_size=4, **PINS)
 
 
 @pytest.fixture(scope="module")
-def hf_pp2(tmp_path_factory):
-    return _compile(tmp_path_factory.mktemp("hf"), "hf_gpt2", pp=2)
+def hf_pp2(compiled):
+    return compiled("hf_gpt2", pp=2, global_batch_size=4, **PINS)
 
 
 # -- building on meta, materializing, initializing ---------------------------------------------------------------
@@ -375,7 +371,7 @@ def test_collectives_are_identity_on_one_rank():
         assert fn(x, -1) is x
 
 
-def test_api_in_one_process(tmp_path):
+def test_api_in_one_process(tmp_path, compiled):
     """partc.runtime.load on a one-rank plan in this process: steps, load_state_dict, --init-checkpoint
     (safetensors), save / load, full_state_dict, against the single-process reference."""
     import torch.distributed as dist
@@ -384,7 +380,7 @@ def test_api_in_one_process(tmp_path):
     import partc.runtime
     from partc.runtime.testing import reference_run
 
-    out = _compile(tmp_path, "gpt", pp=1, mb=2, gbs=4)
+    out = compiled("gpt", pp=1, global_batch_size=4, **{**PINS, "micro_batch_size": 2})
     spec = load_model_file(str(EXAMPLES / "gpt.py"))
     torch.manual_seed(0)
     init = spec.build().state_dict()

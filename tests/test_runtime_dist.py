@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, run_jobs, torchrun
-from partc.compile import compile_model
+from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program,
+                     run_jobs, torchrun)
 from partc.model_file import load_model_file
-from partc.parallel import Pins
 from partc.runtime.materialize import build_initialized
 from partc.runtime.testing import reference_run
 
@@ -44,11 +43,10 @@ SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
 ADAMW = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1}
 
 
-def compile_program(name: str, out: Path, *, model: str, world: int, pp: int, dp: int, zero: int, schedule: str,
-                    mb: int, gbs: int, recompute: str = "none") -> Path:
-    pins = Pins(tp=1, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule=schedule, recompute=recompute)
-    result = compile_model(str(EXAMPLES / f"{model}.py"), gpus=world, pins=pins, global_batch_size=gbs,
-                           out_dir=out / name)
+def compile_config(name: str, out: Path, *, model: str, world: int, pp: int, dp: int, zero: int, schedule: str,
+                   mb: int, gbs: int, recompute: str = "none") -> Path:
+    result = compile_program(model, out / name, gpus=world, global_batch_size=gbs, tp=1, pp=pp, dp=dp, zero=zero,
+                             micro_batch_size=mb, schedule=schedule, recompute=recompute)
     par = result.plan.parallel
     assert (par.pp, par.dp, par.zero, par.schedule) == (pp, dp, zero, schedule)
     return out / name
@@ -72,8 +70,8 @@ def runs(tmp_path_factory):
         save_init(m, p)
     jobs: dict[int, list[dict]] = {}
     for name, (model, world, pp, dp, zero, sched, mb, gbs, rec) in CONFIGS.items():
-        out = compile_program(name, tmp, model=model, world=world, pp=pp, dp=dp, zero=zero, schedule=sched, mb=mb,
-                              gbs=gbs, recompute=rec)
+        out = compile_config(name, tmp, model=model, world=world, pp=pp, dp=dp, zero=zero, schedule=sched, mb=mb,
+                             gbs=gbs, recompute=rec)
         jobs.setdefault(world, []).append({"out": str(out), "steps": STEPS, "init": str(inits[model]),
                                            "result": str(tmp / f"{name}.pt"), **SGD})
     # A checkpoint written under pp=1, dp=4, ZeRO-3 (AdamW), resumed under pp=2, dp=2, ZeRO-1 (the CLI test goes
@@ -135,8 +133,8 @@ def test_cli_kill_and_resume_under_another_plan(tmp_path):
     checkpoint and ends where one uninterrupted process ends."""
     torch.set_num_threads(1)
     init = save_init("gpt", tmp_path / "init.pt")
-    a = compile_program("a", tmp_path, model="gpt", world=4, pp=2, dp=2, zero=1, schedule="1f1b", mb=1, gbs=8)
-    b = compile_program("b", tmp_path, model="gpt", world=4, pp=1, dp=4, zero=2, schedule="gpipe", mb=2, gbs=8)
+    a = compile_config("a", tmp_path, model="gpt", world=4, pp=2, dp=2, zero=1, schedule="1f1b", mb=1, gbs=8)
+    b = compile_config("b", tmp_path, model="gpt", world=4, pp=1, dp=4, zero=2, schedule="gpipe", mb=2, gbs=8)
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
     common = ["--steps", "5", "--init-checkpoint", str(tmp_path / "init.pt"), "--checkpoint-dir", str(ck),
               "--checkpoint-every", "2", "--log-jsonl", str(log), "--optimizer", "sgd", "--lr", "0.5"]

@@ -12,10 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_close_losses, assert_close_states, run_jobs
-from partc.compile import compile_model
+from helpers import assert_close_losses, assert_close_states, megatron_style, run_jobs
 from partc.model_file import load_model_file
-from partc.parallel import Pins
 from partc.runtime.materialize import build_initialized
 from partc.runtime.testing import reference_run
 
@@ -31,28 +29,27 @@ ADAMW = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1}
 PLANS = {"pp2": (1, 2, 1, 0, 1), "tp2": (2, 1, 1, 0, 2), "dp2_z1": (1, 1, 2, 1, 1), "dp2_z3": (1, 1, 2, 3, 1)}
 
 
-def compile_plan(name: str, tmp: Path) -> Path:
+def compile_plan(name: str, compiled) -> Path:
     """Compile PLANS[name]; with tp, split the MLPs Megatron's way in plan.json and compile that (--from-plan)."""
     tp, pp, dp, zero, mb = PLANS[name]
-    out = tmp / name
-    pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
-                precision="fp32")  # initialization is the subject: fp32 programs equal one fp32 process to 1e-5
-    compile_model(str(PLAIN), gpus=tp * pp * dp, pins=pins, global_batch_size=GBS, out_dir=out)
+    out = compiled(PLAIN, global_batch_size=GBS, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb,
+                   schedule="1f1b", recompute="none",
+                   precision="fp32",  # initialization is the subject: fp32 programs equal one fp32 process to 1e-5
+                   tp_styles=megatron_or_whole if tp > 1 else None)
     if tp > 1:
-        plan = json.loads((out / "plan.json").read_text())
-        plan["tp"] = {m: "colwise" if m.endswith("fc1") else "rowwise" if m.endswith("fc2") else "replicate"
-                      for m in plan["tp"]}
-        (tmp / f"{name}.plan.json").write_text(json.dumps(plan))
-        compile_model(str(PLAIN), gpus=tp * pp * dp, from_plan=str(tmp / f"{name}.plan.json"), out_dir=out)
         assert "blocks.0.fc1.weight" in json.loads((out / "program" / "manifest.json").read_text())["tp"]["shards"]
     return out
 
 
+def megatron_or_whole(fqn: str, style: str) -> str:
+    return megatron_style(fqn) or "replicate"
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, compiled):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("runtime_init")
-    outs = {name: compile_plan(name, tmp) for name in PLANS}
+    outs = {name: compile_plan(name, compiled) for name in PLANS}
     jobs = [{"out": str(outs[name]), "steps": STEPS, "seed": SEED, "initial": True,
              "result": str(tmp / f"{name}.pt"), **SGD} for name in PLANS]
     ck = str(tmp / "ck")

@@ -30,30 +30,25 @@ import torch
 from click.testing import CliRunner
 
 from partc.cli.main import main as cli
-from partc.compile import compile_model
 from partc.errors import PartcError
-from partc.parallel import Pins
 from partc.plan import read_plan
 from partc.runtime import checkpoint_dir
 from partc.runtime.checkpoint_dir import RunRecord
 from partc.runtime.launch import failure_lines
 
-from helpers import EXAMPLES, LAUNCH_TIMEOUT_S as RUN_TIMEOUT_S
+from helpers import EXAMPLES, LAUNCH_TIMEOUT_S as RUN_TIMEOUT_S, compile_program
 
 GPT = EXAMPLES / "gpt.py"
 
 
-def _compile(out: Path, *, pp: int, mb: int, gbs: int = 4, model: Path = GPT) -> Path:
-    pins = Pins(tp=1, pp=pp, dp=1, zero=0, micro_batch_size=mb, schedule="1f1b", recompute="none")
-    compile_model(str(model), gpus=pp, pins=pins, global_batch_size=gbs, out_dir=out)
-    return out
+PINS = dict(tp=1, dp=1, zero=0, schedule="1f1b", recompute="none")
 
 
 @pytest.fixture(scope="module")
-def programs(tmp_path_factory):
+def programs(compiled):
     """GPT (tiny) on one rank and on two pipeline ranks."""
-    tmp = tmp_path_factory.mktemp("programs")
-    return SimpleNamespace(one=_compile(tmp / "one", pp=1, mb=2), two=_compile(tmp / "two", pp=2, mb=1))
+    return SimpleNamespace(one=compiled(GPT, pp=1, micro_batch_size=2, global_batch_size=4, **PINS),
+                           two=compiled(GPT, pp=2, micro_batch_size=1, global_batch_size=4, **PINS))
 
 
 def partc_run(out: Path, *args: str, env: dict | None = None, timeout: float = RUN_TIMEOUT_S):
@@ -413,7 +408,8 @@ def test_checkpoint_dir_belongs_to_one_run(programs, tmp_path):
     narrow = tmp_path / "narrow" / "gpt.py"  # the same model name, other shapes
     narrow.parent.mkdir()
     narrow.write_text(GPT.read_text().replace("hidden: int = 64", "hidden: int = 32"))
-    other = _compile(tmp_path / "other", pp=2, mb=1, model=narrow)
+    other = tmp_path / "other"
+    compile_program(narrow, other, pp=2, micro_batch_size=1, global_batch_size=4, **PINS)
     before = snapshot(ck)
     refused = partc_run(other, "--steps", "4", "--checkpoint-dir", str(ck), "--resume")
     assert refused.returncode == 2

@@ -21,11 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, megatron_style,
-                     run_jobs, torchrun, write_hf_model)
-from partc.compile import compile_model
+from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program,
+                     megatron_style, run_jobs, torchrun, write_hf_model)
 from partc.model_file import load_model_file
-from partc.parallel import Pins
 from partc.runtime.materialize import build_initialized
 from partc.runtime.testing import reference_run
 
@@ -85,27 +83,33 @@ def compile_tp(name: str, tmp: Path) -> Path:
     """Compile CONFIGS[name] with the solver, set the Megatron map (and the config's edits) in plan.json by hand,
     and compile that file with --from-plan."""
     model, tp, pp, dp, zero, schedule, mb, gbs, recompute, edits = CONFIGS[name]
-    path, out = model_path(model, tmp), tmp / name
-    pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule=schedule, recompute=recompute,
-                precision="bf16" if name in BF16 else "fp32")
-    compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, seq_len=seq_len(model), out_dir=out)
-    plan = json.loads((out / "plan.json").read_text())
-    for fqn in plan["tp"]:
-        style = "replicate" if tp == 1 else megatron_style(fqn, vocab=True) or "replicate"
-        plan["tp"][fqn] = edits.get(fqn, style)
+    out = tmp / name
+
+    def styles(fqn: str, solved: str) -> str:
+        return edits.get(fqn, "replicate" if tp == 1 else megatron_style(fqn, vocab=True) or "replicate")
+
+    compile_program(model_path(model, tmp), out, global_batch_size=gbs, seq_len=seq_len(model), tp_styles=styles,
+                    tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule=schedule, recompute=recompute,
+                    precision="bf16" if name in BF16 else "fp32")
     if tp > 1:  # the pattern matched: both halves of Megatron's pairs, the embedding and the head split
-        assert {"colwise", "rowwise"} <= set(plan["tp"].values()) and plan["tp"]["lm_head"] == "colwise", name
-    edited = tmp / f"{name}.plan.json"
-    edited.write_text(json.dumps(plan, indent=2))
-    compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), seq_len=seq_len(model), out_dir=out)
+        edited = json.loads((tmp / f"{name}.plan.json").read_text())["tp"]
+        assert {"colwise", "rowwise"} <= set(edited.values()) and edited["lm_head"] == "colwise", name
     return out
 
 
+_REFERENCES: dict[tuple, tuple[list[float], dict]] = {}
+
+
 def reference(name: str, tmp: Path, init: dict, *, steps: int = STEPS, **opt) -> tuple[list[float], dict]:
-    model, _, pp, _, _, _, mb, gbs, _, _ = CONFIGS[name]
-    return reference_run(model_path(model, tmp), init, steps=steps, seed=0, global_batch_size=gbs,
-                         seq_len=seq_len(model), precision="bf16" if name in BF16 else "fp32",
-                         micro_batch_size=mb, untied=pp > 1, **(opt or SGD))
+    """One process from `init` (always the config's model's saved initial state here): computed once per
+    arguments, as the five checkpoint pairs compare with the same AdamW run (callers only read the result)."""
+    key = (name, str(tmp), steps, tuple(sorted((opt or SGD).items())))
+    if key not in _REFERENCES:
+        model, _, pp, _, _, _, mb, gbs, _, _ = CONFIGS[name]
+        _REFERENCES[key] = reference_run(model_path(model, tmp), init, steps=steps, seed=0, global_batch_size=gbs,
+                                         seq_len=seq_len(model), precision="bf16" if name in BF16 else "fp32",
+                                         micro_batch_size=mb, untied=pp > 1, **(opt or SGD))
+    return _REFERENCES[key]
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from ir_fixtures import MEGATRON, embedding, gpt_graph, linear, norm
 from partc.cluster import PRESETS, Cluster
 from partc.errors import PartcError
 from partc.ir import Edge, ModelGraph, Unit
-from partc.passes.tp import (_conversions, _facts, _solve_classes, allowed_styles, evaluate_tp, megatron_styles,
-                             representatives, solve_tp)
+from partc.passes.tp import (_conversions, _facts, _solve_classes, allowed_styles, evaluate_tp, megatron_style,
+                             megatron_styles, representatives, solve_tp)
 
 A100 = PRESETS["a100-80g"]
 # The fixture's model is tiny (h = 256): on a real NVLink the 5 us ring-step latency outweighs its GEMMs. Without
@@ -284,3 +284,17 @@ def test_megatron_styles_of_a_traced_llama(traced_example):
     got = megatron_styles(traced.graph)
     blocks = sum(u.kind == "block" for u in traced.graph.units)
     assert got == {"tok": "rowwise", **{f"blocks.{i}.{k}": v for i in range(blocks) for k, v in want.items()}}
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_megatron_map_by_name_agrees_with_the_data_flow(traced_example, name):
+    """The map a user writes by layer name (`megatron_style`) and the pattern read off the traced data flow
+    (`megatron_styles`) give every Linear of the examples the same style; with the vocabulary split, the token
+    embedding is rowwise in both, and the head is colwise by name."""
+    _, traced = traced_example(name)
+    flow = megatron_styles(traced.graph)
+    linears = [f for f, layer in traced.graph.layers.items() if layer.kind == "linear"]
+    assert {f: megatron_style(f) for f in linears} == {f: flow.get(f) for f in linears}
+    assert {"colwise", "rowwise"} <= set(flow.values())
+    assert megatron_style("tok", vocab=True) == flow["tok"] == "rowwise" and megatron_style("tok") is None
+    assert megatron_style("lm_head", vocab=True) == "colwise" and megatron_style("lm_head") is None

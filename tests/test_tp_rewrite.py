@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import EXAMPLES, VOCAB, load_stage, megatron_style, model_file
+from helpers import EXAMPLES, VOCAB, compile_program, load_stage, megatron_style, model_file
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import load_model_file
@@ -30,19 +30,19 @@ def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False, extra: 
                   pattern: bool = True) -> dict:
     """Compile at `tp` (fp32: the workers run the fp32 model's shards against its own fp32 forward), set the Megatron
     pattern by hand (and `extra` styles), compile again --from-plan; returns the plan."""
-    compile_model(path, gpus=tp, pins=Pins(tp=tp, pp=1, micro_batch_size=2, precision="fp32"), global_batch_size=2,
-                  out_dir=out)
-    plan = json.loads((out / "plan.json").read_text())
+    extra = extra or {}
+
+    def styles(fqn: str, solved: str) -> str:
+        return extra.get(fqn) or megatron_style(fqn, vocab=vocab) or solved
+
+    compile_program(path, out, gpus=tp, global_batch_size=2, tp_styles=styles, tp=tp, pp=1, micro_batch_size=2,
+                    precision="fp32")
+    plan = json.loads((out.parent / f"{out.name}.plan.json").read_text())
     matched = {fqn: style for fqn in plan["tp"] if (style := megatron_style(fqn, vocab=vocab))}
     # The pattern must match, or a case would test whatever the solver chose instead of Megatron's split.
     assert not pattern or ("colwise" in matched.values() and "rowwise" in matched.values()), sorted(plan["tp"])
     if vocab:
         assert matched.get("lm_head") == "colwise" and any(re.search(VOCAB, f) for f in matched), sorted(matched)
-    plan["tp"].update(matched)
-    plan["tp"].update(extra or {})
-    edited = out / "edited.json"
-    edited.write_text(json.dumps(plan))
-    compile_model(path, gpus=tp, from_plan=str(edited), out_dir=out)
     return plan
 
 

@@ -20,17 +20,16 @@ from partc.runtime.materialize import build_model, canonical_names, init_weights
 from partc.runtime.program import read_program
 from partc.runtime.stage import StageModule
 from partc.runtime.train import flatten_inputs, global_batch, stage_shapes
-from helpers import EXAMPLES
+from helpers import EXAMPLES, compile_program
 from zoo_models import write_zoo_model
 
 CPU = torch.device("cpu")
 
 
-def _compile(tmp_path, path, *, pp=1, dp=1, zero=0, gbs=4, seq_len=None, name="out", **kw):
-    pins = Pins(tp=1, pp=pp, dp=dp, zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none",
-                precision="fp32")  # the families are the subject: fp32 programs equal the fp32 model
-    return compile_model(path, gpus=pp * dp, pins=pins, global_batch_size=gbs, seq_len=seq_len,
-                         out_dir=tmp_path / name, **kw)
+def _compile(tmp_path, path, *, pp=1, dp=1, zero=0, gbs=4, seq_len=None, name="out"):
+    return compile_program(path, tmp_path / name, global_batch_size=gbs, seq_len=seq_len, tp=1, pp=pp, dp=dp,
+                           zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none",
+                           precision="fp32")  # the families are the subject: fp32 programs equal the fp32 model
 
 
 # -- 1. pipeline sends of non-contiguous tensors -----------------------------------------------------------------

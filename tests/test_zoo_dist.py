@@ -4,12 +4,10 @@ gathered state dict must equal `reference_run`. All programs share one torchrun 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from helpers import assert_close_losses, assert_close_states, run_jobs
+from helpers import assert_close_losses, assert_close_states, compile_program, run_jobs
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
@@ -52,14 +50,12 @@ def runs(tmp_path_factory):
         torch.manual_seed(1234)
         torch.save(load_model_file(path, seq_len=seq_len).build().state_dict(), tmp / f"{name}.init.pt")
         tp = 2 if name in TP else 1
-        pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
-                    precision="fp32")  # the families are the subject: fp32 equals one fp32 process to 1e-5
-        compile_model(path, gpus=pp * dp * tp, pins=pins, global_batch_size=gbs, seq_len=seq_len, out_dir=tmp / name)
-        if name in TP:
-            plan = json.loads((tmp / name / "plan.json").read_text())
-            plan["tp"].update({f: style for f in plan["tp"] for k, style in TP[name].items() if f.endswith(k)})
-            (tmp / f"{name}.plan.json").write_text(json.dumps(plan))
-            compile_model(path, gpus=tp, from_plan=str(tmp / f"{name}.plan.json"), out_dir=tmp / name)
+        styles = TP.get(name, {})
+        compile_program(path, tmp / name, global_batch_size=gbs, seq_len=seq_len,
+                        tp_styles=(lambda f, s: next((st for k, st in styles.items() if f.endswith(k)), s))
+                        if name in TP else None,
+                        tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
+                        precision="fp32")  # the families are the subject: fp32 equals one fp32 process to 1e-5
         jobs.append({"out": str(tmp / name), "steps": STEPS, "init": str(tmp / f"{name}.init.pt"),
                      "result": str(tmp / f"{name}.pt"), **SGD})
     run_jobs(2, jobs, tmp)
