@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers import assert_close_losses, assert_close_states, run_jobs
+from partc.cluster import PRESETS
 from partc.compile import compile_model
 from partc.errors import PartcError, article, first_line
 from partc.model_file import load_model_file
@@ -42,11 +43,11 @@ STEPS = 2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
 
 
-def compile_user(tmp, name, pins=PP_DP, gbs=GBS, out="out"):
+def compile_user(tmp, name, pins=PP_DP, gbs=GBS, out="out", **kwargs):
     torch.set_num_threads(1)
     path = write_user_model(tmp, name)
     return path, compile_model(path, gpus=pins.tp * pins.pp * pins.dp, pins=pins, global_batch_size=gbs,
-                               out_dir=tmp / out)
+                               out_dir=tmp / out, **kwargs)
 
 
 def set_styles(tmp, name, path, out):
@@ -158,7 +159,10 @@ def test_copied_value_all_reduce_is_priced_to_the_byte(tmp_path):
     from partc.runtime.check import check_program
 
     tp_pp = Pins(tp=2, pp=2, dp=1, zero=0, micro_batch_size=2, schedule="1f1b", recompute="none", precision="fp32")
-    path, _ = compile_user(tmp_path, "moe_dense", pins=tp_pp, out="c")
+    # Without the kernel-launch floor (which prices this tiny model's units by their kernel counts, and so puts
+    # every expert on the first stage), the stage DP splits the experts over the two stages: the case under test.
+    no_launches = dataclasses.replace(PRESETS["a100-80g"], kernel_launch_s=0.0)
+    path, _ = compile_user(tmp_path, "moe_dense", pins=tp_pp, out="c", cluster=no_launches)
     set_styles(tmp_path, "moe_dense", path, "c")
     plan = json.loads((tmp_path / "c" / "plan.json").read_text())
     experts = [{m for m in st["modules"] if m.startswith("moe.experts.")} for st in plan["stages"]]
