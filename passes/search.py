@@ -425,12 +425,13 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
     # In the order of `lower_bound` (ties: the order of enumeration, which is deterministic). Each configuration
     # enters with `floor_bound`, no more than its `lower_bound` and without a TP solve, and is refined to it when
     # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`. Only then is its
-    # `Parallel` built. A configuration whose model states cannot fit leaves before its bound is computed.
+    # `Parallel` built. A configuration whose model states cannot fit leaves before its bound is computed. Its other
+    # style maps enter with the floor bound too and are priced only when they come first (stage 1).
     queue = []
     for i, values in enumerate(configs):
         make = _builder(values)
         if not state_floor or costs.state_floor(values.__getitem__, make) <= mem_limit:
-            queue.append((costs._floor_bound(values.__getitem__, make), i, 0, False, values))
+            queue.append((costs._floor_bound(values.__getitem__, make), i, 0, 0, values))
     heapq.heapify(queue)
     best: list[tuple[float, int, int, Candidate]] = []  # max-heap by step time via negation
     evaluated: set[int] = set()
@@ -439,13 +440,17 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
     # then (until something fits: after that, no such candidate is reported).
     unfit: list[tuple[_Costs, Parallel, TPSolution, list[tuple[int, int]], cost.Prediction | None]] = []
     while queue:
-        lb, i, k, exact, item = heapq.heappop(queue)
+        lb, i, k, stage, item = heapq.heappop(queue)
         if prune and len(best) >= keep and lb > -best[0][0]:
             break
-        if not exact:  # `item` holds the fields: its Parallel enters with `lower_bound`, once per style map
-            par = Parallel(**item)
-            for k in range(len(costs.tp_choices(par))):
-                heapq.heappush(queue, (costs.at(k).lower_bound(par), i, k, True, par))
+        if stage == 0:  # `item` holds the fields: its Parallel enters with `lower_bound` of the least-time styles,
+            par = Parallel(**item)  # and once per other style map with the floor bound, which holds for every map
+            heapq.heappush(queue, (costs.lower_bound(par), i, 0, 2, par))
+            for k in range(1, len(costs.tp_choices(par))):
+                heapq.heappush(queue, (lb, i, k, 1, par))
+            continue
+        if stage == 1:  # style map k: priced now, its own `lower_bound`
+            heapq.heappush(queue, (costs.at(k).lower_bound(item), i, k, 2, item))
             continue
         par, costs_k = item, costs.at(k)
         tp = costs_k.tp(par)

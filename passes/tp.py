@@ -44,6 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -684,9 +685,29 @@ MAX_CHOICES = 16
 """The most style maps `solve_tp_choices` returns (combinations of the components' fronts, in product order)."""
 
 
+class TPChoices(Sequence):
+    """`solve_tp_choices`' style maps, each priced (`_evaluate`) when first read: the search reads a map only
+    when its configuration's bound reaches the front of its queue."""
+
+    def __init__(self, first: TPSolution, combos: list[dict[str, str]], make):
+        self._maps, self._combos, self._make = {0: first}, combos, make
+
+    def __len__(self) -> int:
+        return 1 + len(self._combos)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        if k not in self._maps:
+            self._maps[k] = self._make(self._combos[k - 1])
+        return self._maps[k]
+
+
 def solve_tp_choices(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int,
                      pinned: dict[str, str] | None = None, *,
-                     cache: SolveCache | None = None) -> list[TPSolution]:
+                     cache: SolveCache | None = None) -> TPChoices:
     """The style maps the search weighs at degree `tp`: `solve_tp`'s (least time) first, then every other
     combination of the components' non-dominated (time, parameters on one GPU) choices (`_solve_component`),
     up to `MAX_CHOICES`. A style map outside these is slower than one inside with no fewer parameters in some
@@ -696,7 +717,7 @@ def solve_tp_choices(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_s
 
 
 def _solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: int, pinned: dict[str, str] | None,
-              cache: SolveCache | None, *, choices: bool) -> list[TPSolution]:
+              cache: SolveCache | None, *, choices: bool) -> TPChoices:
     _check_degree(tp, micro_batch_size)
     pinned = dict(pinned or {})
     _check_styles(graph, pinned, tp, "pinned TP style names")
@@ -717,13 +738,16 @@ def _solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: in
     given = {f for f in graph.layers if rep[f] in pins}
     first = _evaluate(graph, tp, {f: choice[rep[f]] for f in graph.layers}, cluster, micro_batch_size, given=given,
                       cache=cache)
-    out = [first]
     combos = itertools.product(*(range(len(front)) for front in fronts))
     next(combos)  # every component at its least time: `first`
+    maps = []
     for combo in itertools.islice(combos, MAX_CHOICES - 1):
         picked = dict(choice)
         for front, k in zip(fronts, combo):
             picked.update(front[k][0])
+        maps.append(picked)
+
+    def make(picked: dict[str, str]) -> TPSolution:
         sol = _evaluate(graph, tp, {f: picked[rep[f]] for f in graph.layers}, cluster, micro_batch_size,
                         given=given, cache=cache)
         slower = (sol.time_s - first.time_s) * 1e3
@@ -735,5 +759,6 @@ def _solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: in
                                 f"a GPU where {fast} keeps {_layer_params(layer, fast, tp):,}; {fast} is faster "
                                 f"alone (the model by {slower:.3g} ms a micro-batch), but the search found the "
                                 f"plan faster with {style}: the memory it frees fits or balances the stages")
-        out.append(sol)
-    return out
+        return sol
+
+    return TPChoices(first, maps, make)
