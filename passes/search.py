@@ -415,11 +415,11 @@ def _builder(values: dict):
 
 def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, prune: bool, state_floor: bool,
          idle_tp: bool = True):
-    """`search`'s loop: (the best candidates as a max-heap of (-step time, -index, -style map, candidate), the
-    candidates that do not fit in the order evaluated, how many configurations were evaluated). A candidate is a
-    configuration with one of its style maps (`_Costs.tp_choices`): each enters the queue with its own bound, so
-    the pruning is as exact over the joint choice (style maps, split, the rest) as over the configurations. With `state_floor`, a configuration whose model
-    states alone cannot fit (`_Costs.state_floor`) is dropped before its TP solve and stage split. Without
+    """`search`'s loop: (the best candidates, one per configuration, as a max-heap of (-step time, -index,
+    -style map, candidate), the candidates that do not fit in the order evaluated, how many configurations were
+    evaluated). A candidate is a configuration with one of its style maps (`_Costs.tp_choices`): each enters the
+    queue with its own bound, so the pruning is as exact over the joint choice (style maps, split, the rest) as
+    over the configurations. With `state_floor`, a configuration whose model states alone cannot fit (`_Costs.state_floor`) is dropped before its TP solve and stage split. Without
     `idle_tp`, one whose TP degree t > 1 splits no layer is dropped after its TP solve: its t ranks would compute
     the same micro-batches, all of them whole (`idle_tp_degree`)."""
     # In the order of `lower_bound` (ties: the order of enumeration, which is deterministic). Each configuration
@@ -434,6 +434,7 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
             queue.append((costs._floor_bound(values.__getitem__, make), i, 0, 0, values))
     heapq.heapify(queue)
     best: list[tuple[float, int, int, Candidate]] = []  # max-heap by step time via negation
+    held: dict[int, tuple[float, int, int, Candidate]] = {}  # configuration index -> its entry in `best`
     evaluated: set[int] = set()
     # The candidates that do not fit, in the order evaluated: the one needing the least memory (the first of
     # equals) is reported when nothing fits. A least-time split found not to fit by `fits_memory` is predicted only
@@ -477,10 +478,16 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
             continue
         cand = Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
         item = (-pred.step_time_s, -i, -k, cand)
-        if len(best) < keep:
+        if i in held:  # one candidate per configuration: its best style map (the alternatives differ in more)
+            if item > held[i]:
+                best[best.index(held[i])] = held[i] = item
+                heapq.heapify(best)
+        elif len(best) < keep:
             heapq.heappush(best, item)
+            held[i] = item
         elif item > best[0]:
-            heapq.heapreplace(best, item)
+            del held[-heapq.heapreplace(best, item)[1]]
+            held[i] = item
     return best, unfit, len(evaluated)
 
 

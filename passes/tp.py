@@ -552,6 +552,10 @@ def _layer_params(layer: Layer, style: str, tp: int) -> int:
 
 MAX_FRONT = 6
 """The most non-dominated (time, parameters) choices kept per component (the time-optimal one first)."""
+FRONT_STEP = 0.99
+"""Each point of a front holds at most this fraction of the parameters of the point before it: a style that saves
+less (a colwise second Linear instead of rowwise saves only its bias, h/t numbers, for a gather) is not weighed,
+as CP-SAT's integer nanoseconds treat times within a few ns as equal."""
 
 
 def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: dict[str, str],
@@ -561,8 +565,9 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
     by CP-SAT; representatives outside `reps` have one choice. The first entry is the least time (then the fewest
     collectives and split layers); with `front`, the entries after it are the rest of the component's Pareto front
     of (time, parameters), fewer parameters and more time each (the epsilon-constraint method: minimize the time
-    with the parameters below the last point's, until nothing is left or `MAX_FRONT` points; a point another
-    matches in time with fewer parameters is dropped). `solved`: cache key -> that list of components solved
+    with the parameters below the last point's by `FRONT_STEP`, until nothing is left or `MAX_FRONT` points; a point another
+    matches in time with fewer parameters is dropped). Each point holds at most `FRONT_STEP` of the parameters of
+    the point before it. `solved`: cache key -> that list of components solved
     before."""
     model = _CpModel()
 
@@ -646,7 +651,8 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
         points = solved[key]
         least = sum(min(params[(r, s)] for s in x[r]) for r in x)
         while len(points) < MAX_FRONT and param_of(points[-1][0]) > least:
-            model.add(sum(c * x[r][s] for (r, s), c in params.items()) <= param_of(points[-1][0]) - 1)
+            cap = min(math.floor(param_of(points[-1][0]) * FRONT_STEP), param_of(points[-1][0]) - 1)
+            model.add(sum(c * x[r][s] for (r, s), c in params.items()) <= cap)
             found = _cp_solve(model, x, time_ns)
             if found is None:
                 break
