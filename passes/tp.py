@@ -763,8 +763,9 @@ def _solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: in
                 layer = graph.layers[fqn]
                 sol.why[fqn] = (f"memory: {style} keeps {_layer_params(layer, style, tp):,} of its parameters on "
                                 f"a GPU where {fast} keeps {_layer_params(layer, fast, tp):,}; {fast} is faster "
-                                f"alone (the model by {slower:.3g} ms a micro-batch), but the search found the "
-                                f"plan faster with {style}: the memory it frees fits or balances the stages")
+                                f"alone (the model by {slower:.3g} ms a micro-batch), but the plan is faster with "
+                                f"{style}: the memory it frees lets the stages fit or balance, or the fewer "
+                                f"parameters shorten the optimizer step and gradient traffic")
         return sol
 
     return TPChoices(first, maps, make)
