@@ -2,8 +2,10 @@
 
 Candidates are (dp, tp, pp) factorizations of the GPU count (tp inside a node unless pinned), micro-batch sizes
 dividing the per-replica batch, ZeRO stages 0-3, recomputation none/selective/full and the schedules 1F1B,
-GPipe and interleaved 1F1B (v chunks a rank). For each, `passes.tp` picks the per-layer TP styles and
-`passes.stages` the stage boundaries; `passes.cost.predict` gives the step time and memory.
+GPipe and interleaved 1F1B (v chunks a rank). For each, `passes.tp` offers the per-layer TP style maps (the least
+time first, then maps that trade time for parameters a GPU: `solve_tp_choices`, docs/joint-search.md), each a
+candidate of its own, and `passes.stages` the stage boundaries; `passes.cost.predict` gives the step time and
+memory.
 
 Pruning never loses the optimum of the cost model: a candidate is evaluated in full only while a lower bound of
 its step time, (m + (p - 1)/v) * sum(unit times) / p (a rank runs at least its share of the units, m times plus
@@ -419,9 +421,10 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
     -style map, candidate), the candidates that do not fit in the order evaluated, how many configurations were
     evaluated). A candidate is a configuration with one of its style maps (`_Costs.tp_choices`): each enters the
     queue with its own bound, so the pruning is as exact over the joint choice (style maps, split, the rest) as
-    over the configurations. With `state_floor`, a configuration whose model states alone cannot fit (`_Costs.state_floor`) is dropped before its TP solve and stage split. Without
-    `idle_tp`, one whose TP degree t > 1 splits no layer is dropped after its TP solve: its t ranks would compute
-    the same micro-batches, all of them whole (`idle_tp_degree`)."""
+    over the configurations. With `state_floor`, a configuration whose model states alone cannot fit
+    (`_Costs.state_floor`) is dropped before its TP solve and stage split. Without `idle_tp`, one whose TP degree
+    t > 1 splits no layer is dropped after its TP solve: its t ranks would compute the same micro-batches, all of
+    them whole (`idle_tp_degree`)."""
     # In the order of `lower_bound` (ties: the order of enumeration, which is deterministic). Each configuration
     # enters with `floor_bound`, no more than its `lower_bound` and without a TP solve, and is refined to it when
     # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`. Only then is its
