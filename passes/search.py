@@ -2,8 +2,10 @@
 
 Candidates are (dp, tp, pp) factorizations of the GPU count (tp inside a node unless pinned), micro-batch sizes
 dividing the per-replica batch, ZeRO stages 0-3, recomputation none/selective/full and the schedules 1F1B,
-GPipe and interleaved 1F1B (v chunks a rank). For each, `passes.tp` picks the per-layer TP styles and
-`passes.stages` the stage boundaries; `passes.cost.predict` gives the step time and memory.
+GPipe and interleaved 1F1B (v chunks a rank). For each, `passes.tp` offers the per-layer TP style maps (the least
+time first, then maps that trade time for parameters a GPU: `solve_tp_choices`, docs/joint-search.md), each a
+candidate of its own, and `passes.stages` the stage boundaries; `passes.cost.predict` gives the step time and
+memory.
 
 Pruning never loses the optimum of the cost model: a candidate is evaluated in full only while a lower bound of
 its step time, (m + (p - 1)/v) * sum(unit times) / p (a rank runs at least its share of the units, m times plus
@@ -16,6 +18,7 @@ two necessary memory conditions skip the stage DP for others that cannot fit. `p
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from dataclasses import dataclass
@@ -28,7 +31,7 @@ from partc.ir import ModelGraph
 from partc.parallel import RECOMPUTE, SCHEDULES, ZERO_STAGES, Parallel, Pins, Reads, check_pins
 from partc.passes import cost
 from partc.passes.stages import FreeSplits, partition_stages, stage_memory
-from partc.passes.tp import SolveCache, TPSolution, solve_tp
+from partc.passes.tp import SolveCache, TPSolution, solve_tp_choices
 
 
 MAX_VIRTUAL_STAGES = 8
@@ -156,6 +159,9 @@ class _Costs:
         self._cache: dict[tuple, object] = {}
         self._memo: dict[tuple, object] = {}  # `cost.predict`'s per-chunk terms (the TP solve is one per (tp, b))
         self._tp_cache = SolveCache(graph, cluster)
+        self.variant = 0
+        """Which of `tp_choices` this object prices: each other one is a view (`at`) with caches of its own."""
+        self._views: dict[int, _Costs] = {0: self}
         # A TP plan whose every layer is colwise: each parameter t ways, the fewest it can have on a GPU.
         self._all_sharded = SimpleNamespace(styles={fqn: "colwise" for fqn in graph.layers}, collectives={})
 
@@ -165,10 +171,24 @@ class _Costs:
             self._cache[key] = make()
         return self._cache[key]
 
+    def at(self, variant: int) -> _Costs:
+        """The same caches for style map `variant` of `tp_choices`: a view sharing the TP solve and the
+        variant-free terms (the floors), with its own caches of everything the style map changes."""
+        if variant not in self._views:
+            view = copy.copy(self)
+            view.variant, view._cache, view._memo = variant, {}, {}
+            self._views[variant] = view
+        return self._views[variant]
+
+    def tp_choices(self, par: Parallel) -> list[TPSolution]:
+        """The style maps the search weighs for `par` (`solve_tp_choices`: the least time first)."""
+        base = self._views[0]
+        return base._get(TP, par,
+                         lambda: solve_tp_choices(self.graph, par.tp, self.cluster, par.micro_batch_size,
+                                                  self.tp_pins, cache=self._tp_cache), "choices")
+
     def tp(self, par: Parallel) -> TPSolution:
-        return self._get(TP, par,
-                         lambda: solve_tp(self.graph, par.tp, self.cluster, par.micro_batch_size, self.tp_pins,
-                                          cache=self._tp_cache))
+        return self.tp_choices(par)[self.variant]
 
     def parts(self, par: Parallel) -> list[cost.UnitTime]:
         return self._get(PARTS, par, lambda: cost.unit_time_parts(self.graph, self.cluster, par, self.tp(par)))
@@ -398,66 +418,81 @@ def _builder(values: dict):
 
 def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, prune: bool, state_floor: bool,
          idle_tp: bool = True):
-    """`search`'s loop: (the best candidates as a max-heap of (-step time, -index, candidate), the candidates that
-    do not fit in the order evaluated, how many were evaluated). With `state_floor`, a configuration whose model
-    states alone cannot fit (`_Costs.state_floor`) is dropped before its TP solve and stage split. Without
-    `idle_tp`, one whose TP degree t > 1 splits no layer is dropped after its TP solve: its t ranks would compute
-    the same micro-batches, all of them whole (`idle_tp_degree`)."""
+    """`search`'s loop: (the best candidates, one per configuration, as a max-heap of (-step time, -index,
+    -style map, candidate), the candidates that do not fit in the order evaluated, how many configurations were
+    evaluated). A candidate is a configuration with one of its style maps (`_Costs.tp_choices`): each enters the
+    queue with its own bound, so the pruning is as exact over the joint choice (style maps, split, the rest) as
+    over the configurations. With `state_floor`, a configuration whose model states alone cannot fit
+    (`_Costs.state_floor`) is dropped before its TP solve and stage split. Without `idle_tp`, one whose TP degree
+    t > 1 splits no layer is dropped after its TP solve: its t ranks would compute the same micro-batches, all of
+    them whole (`idle_tp_degree`)."""
     # In the order of `lower_bound` (ties: the order of enumeration, which is deterministic). Each configuration
     # enters with `floor_bound`, no more than its `lower_bound` and without a TP solve, and is refined to it when
     # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`. Only then is its
-    # `Parallel` built. A configuration whose model states cannot fit leaves before its bound is computed.
+    # `Parallel` built. A configuration whose model states cannot fit leaves before its bound is computed. Its other
+    # style maps enter with the floor bound too and are priced only when they come first (stage 1).
     queue = []
     for i, values in enumerate(configs):
         make = _builder(values)
         if not state_floor or costs.state_floor(values.__getitem__, make) <= mem_limit:
-            queue.append((costs._floor_bound(values.__getitem__, make), i, False, values))
+            queue.append((costs._floor_bound(values.__getitem__, make), i, 0, 0, values))
     heapq.heapify(queue)
-    best: list[tuple[float, int, Candidate]] = []  # max-heap by step time via negation
-    evaluated = 0
+    best: list[tuple[float, int, int, Candidate]] = []  # max-heap by step time via negation
+    held: dict[int, tuple[float, int, int, Candidate]] = {}  # configuration index -> its entry in `best`
+    evaluated: set[int] = set()
     # The candidates that do not fit, in the order evaluated: the one needing the least memory (the first of
     # equals) is reported when nothing fits. A least-time split found not to fit by `fits_memory` is predicted only
     # then (until something fits: after that, no such candidate is reported).
-    unfit: list[tuple[Parallel, TPSolution, list[tuple[int, int]], cost.Prediction | None]] = []
+    unfit: list[tuple[_Costs, Parallel, TPSolution, list[tuple[int, int]], cost.Prediction | None]] = []
     while queue:
-        lb, i, exact, item = heapq.heappop(queue)
+        lb, i, k, stage, item = heapq.heappop(queue)
         if prune and len(best) >= keep and lb > -best[0][0]:
             break
-        if not exact:  # `item` holds the fields: its Parallel enters with `lower_bound`
-            par = Parallel(**item)
-            heapq.heappush(queue, (costs.lower_bound(par), i, True, par))
+        if stage == 0:  # `item` holds the fields: its Parallel enters with `lower_bound` of the least-time styles,
+            par = Parallel(**item)  # and once per other style map with the floor bound, which holds for every map
+            heapq.heappush(queue, (costs.lower_bound(par), i, 0, 2, par))
+            for k in range(1, len(costs.tp_choices(par))):
+                heapq.heappush(queue, (lb, i, k, 1, par))
             continue
-        par = item
-        tp = costs.tp(par)
+        if stage == 1:  # style map k: priced now, its own `lower_bound`
+            heapq.heappush(queue, (costs.at(k).lower_bound(item), i, k, 2, item))
+            continue
+        par, costs_k = item, costs.at(k)
+        tp = costs_k.tp(par)
+        evaluated.add(i)
         if not idle_tp and idle_tp_degree(par, tp):
-            evaluated += 1  # evaluated, and dropped
-            continue
-        bounds = costs.split_stages(par, mem_limit=mem_limit)
-        evaluated += 1
+            continue  # evaluated, and dropped
+        bounds = costs_k.split_stages(par, mem_limit=mem_limit)
         if bounds is None:
             # The stage DP bounds each stage's transient memory by the largest over all units: it may reject a
             # configuration whose least-time split fits after all; `fits_memory` says exactly.
-            loose = costs.free_split(par, par.num_stages)
-            if loose is None or (prune and len(best) >= keep and costs.split_bound(par, loose) > -best[0][0]):
+            loose = costs_k.free_split(par, par.num_stages)
+            if loose is None or (prune and len(best) >= keep and costs_k.split_bound(par, loose) > -best[0][0]):
                 continue
-            if not costs.fits_memory(par, loose):
+            if not costs_k.fits_memory(par, loose):
                 if not best:
-                    unfit.append((par, tp, loose, None))
+                    unfit.append((costs_k, par, tp, loose, None))
                 continue
             bounds = loose
-        if prune and len(best) >= keep and costs.split_bound(par, bounds) * (1 - 1e-9) > -best[0][0]:
+        if prune and len(best) >= keep and costs_k.split_bound(par, bounds) * (1 - 1e-9) > -best[0][0]:
             continue  # this split cannot beat the k-th best (the margin keeps float rounding on the safe side)
-        pred = costs.predict(par, bounds)
+        pred = costs_k.predict(par, bounds)
         if not cost.fits(costs.cluster, pred.memory_per_gpu):
-            unfit.append((par, tp, bounds, pred))
+            unfit.append((costs_k, par, tp, bounds, pred))
             continue
         cand = Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
-        item = (-pred.step_time_s, -i, cand)
-        if len(best) < keep:
+        item = (-pred.step_time_s, -i, -k, cand)
+        if i in held:  # one candidate per configuration: its best style map (the alternatives differ in more)
+            if item > held[i]:
+                best[best.index(held[i])] = held[i] = item
+                heapq.heapify(best)
+        elif len(best) < keep:
             heapq.heappush(best, item)
+            held[i] = item
         elif item > best[0]:
-            heapq.heapreplace(best, item)
-    return best, unfit, evaluated
+            del held[-heapq.heapreplace(best, item)[1]]
+            held[i] = item
+    return best, unfit, len(evaluated)
 
 
 def idle_tp_degree(par: Parallel, tp: TPSolution) -> bool:
@@ -494,11 +529,11 @@ def search(graph: ModelGraph, cluster: Cluster, gpus: int, *, global_batch_size:
         # least memory (the error message's).
         best, unfit, evaluated = _run(costs, configs, mem_limit=mem_limit, keep=keep, prune=prune, state_floor=False)
     least: tuple[float, Candidate] | None = None
-    for par, tp, bounds, pred in (unfit if not best else []):
-        pred = pred or costs.predict(par, bounds)
+    for costs_k, par, tp, bounds, pred in (unfit if not best else []):
+        pred = pred or costs_k.predict(par, bounds)
         if least is None or pred.memory_per_gpu.total < least[0]:
             least = (pred.memory_per_gpu.total, Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred))
-    ranked = [c for _, _, c in sorted(best, key=lambda x: (-x[0], -x[1]))]
+    ranked = [c for *_, c in sorted(best, key=lambda x: (-x[0], -x[1], -x[2]))]
     return SearchResult(best=ranked[0] if ranked else None, alternatives=ranked[1:], evaluated=evaluated,
                         considered=len(configs), least_memory=least[0] if least and not ranked else None,
                         least_memory_candidate=least[1] if least and not ranked else None)
