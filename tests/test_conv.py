@@ -131,4 +131,6 @@ def test_a_tiny_mlp_gets_no_tp_that_splits_nothing():
     graph = _trace(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), (1, 16))
     best = search(graph, A100, 4, global_batch_size=64).best
     assert not idle_tp_degree(best.parallel, best.tp), best.parallel
-    assert best.parallel.dp * best.parallel.pp == 4 and math.isfinite(best.step_time_s)
+    # The joint search may still take tp > 1 with a layer split (a memory choice of its style maps) when the cost
+    # model prices its collectives below dp's gradient all-reduce; what it never takes is t copies of one GPU.
+    assert math.isfinite(best.step_time_s)
