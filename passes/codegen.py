@@ -119,7 +119,8 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     a = assign(ep, model)
     aliases = {n: names for names in a.by_id.values() for n in names}  # parameter FQN -> every name of its tensor
     with SameShapes():  # the rewrite runs each op on local shapes: once per distinct op and shapes
-        rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases)
+        rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases,
+                                sequence_parallel=plan.parallel.sequence_parallel)
     if plan.parallel.tp > 1:
         a = assign(ep, model)  # the rewrite added nodes
     io = _graph_io(ep)

@@ -1,0 +1,89 @@
+"""Sequence parallelism (Korthikanti et al. 2022) in the runtime: torchrun on CPU (gloo), tiny models, compared
+with one process.
+
+Each program is compiled with ``sequence_parallel`` pinned and Megatron's style map set by hand (as
+tests/test_runtime_tp.py does), then trained under torchrun in one launch: SGD losses and the gathered state dict
+must equal `reference_run` (fp32, 1e-5 relative), the parameters the program keeps whole (the norms, applied to
+each rank's part of the sequence, their gradients all-reduced) must stay identical on the tp ranks, and every
+rank's collective payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis by axis.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, megatron_style,
+                     run_jobs)
+from partc.compile import compile_model
+from partc.model_file import load_model_file
+from partc.parallel import Pins
+from partc.runtime.testing import reference_run
+
+pytestmark = pytest.mark.slow  # one torchrun launch of 2 gloo ranks
+
+# name: (model, tp, pp, dp, zero, micro-batch size, global batch)
+CONFIGS = {
+    "gpt_tp2_sp": ("gpt", 2, 1, 1, 0, 1, 2),
+    "llama_tp2_sp": ("llama", 2, 1, 1, 0, 1, 2),
+}
+STEPS = 2
+SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+
+
+def compile_sp(name: str, tmp: Path) -> Path:
+    model, tp, pp, dp, zero, mb, gbs = CONFIGS[name]
+    path, out = str(EXAMPLES / f"{model}.py"), tmp / name
+    pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
+                precision="fp32", sequence_parallel=True)
+    compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, out_dir=out)
+    plan = json.loads((out / "plan.json").read_text())
+    for fqn in plan["tp"]:
+        plan["tp"][fqn] = megatron_style(fqn, vocab=True) or "replicate"
+    edited = tmp / f"{name}.plan.json"
+    edited.write_text(json.dumps(plan, indent=2))
+    compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), out_dir=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("sequence_parallel")
+    inits = {}
+    for m in ("gpt", "llama"):
+        inits[m] = tmp / f"init_{m}.pt"
+        torch.manual_seed(1234)
+        torch.save(load_model_file(str(EXAMPLES / f"{m}.py")).build().state_dict(), inits[m])
+    outs = {name: compile_sp(name, tmp) for name in CONFIGS}
+    jobs = [{"out": str(outs[name]), "steps": STEPS, "result": str(tmp / f"{name}.pt"), "init": str(inits[cfg[0]]),
+             **SGD} for name, cfg in CONFIGS.items()]
+    # Megatron's conjugate functions, the two of sequence parallelism included, checked on 2 ranks first.
+    jobs.insert(0, {"check": "collectives", "result": str(tmp / "collectives.pt")})
+    run_jobs(2, jobs, tmp)
+    return tmp, outs, inits
+
+
+def test_collectives_forward_and_backward(runs):
+    tmp, _, _ = runs
+    assert torch.load(tmp / "collectives.pt", weights_only=True) == {"ok": True}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sequence_parallel_matches_one_process(runs, name):
+    tmp, outs, inits = runs
+    model, _, pp, _, _, mb, gbs = CONFIGS[name]
+    got = torch.load(tmp / f"{name}.pt", weights_only=True)
+    init = torch.load(inits[model], weights_only=True)
+    losses, state = reference_run(str(EXAMPLES / f"{model}.py"), init, steps=STEPS, seed=0, global_batch_size=gbs,
+                                  precision="fp32", micro_batch_size=mb, untied=pp > 1, **SGD)
+    assert_close_losses(got["losses"], losses, rtol=1e-5)
+    assert_close_states(got["state"], state, rtol=1e-5)
+    assert got["replica_diff"] == 0.0, "parameters the program keeps whole must stay identical on the tp ranks"
+    source = (outs[name] / "program" / "stage_0.py").read_text()
+    assert "tp.gather_from_sp(" in source and "tp.reduce_scatter_to_sp(" in source
+    assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
+    assert assert_comm_matches_plan(outs[name], got["comm"], rtol=0.0) > 0
