@@ -359,7 +359,11 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
         full       2·s·b·h                           = input_bytes
     where rep = saved_bytes_replicated (norm/residual inputs, the "10") and core = saved_bytes_core (what the
     attention core saves beyond its inputs: the 5·a·s²·b of scores, softmax and dropout, and the math kernel's
-    scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1).
+    scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1). Under sequence parallelism the
+    norms, dropout masks and residual inputs are 1/t too (Korthikanti et al.: 34·s·b·h/t with selective
+    recomputation); partc's program still keeps whole what its colwise Linears save, their all-gathered inputs
+    (rep becomes saved_bytes_replicated_linear, 4·s·b·h of a GPT block's 10), where Megatron-Core gathers them
+    again in backward.
 
     Checked against autograd's saved tensors on the CPU (tests/test_activations.py): exact at b = 1 for a GPT and
     a LLaMA, none / selective / full; at b >= 2 the GPT saves 4·s·b·h less a block (matmul copies attention's V
@@ -373,6 +377,9 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> flo
     split = is_split(par, tp, unit)
     rep = unit.saved_bytes_replicated if split else 0
     sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
+    if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
+        sharded += rep - unit.saved_bytes_replicated_linear
+        rep = unit.saved_bytes_replicated_linear
     return (rep + sharded / (par.tp if split else 1)) * par.micro_batch_size
 
 

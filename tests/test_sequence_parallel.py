@@ -21,6 +21,7 @@ from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
+from partc.runtime.check import SLACK_BYTES, check_program
 from partc.runtime.testing import reference_run
 
 pytestmark = pytest.mark.slow  # one torchrun launch of 2 gloo ranks
@@ -87,3 +88,15 @@ def test_sequence_parallel_matches_one_process(runs, name):
     assert "tp.gather_from_sp(" in source and "tp.reduce_scatter_to_sp(" in source
     assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
     assert assert_comm_matches_plan(outs[name], got["comm"], rtol=0.0) > 0
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_check_agrees_on_a_sequence_parallel_plan(runs, name):
+    """`partc check` runs the program on fake tensors: its traffic equals the plan's to the byte (slack 0), and
+    every row agrees at the default slack (a tiny model's activations are dominated by its loss)."""
+    _, outs, _ = runs
+    for r in check_program(str(outs[name]), slack_bytes=0):
+        assert r.comm_bytes == {k: int(v) for k, v in r.predicted_comm_bytes.items()}, r.pp_rank
+        assert r.comm_bytes["tp"] > 0
+        wrong = [row for row in r.rows() if not row.agrees and abs(row.measured - row.predicted) > SLACK_BYTES]
+        assert not wrong, wrong
