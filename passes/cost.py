@@ -730,7 +730,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
     units = keep(("units", t, b), lambda: _UnitSizes.of(shards, local_shapes))
     padded_sums = keep(("padded", t, b, par.dp), lambda: [0, *itertools.accumulate(
         sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
-    rebuilt = keep(("rebuilt", t, b, par.recompute), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+    rebuilt = keep(("rebuilt", t, b, par.recompute, par.sequence_parallel), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
     backward = keep(("backward", t, b), lambda: unit_backward_bytes(graph, par, tp))
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
@@ -746,7 +746,8 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             groups_n = len(idx)
         mem = model_state_bytes(params, par)
         def extra(last: bool = True) -> float:
-            return keep(("extra", t, b, par.recompute, par.zero, par.precision, tuple(chunks), last),
+            return keep(("extra", t, b, par.recompute, par.sequence_parallel, par.zero, par.precision, tuple(chunks),
+                         last),
                         lambda: _extra_bytes(graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx],
                                              idx[-1] == len(graph.units) - 1, [backward[i] for i in idx], last))
 
@@ -809,7 +810,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     for r, chunks, idx, params, padded, groups_n, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
                                                                       local_shapes, shared, keep):
         ck = tuple(chunks)  # the memo's key of the rank's units
-        compute, tp_comm = keep(("time", t, b, par.recompute, ck), lambda: (
+        compute, tp_comm = keep(("time", t, b, par.recompute, par.sequence_parallel, ck), lambda: (
             sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
         pp_comm = sum(p2p_round_trip(cluster, par,
@@ -818,9 +819,9 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                       for lo, hi in chunks)
         pp_fwd = sum(p2p_round_trip(cluster, par, max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)),
                                     spans["pp"], 0.0) for lo, hi in chunks)  # the activations' half
-        fwd_compute, fwd_tp = keep(("fwd time", t, b, par.recompute, ck), lambda: (
+        fwd_compute, fwd_tp = keep(("fwd time", t, b, par.recompute, par.sequence_parallel, ck), lambda: (
             sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
-        tp_payload = keep(("tp", t, b, par.recompute, par.num_microbatches, ck),
+        tp_payload = keep(("tp", t, b, par.recompute, par.sequence_parallel, par.num_microbatches, ck),
                           lambda: tp_bytes(graph, par, tp, idx))
         comm = {"tp": tp_payload + gather_bytes(graph, par, chunks), "pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
                 "dp": sum(zero.dp_bytes(par, params, *padded).values())}
