@@ -93,6 +93,9 @@ class GeneratedProgram:
     manifest: dict
     files: dict[str, str] = field(default_factory=dict)
     """File name (relative to OUT/program) -> text."""
+    sequence_gathers: list[str] = field(default_factory=list)
+    """Under sequence parallelism, the values gathered whole where a reader is not proven per-position
+    (`tp_rewrite.Rewrite.sequence_gathers`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,7 +155,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     manifest = _manifest(ep, a, io, rw, layers, plan, stages, names, aliases, model_path=model_path, entry=entry)
     files = {f"stage_{s.index}.py": s.source for s in stages}
     files["manifest.json"] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    return GeneratedProgram(stages=stages, manifest=manifest, files=files)
+    return GeneratedProgram(stages=stages, manifest=manifest, files=files, sequence_gathers=rw.sequence_gathers)
 
 
 def _scatter_gather(t: int, rw: tp_rewrite.Rewrite):

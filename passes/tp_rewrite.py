@@ -66,6 +66,9 @@ class Rewrite:
     """Nodes whose local value is not the whole tensor (split, or a partial sum): every TP rank holds another one."""
     sequence: set[Node] = field(default_factory=set)
     """Nodes split along the sequence (sequence parallelism): a subset of `split`."""
+    sequence_gathers: list[str] = field(default_factory=list)
+    """Under sequence parallelism, where a value split along the sequence is gathered whole because its reader is
+    not proven per-position (one line each)."""
 
 
 def _local_shape(shape, dim: int, t: int, what: str) -> list[int]:
@@ -145,6 +148,10 @@ class _Rewriter:
         v = self.val[x]
         if want == R and isinstance(have, int):
             d = have
+            if x in self.seq:
+                self.result.sequence_gathers.append(
+                    f"{user.target} ({user.name}, in {self._where(user)}) takes {x.name} whole (a whole layer, or "
+                    f"an op not proven per-position): all-gathered over the sequence")
             local = torch.empty([s * (self.t if i == d else 1) for i, s in enumerate(v.shape)], dtype=v.dtype,
                                 device="meta")
             node = self._insert(x, C.gather_from_tp, (x, d),

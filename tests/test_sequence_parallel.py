@@ -48,7 +48,8 @@ def compile_sp(name: str, tmp: Path) -> Path:
         plan["tp"][fqn] = megatron_style(fqn, vocab=True) or "replicate"
     edited = tmp / f"{name}.plan.json"
     edited.write_text(json.dumps(plan, indent=2))
-    compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), out_dir=out)
+    result = compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), out_dir=out)
+    assert not [w for w in result.warnings if "sequence parallelism" in w], result.warnings
     return out
 
 
@@ -93,6 +94,7 @@ def test_sequence_parallel_matches_one_process(runs, name):
     assert "tp.gather_from_sp(" in source and "tp.reduce_scatter_to_sp(" in source
     assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
     assert "tp.gather_from_previous_stage(" not in source, "a stage receives its part of the sequence"
+    assert "sequence_parallel_gathers" not in json.loads((outs[name] / "plan.json").read_text())["model"]
     assert assert_comm_matches_plan(outs[name], got["comm"]) > 0  # pp: the schedule's few bytes of warm-up vote
     plan = json.loads((outs[name] / "plan.json").read_text())
     per_pp = plan["parallel"]["dp"] * plan["parallel"]["tp"]
