@@ -183,12 +183,16 @@ class _Rewriter:
 
     def seq_dim(self, node: Node) -> int | None:
         """The sequence dim of `node`'s whole value under sequence parallelism: the one dim between the batch (0)
-        and the features (last) of the model's sequence length, divisible by t; None when there is none."""
+        and the features (last) of the model's sequence length; None when there is none. PartcError when the
+        sequence does not divide by t."""
         val = node.meta.get("val")
         if not self.sp or self.seq_len is None or not isinstance(val, torch.Tensor):
             return None
         dims = [i for i in range(1, val.dim() - 1) if val.shape[i] == self.seq_len]
-        return dims[0] if len(dims) == 1 and self.seq_len % self.t == 0 else None
+        if len(dims) == 1 and self.seq_len % self.t:
+            raise PartcError(f"sequence parallelism: the sequence ({self.seq_len} tokens) does not divide over "
+                             f"tp={self.t}; compile with --no-sequence-parallel or another --tp")
+        return dims[0] if len(dims) == 1 else None
 
     def _to_sequence(self, x: Node, d: int, what: str) -> Node:
         """The partial sums `x` reduce-scattered along the sequence dim `d` (instead of all-reduced)."""

@@ -32,6 +32,7 @@ CONFIGS = {
     "llama_tp2_sp": ("llama", 2, 1, 1, 0, 1, 2),
     # 8 ranks: the pipeline boundary is each rank's part of the sequence, ZeRO-1 over dp
     "gpt_tp2_pp2_dp2_z1_sp": ("gpt", 2, 2, 2, 1, 1, 4),
+    "llama_tp2_pp2_dp2_z1_sp": ("llama", 2, 2, 2, 1, 1, 4),
 }
 STEPS = 2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
