@@ -63,6 +63,10 @@ def _pin_options(command):
     """One ``--NAME`` option per choice of `Parallel` a user may pin (`PINNABLE`), from the field's metadata."""
     for f in reversed(PINNABLE):
         meta = f.metadata
+        if f.type in ("bool", bool):  # a flag and its negation: --sequence-parallel / --no-sequence-parallel
+            name = f.name.replace('_', '-')
+            command = click.option(f"--{name}/--no-{name}", f.name, default=None, help=meta["help"])(command)
+            continue
         if meta["choices"] is not None and f.type in ("int", int):
             kind = click.IntRange(min(meta["choices"]), max(meta["choices"]))
         elif meta["choices"] is not None:

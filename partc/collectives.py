@@ -12,6 +12,15 @@ and for other resharding (sequence parallelism, gathered logits):
     scatter_to_tp(x, dim)           forward: keep this rank's chunk      backward: all-gather along dim
     reduce_scatter_to_tp(x, dim)    forward: reduce-scatter along dim    backward: all-gather along dim
 
+Sequence parallelism (Korthikanti et al. 2022; Megatron-Core's ``gather_from_sequence_parallel_region`` and
+``reduce_scatter_to_sequence_parallel_region``): between the tensor-parallel regions each rank holds 1/t of the
+sequence, so Megatron's f and g become
+
+    gather_from_sp(x, dim)          forward: all-gather along dim        backward: reduce-scatter along dim
+    reduce_scatter_to_sp(x, dim)    forward: reduce-scatter along dim    backward: all-gather along dim
+
+(an all-reduce is a reduce-scatter and an all-gather: the same time on the wire, each collective half of it).
+
 Each takes the ``tp`` process group, or uses the one the runtime set with `set_tp_group`. With one rank in the
 group every function is the identity.
 """
@@ -117,6 +126,19 @@ def scatter_to_tp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -
 
 
 def reduce_scatter_to_tp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
+    return _apply(x, dim, group, _reduce_scatter, _all_gather)
+
+
+def gather_from_sp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Before a colwise layer under sequence parallelism: the ranks' parts of the sequence put together; the
+    gradient (a partial sum on each rank: each holds the product with its own columns) is summed and each rank
+    keeps its part of the sequence."""
+    return _apply(x, dim, group, _all_gather, _reduce_scatter)
+
+
+def reduce_scatter_to_sp(x: Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
+    """After a rowwise layer under sequence parallelism: the partial sums summed, each rank keeping its part of the
+    sequence; the gradient's parts are all-gathered (the rowwise layer needs the whole gradient)."""
     return _apply(x, dim, group, _reduce_scatter, _all_gather)
 
 

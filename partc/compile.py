@@ -205,6 +205,12 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     t_codegen = time.perf_counter()
     if out_dir is not None:
         program = make_program(spec, model, traced, plan, path=path, entry=entry)
+        if program.sequence_gathers:  # said in the plan, before it is written
+            plan.model["sequence_parallel_gathers"] = list(program.sequence_gathers)
+            warnings.append(f"sequence parallelism: {len(program.sequence_gathers)} value(s) gathered whole for a "
+                            f"whole layer or an op not proven per-position, all-gathers the plan does not charge; "
+                            f"first: "
+                            f"{program.sequence_gathers[0]} (plan.json: model.sequence_parallel_gathers)")
         output.write(out_dir, {"plan.json": plan.to_json(), output.REPORT: report.render(plan.to_dict()),
                                **{f"program/{name}": text for name, text in program.files.items()}},
                      force=force, keep=from_plan)

@@ -122,6 +122,10 @@ class Unit:
     saved_bytes_replicated: int = 0
     """The part of `saved_bytes` that TP does not divide (Korthikanti et al.'s "10": norm inputs, the inputs of
     colwise layers, what follows a rowwise layer such as its dropout mask)."""
+    saved_bytes_replicated_linear: int = 0
+    """The part of `saved_bytes_replicated` that linear layers save: the whole inputs of colwise layers, which stay
+    whole under sequence parallelism (the program's Linear saves the all-gathered input; Megatron-Core gathers it
+    again in backward instead)."""
     op_saved_bytes: int = 0
     """The part of `saved_bytes` that the ops outside layers save (norms, activations, dropout, attention)."""
     op_saved_bytes_replicated: int = 0

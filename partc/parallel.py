@@ -128,6 +128,13 @@ class Parallel:
                                                             choices=PRECISIONS))
     """``bf16``: bf16 parameters, activations and compute, fp32 master weights, gradients and optimizer states
     (`partc.precision`); ``fp32``: everything fp32. The model is traced at this precision."""
+    sequence_parallel: bool = field(default=False, metadata=_choice("Sequence parallelism under tp > 1 (Korthikanti "
+                                                                    "et al. 2022): activations between the "
+                                                                    "tensor-parallel layers split along the sequence.",
+                                                                    choices=(False, True)))
+    """Under tp > 1, the activations between tensor-parallel regions (norms, dropout, residual adds) are split along
+    the sequence over tp: an all-gather before each colwise layer and a reduce-scatter after each rowwise one
+    replace Megatron's all-reduces (docs/sequence-parallel.md). Not a mesh axis: it reuses the ``tp`` groups."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -152,6 +159,8 @@ class Parallel:
                                  f"multiple of pp ({self.pp})")
         elif self.virtual_stages != 1:
             raise PartcError(f"virtual_stages must be 1 for schedule {self.schedule}")
+        if self.sequence_parallel and self.tp < 2:
+            raise PartcError("sequence_parallel needs tp >= 2 (it splits the activations over the tp ranks)")
 
     # -- derived quantities --------------------------------------------------------------------------------------
 
@@ -248,6 +257,7 @@ class Parallel:
         text = " ".join(f"{a}={getattr(self, a)}" for a in SHOWN_AXES)
         text += f" zero={self.zero} mb={self.micro_batch_size} recompute={self.recompute} {self.schedule}"
         text += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        text += " sp" if self.sequence_parallel else ""
         return text + (f" {self.precision}" if self.precision != "bf16" else "")
 
 
@@ -310,7 +320,8 @@ def _value_rule(f: dataclasses.Field) -> tuple[type, Any, Any, Any]:
     """(type, choices, min, max) of a field, read from its metadata once (the search validates every
     configuration it considers: 62,244 at 529.6B)."""
     meta = f.metadata
-    return int if f.type in ("int", int) else str, meta.get("choices"), meta.get("min"), meta.get("max")
+    typ = int if f.type in ("int", int) else bool if f.type in ("bool", bool) else str
+    return typ, meta.get("choices"), meta.get("min"), meta.get("max")
 
 
 def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
@@ -320,6 +331,8 @@ def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
         return  # the common case: every test passes
     if typ is int and (not isinstance(value, int) or isinstance(value, bool)):
         raise PartcError(f"{where}.{f.name} must be an integer, got {value!r}")
+    if typ is bool and not isinstance(value, bool):
+        raise PartcError(f"{where}.{f.name} must be true or false, got {value!r}")
     if typ is str and not isinstance(value, str):
         raise PartcError(f"{where}.{f.name} must be a string, got {value!r}")
     if choices is not None and value not in choices:
@@ -385,6 +398,8 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
                          f"{gpus}")
     if len(fixed) == len(MESH_AXES) and math.prod(fixed.values()) != gpus:
         raise PartcError(f"{' x '.join(fixed)} = {math.prod(fixed.values())} but --gpus is {gpus}")
+    if pins.sequence_parallel and pins.tp == 1:
+        raise PartcError("--sequence-parallel needs tensor parallelism (--tp 2 or more)")
     if pins.pp is not None and pins.pp > num_units:
         raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model has units ({num_units})")
     if pins.pp is not None and max_stages is not None and pins.pp > max_stages:

@@ -93,6 +93,9 @@ class GeneratedProgram:
     manifest: dict
     files: dict[str, str] = field(default_factory=dict)
     """File name (relative to OUT/program) -> text."""
+    sequence_gathers: list[str] = field(default_factory=list)
+    """Under sequence parallelism, the values gathered whole where a reader is not proven per-position
+    (`tp_rewrite.Rewrite.sequence_gathers`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,7 +122,8 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     a = assign(ep, model)
     aliases = {n: names for names in a.by_id.values() for n in names}  # parameter FQN -> every name of its tensor
     with SameShapes():  # the rewrite runs each op on local shapes: once per distinct op and shapes
-        rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases)
+        rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases,
+                                sequence_parallel=plan.parallel.sequence_parallel)
     if plan.parallel.tp > 1:
         a = assign(ep, model)  # the rewrite added nodes
     io = _graph_io(ep)
@@ -151,7 +155,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     manifest = _manifest(ep, a, io, rw, layers, plan, stages, names, aliases, model_path=model_path, entry=entry)
     files = {f"stage_{s.index}.py": s.source for s in stages}
     files["manifest.json"] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    return GeneratedProgram(stages=stages, manifest=manifest, files=files)
+    return GeneratedProgram(stages=stages, manifest=manifest, files=files, sequence_gathers=rw.sequence_gathers)
 
 
 def _scatter_gather(t: int, rw: tp_rewrite.Rewrite):

@@ -125,6 +125,42 @@ def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPla
     return fwd, core
 
 
+def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> list[tuple[str, str, float]]:
+    """(kind, phase, bytes) of each TP collective of `unit` per micro-batch: the TP solution's, or under sequence
+    parallelism (Korthikanti et al. 2022, section 4.2.2; `partc.passes.tp_rewrite`) Megatron's conjugate pairs:
+        rowwise output, all-reduce forward      -> reduce-scatter forward + all-gather backward (same tensor)
+        colwise input (a norm's output), all-reduce backward -> all-gather forward + reduce-scatter backward
+    (each pair moves what the all-reduce moved, in the same time: `hw.collective_time`), and per micro-batch the
+    backward all-reduce of the gradients of the parameters applied to each rank's part of the sequence (the norms
+    feeding colwise layers and the rowwise layers' biases), and the backward all-gather of a replicated embedding's
+    output added to the sequence-split stream (learned positions: [s, h], the same for every micro-batch size)."""
+    b = par.micro_batch_size
+    colls = [] if tp is None else tp.collectives.get(unit.fqn, [])
+    if not (par.sequence_parallel and par.tp > 1):
+        return [(c.kind, c.phase, float(c.nbytes * b)) for c in colls]
+    out, params = [], 0
+    for c in colls:
+        layer = graph.layers.get(c.src)
+        n = float(c.nbytes * b)
+        if c.kind == "all_reduce" and c.phase == "fwd" and style_of(tp, c.src) == "rowwise":
+            out += [("reduce_scatter", "fwd", n), ("all_gather", "bwd", n)]
+            if layer is not None and layer.kind == "linear":
+                params += sum(math.prod(shape) for name, shape in layer.params.items() if name.endswith(".bias"))
+        elif c.kind == "all_reduce" and c.phase == "bwd" and layer is not None and layer.kind == "norm":
+            out += [("all_gather", "fwd", n), ("reduce_scatter", "bwd", n)]
+            params += sum(math.prod(shape) for shape in layer.params.values())
+        else:
+            out.append((c.kind, c.phase, n))
+    if params:
+        out.append(("all_reduce", "bwd", float(params * compute_bytes(par.precision))))
+    if any(style_of(tp, f) == "rowwise" and graph.layers[f].kind == "embedding" for f in graph.layers):
+        for f in unit.layers:
+            layer = graph.layers[f]
+            if layer.kind == "embedding" and style_of(tp, f) == "replicate":
+                out.append(("all_gather", "bwd", float(layer.out_bytes)))
+    return out
+
+
 def launch_time(cluster: Cluster, unit: Unit, mode: str) -> float:
     """Host seconds to issue the unit's kernels for one micro-batch (`Cluster.kernel_launch_s`): its forward
     kernels, twice as many in backward (a GEMM's or a convolution's input and weight gradients; an elementwise op's
@@ -142,18 +178,18 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
     Launches are asynchronous: the compute time is at least the host's time to issue the kernels (`launch_time`),
     which only a unit of many small kernels reaches.
     """
-    t, b = par.tp, par.micro_batch_size
+    t = par.tp
     spans_tp = mesh_spans(cluster, par)["tp"]
     per_node = par.ranks_per_node("tp", cluster.gpus_per_node)
     out = []
     seen: dict[tuple, UnitTime] = {}  # identical blocks with identical styles and collectives cost the same
     for unit in graph.units:
-        collectives = [] if tp is None else tp.collectives.get(unit.fqn, [])
+        collectives = unit_collectives(graph, par, tp, unit)
         # Blocks of one signature differ only where glue ops were assigned to them (the embedding sum goes with
         # blocks.0): the unit's own totals are part of the key.
         key = (unit.signature if unit.kind == "block" else unit.fqn, unit.fwd_flops, unit.memory_bytes, unit.kernels,
                unit.saved_bytes, unit.saved_bytes_core, unit.saved_bytes_replicated, len(unit.core_gemms),
-               tuple(style_of(tp, f) for f in unit.layers), tuple((c.kind, c.phase, c.nbytes) for c in collectives))
+               tuple(style_of(tp, f) for f in unit.layers), tuple(collectives))
         if key in seen:
             out.append(seen[key])
             continue
@@ -162,12 +198,11 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
         compute = max(3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0),
                       launch_time(cluster, unit, mode))
         comm = fwd_comm = 0.0
-        for c in collectives:
-            once = hw.collective_time(cluster, c.kind, c.nbytes * b, t, spans_nodes=spans_tp,
-                                      ranks_per_node=per_node)
+        for kind, phase, nbytes in collectives:
+            once = hw.collective_time(cluster, kind, nbytes, t, spans_nodes=spans_tp, ranks_per_node=per_node)
             # Recomputing a whole block replays its forward, collectives included.
-            comm += 2 * once if (mode == "full" and c.phase == "fwd") else once
-            fwd_comm += once if c.phase == "fwd" else 0.0
+            comm += 2 * once if (mode == "full" and phase == "fwd") else once
+            fwd_comm += once if phase == "fwd" else 0.0
         # The forward's share, for the report's timeline: at least its own launches when those floor the unit.
         fwd_drawn = max(fwd, unit.kernels * cluster.kernel_launch_s)
         seen[key] = UnitTime(compute_s=compute, tp_comm_s=comm, fwd_compute_s=fwd_drawn, fwd_tp_comm_s=fwd_comm)
@@ -343,7 +378,11 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
         full       2·s·b·h                           = input_bytes
     where rep = saved_bytes_replicated (norm/residual inputs, the "10") and core = saved_bytes_core (what the
     attention core saves beyond its inputs: the 5·a·s²·b of scores, softmax and dropout, and the math kernel's
-    scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1).
+    scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1). Under sequence parallelism the
+    norms, dropout masks and residual inputs are 1/t too (Korthikanti et al.: 34·s·b·h/t with selective
+    recomputation); partc's program still keeps whole what its colwise Linears save, their all-gathered inputs
+    (rep becomes saved_bytes_replicated_linear, 4·s·b·h of a GPT block's 10), where Megatron-Core gathers them
+    again in backward.
 
     Checked against autograd's saved tensors on the CPU (tests/test_activations.py): exact at b = 1 for a GPT and
     a LLaMA, none / selective / full; at b >= 2 the GPT saves 4·s·b·h less a block (matmul copies attention's V
@@ -357,6 +396,9 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> flo
     split = is_split(par, tp, unit)
     rep = unit.saved_bytes_replicated if split else 0
     sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
+    if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
+        sharded += rep - unit.saved_bytes_replicated_linear
+        rep = unit.saved_bytes_replicated_linear
     return (rep + sharded / (par.tp if split else 1)) * par.micro_batch_size
 
 
@@ -572,8 +614,9 @@ def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequenc
     for i in units:
         unit = graph.units[i]
         full = recompute_mode(unit, par) == "full"
-        total += sum(c.nbytes * (2 if full and c.phase == "fwd" else 1) for c in tp.collectives.get(unit.fqn, []))
-    return total * par.micro_batch_size * par.num_microbatches
+        total += sum(nbytes * (2 if full and phase == "fwd" else 1)
+                     for _, phase, nbytes in unit_collectives(graph, par, tp, unit))
+    return total * par.num_microbatches
 
 
 def copy_all_reduces(graph: ModelGraph, tp: TPPlan | None) -> list[tuple[int, tuple[int, ...], int]]:
@@ -628,7 +671,7 @@ def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]
 def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
     """TP payload of scatter/gather on one GPU in a step: per micro-batch and chunk, the all-gather (its output, the
     whole boundary) of what the chunk receives forward and of the gradient of what it sends backward."""
-    if par.pp == 1 or par.tp == 1:
+    if par.pp == 1 or par.tp == 1 or par.sequence_parallel:  # the boundary is each rank's part of the sequence
         return 0.0
     b, total = par.micro_batch_size, 0
     for lo, hi in chunks:

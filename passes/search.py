@@ -89,12 +89,16 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
     n_units = len(graph.units)
     pinned = pins.pinned().items()
     precision = pins.precision or "bf16"
+    sequence_parallel = bool(pins.sequence_parallel)  # only where pinned: see docs/sequence-parallel.md
     for dp, tp, pp in _degrees(cluster, gpus, global_batch, pins, n_units):
+        if sequence_parallel and tp < 2:
+            continue
         per_replica = global_batch // dp
         for b in divisors(per_replica):
             for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
                 values = dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
-                              schedule=schedule, virtual_stages=v, recompute=recompute, precision=precision)
+                              schedule=schedule, virtual_stages=v, recompute=recompute, precision=precision,
+                              sequence_parallel=sequence_parallel)
                 if all(values[name] == value for name, value in pinned):
                     yield values
 

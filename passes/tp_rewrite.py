@@ -14,6 +14,15 @@ layer's style (Megatron-LM, Shoeybi et al. 2019):
     Embedding rowwise: vocabulary rows split, masked lookup then `reduce_from_tp`; colwise: embedding dim split.
     replicate whole weights, R inputs and outputs.
 
+Sequence parallelism (Korthikanti et al. 2022, Megatron-Core's): a rowwise output (Linear or vocabulary-split
+Embedding) is reduce-scattered along its sequence dim (`reduce_scatter_to_sp`: S(seq)) instead of all-reduced; the
+glue after it (residual adds, dropout, norms: `_generic` on the local part, where `shard_rule` proves each op
+per-position) keeps that split; a colwise layer whose input is split so all-gathers it (`gather_from_sp`, its
+backward a reduce-scatter) instead of `copy_to_tp`. A parameter applied to the local part of the sequence (a norm's
+weight, a rowwise bias added after the reduce-scatter) has a partial gradient on each rank: it is read through
+`copy_to_tp`, whose backward all-reduces it. A whole operand spanning the sequence (learned positions) is sliced
+to the local part. An op that cannot be proven per-position gathers its input (`gather_from_tp`), as today.
+
 Between layers each op keeps a split when `passes.shard.shard_rule` proves it per-shard (elementwise, views that
 split features into heads, transposes, attention over heads, softmax over another dim): its size arguments are
 rewritten to the local shape (``view(x, [b, s, 96, 128])`` -> ``[b, s, 96/t, 128]``), whole operands are sliced to
@@ -43,6 +52,8 @@ from partc.sharding import Shard, param_shard, weight_names
 
 aten = torch.ops.aten
 R, P = "R", "P"
+_NORMS = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default}
+"""Norms of the last dims, per position: under sequence parallelism they run on this rank's part of the sequence."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,6 +64,11 @@ class Rewrite:
     """(collective, why) in graph order."""
     split: set[Node] = field(default_factory=set)
     """Nodes whose local value is not the whole tensor (split, or a partial sum): every TP rank holds another one."""
+    sequence: set[Node] = field(default_factory=set)
+    """Nodes split along the sequence (sequence parallelism): a subset of `split`."""
+    sequence_gathers: list[str] = field(default_factory=list)
+    """Under sequence parallelism, where a value split along the sequence is gathered whole because its reader is
+    not proven per-position (one line each)."""
 
 
 def _local_shape(shape, dim: int, t: int, what: str) -> list[int]:
@@ -74,8 +90,11 @@ class _Multi(tuple):
 
 class _Rewriter:
     def __init__(self, ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
-                 styles: dict[str, str], t: int, aliases: dict[str, list[str]]):
+                 styles: dict[str, str], t: int, aliases: dict[str, list[str]], sequence_parallel: bool = False):
         self.ep, self.graph, self.aliases = ep, ep.graph, aliases
+        self.sp = sequence_parallel and t > 1
+        self.seq: set[Node] = set()
+        """Nodes split along the sequence (their state is that dim)."""
         self.node_layer, self.layers, self.styles, self.t = node_layer, layers, styles, t
         self.state: dict[Node, object] = {}
         self.pieces: dict[Node, int] = {}
@@ -90,6 +109,12 @@ class _Rewriter:
             if spec.kind == InputKind.PARAMETER:
                 self.param_of[placeholders[spec.arg.name]] = spec.target
         self._param_pos = {p: i for i, p in enumerate(self.param_of)}
+        inputs = [placeholders.get(getattr(s.arg, "name", None)) for s in ep.graph_signature.input_specs
+                  if s.kind == InputKind.USER_INPUT]
+        vals = [x.meta.get("val") for x in inputs if x is not None]
+        self.seq_len = next((int(v.shape[1]) for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+        """Tokens per sample: dim 1 of the model's first input of two or more dims (the model file's contract:
+        batch first)."""
         self.inner = self._inner_states()
         """Nodes of the layers split inside (``inner``) -> their state (`partc.passes.experts.InnerSplit.states`)."""
 
@@ -123,6 +148,10 @@ class _Rewriter:
         v = self.val[x]
         if want == R and isinstance(have, int):
             d = have
+            if x in self.seq:
+                self.result.sequence_gathers.append(
+                    f"{user.target} ({user.name}, in {self._where(user)}) takes {x.name} whole (a whole layer, or "
+                    f"an op not proven per-position): all-gathered over the sequence")
             local = torch.empty([s * (self.t if i == d else 1) for i, s in enumerate(v.shape)], dtype=v.dtype,
                                 device="meta")
             node = self._insert(x, C.gather_from_tp, (x, d),
@@ -152,6 +181,45 @@ class _Rewriter:
         self.memo[key] = node
         return node
 
+    def seq_dim(self, node: Node) -> int | None:
+        """The sequence dim of `node`'s whole value under sequence parallelism: the one dim between the batch (0)
+        and the features (last) of the model's sequence length; None when there is none. PartcError when the
+        sequence does not divide by t."""
+        val = node.meta.get("val")
+        if not self.sp or self.seq_len is None or not isinstance(val, torch.Tensor):
+            return None
+        dims = [i for i in range(1, val.dim() - 1) if val.shape[i] == self.seq_len]
+        if len(dims) == 1 and self.seq_len % self.t:
+            raise PartcError(f"sequence parallelism: the sequence ({self.seq_len} tokens) does not divide over "
+                             f"tp={self.t}; compile with --no-sequence-parallel or another --tp")
+        return dims[0] if len(dims) == 1 else None
+
+    def _to_sequence(self, x: Node, d: int, what: str) -> Node:
+        """The partial sums `x` reduce-scattered along the sequence dim `d` (instead of all-reduced)."""
+        v = self.val[x]
+        local = torch.empty(_local_shape(v.shape, d, self.t, x.name), dtype=v.dtype, device="meta")
+        out = self._insert(x, C.reduce_scatter_to_sp, (x, d),
+                           f"sum the partial outputs of {what}, each rank keeping 1/{self.t} of the sequence "
+                           f"(reduce-scatter forward, all-gather backward)", x, local, d)
+        self.seq.add(out)
+        return out
+
+    def grad_sum(self, p: Node, user: Node) -> Node:
+        """Parameter `p` read on the local part of the sequence: through `copy_to_tp`, whose backward all-reduces
+        the ranks' partial gradients (inserted before its first such reader)."""
+        key = (p, "grad_sum")
+        if key not in self.memo:
+            with self.graph.inserting_before(user):
+                node = self.graph.call_function(C.copy_to_tp, (p,))
+            node.meta = {k: user.meta[k] for k in ("nn_module_stack", "stack_trace") if k in user.meta}
+            node.meta["val"] = self.val[p]
+            why = f"{self.param_of[p]} is applied to 1/{self.t} of the sequence: all-reduce its gradient backward"
+            node.meta["partc_why"] = why
+            self.val[node], self.state[node] = self.val[p], R
+            self.result.collectives.append((C.copy_to_tp.__name__, why))
+            self.memo[key] = node
+        return self.memo[key]
+
     def copy_to_tp(self, x: Node, user: Node, style: str = "colwise") -> Node:
         key = (x, "copy")
         if key not in self.memo:
@@ -174,6 +242,7 @@ class _Rewriter:
                 node.args = (type(outs)(new),)
         self.graph.lint()
         self.result.split = {n for n, st in self.state.items() if st is not R}
+        self.result.sequence = set(self.seq)
         return self.result
 
     def _placeholder(self, node: Node) -> None:
@@ -235,6 +304,9 @@ class _Rewriter:
             kind = self._weight_op(node, layer)
             if kind is not None:
                 return self._split_layer(node, layer, style, kind)
+        if self.sp and layer is not None and layer.kind == "norm" and \
+                any(a in self.seq for a in node.all_input_nodes):
+            return self._generic(node)  # a norm of each position: on this rank's part of the sequence
         if layer is not None and style == "replicate" and layer.kind != "other":
             # A whole layer (norm, replicated Linear) takes whole inputs.
             self._replace_inputs(node, {a: self.need(a, R, node) for a in node.all_input_nodes})
@@ -331,6 +403,8 @@ class _Rewriter:
             return self._view(node, ins[0])
         dims = {a: self.state[a] for a in ins}
         out_dim, _groups, fused, why = shard_rule(node, dims, ins)
+        if why and node.target in _NORMS and all(a in self.seq for a in ins):
+            out_dim, why = self._norm_of_positions(node, dims[ins[0]])
         # Pieces: an op taking one of `fused` pieces finds it in this rank's part only if the source was split in
         # that many pieces (`Shard.fused`); operands split in different pieces do not line up.
         pieces = {self.pieces.get(a, 1) for a in ins}
@@ -340,6 +414,7 @@ class _Rewriter:
             self._replace_inputs(node, {a: self.need(a, R, node) for a in ins})
             return self._run_local(node, R)
         glob = node.meta.get("val")
+        seq = any(a in self.seq for a in ins)
         # Whole operands with the full split dimension. Attention and matmuls over split heads take each rank's
         # part of them (a replicated K/V under GQA). An elementwise op meeting a whole tensor (the residual add
         # of a split embedding output) gathers its split inputs instead: the residual stream stays whole, as the
@@ -353,11 +428,16 @@ class _Rewriter:
                 aligned = out_dim - (glob.dim() - va.dim())
                 if aligned >= 0 and va.shape[aligned] != 1 and va.shape[aligned] == glob.shape[out_dim]:
                     whole.append((a, aligned))
-            if whole and (node.target not in BATCHED_OPS or pieces != {1}):
+            if whole and not seq and (node.target not in BATCHED_OPS or pieces != {1}):
                 self._replace_inputs(node, {a: self.need(a, R, node) for a in ins})
                 return self._run_local(node, R)
             for a, aligned in whole:
                 node.replace_input_with(a, self.need(a, aligned, node))
+        if seq:  # a parameter broadcast over this rank's part of the sequence: its gradient is a partial sum
+            for a in node.all_input_nodes:
+                if a in self.param_of and self.state.get(a, R) == R and self.val[a].is_floating_point():
+                    node.replace_input_with(a, self.grad_sum(a, node))
+            self.seq.add(node)
         if pieces != {1} and fused == 1:
             self.pieces[node] = pieces.pop()
         if isinstance(out_dim, tuple):  # split / native_dropout: one split dim per output; getitem picks one
@@ -366,6 +446,16 @@ class _Rewriter:
         self._rewrite_sizes(node, out_dim)
         self._run_local(node, out_dim)
         self._check_local(node, out_dim)
+
+    def _norm_of_positions(self, node: Node, d: int):
+        """(out dim, why-not) of a layer norm (or RMS norm) of a tensor split along the sequence dim `d`: per
+        position when it normalizes only dims after `d`."""
+        x = node.args[0].meta["val"]
+        if not isinstance(d, int) or d >= x.dim() - len(node.args[1]):
+            return None, "norm over the split dimension"
+        if node.target is aten.native_layer_norm.default:
+            return _Multi((d, d, d)), ""
+        return d, ""
 
     def _check_local(self, node: Node, out_dim: int) -> None:
         glob = node.meta.get("val")
@@ -388,6 +478,8 @@ class _Rewriter:
         out_dim, pieces = split
         if pieces > 1:
             self.pieces[node] = pieces
+        if x in self.seq:
+            self.seq.add(node)
         self._rewrite_sizes(node, out_dim)
         self._run_local(node, out_dim)
         self._check_local(node, out_dim)
@@ -444,15 +536,35 @@ class _Rewriter:
             node.replace_all_uses_with(lookup)
             self.graph.erase_node(node)
             self.val[lookup], self.state[lookup] = node.meta["val"], P
-            out = self._insert(lookup, C.reduce_from_tp, (lookup,),
-                               f"sum the vocabulary shards of rowwise {layer.fqn}", lookup, node.meta["val"], R)
+            d = self.seq_dim(node)
+            out = self._to_sequence(lookup, d, f"rowwise {layer.fqn}") if d is not None else \
+                self._insert(lookup, C.reduce_from_tp, (lookup,), f"sum the vocabulary shards of rowwise {layer.fqn}",
+                             lookup, node.meta["val"], R)
             lookup.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
             return None
         x = node.args[1] if kind == "addmm" else node.args[0]
-        if style == "colwise":
+        if style == "colwise" and x in self.seq and self.pieces.get(x, 1) == 1:
+            key = (x, "gather_sp")
+            if key not in self.memo:  # before the first colwise reader: in its unit and its pipeline stage
+                v = self.val[x]
+                d = self.state[x]
+                with self.graph.inserting_before(node):
+                    g = self.graph.call_function(C.gather_from_sp, (x, d))
+                g.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+                why = (f"input of colwise {self._where(node)}: all-gather the sequence forward, reduce-scatter its "
+                       f"gradient backward")
+                g.meta["partc_why"] = why
+                g.meta["val"] = self.val[g] = torch.empty(
+                    [n * (self.t if i == d else 1) for i, n in enumerate(v.shape)], dtype=v.dtype, device="meta")
+                self.state[g] = R
+                self.result.collectives.append((C.gather_from_sp.__name__, why))
+                self.memo[key] = g
+            node.replace_input_with(x, self.memo[key])
+        elif style == "colwise":
             xr = self.need(x, R, node)
             xc = self.copy_to_tp(xr, node)
             node.replace_input_with(x, xc)
+        if style == "colwise":
             self._run_local(node, node.meta["val"].dim() - 1)
             if layer.fused > 1:
                 self.pieces[node] = layer.fused
@@ -468,26 +580,34 @@ class _Rewriter:
             node.args = (xs, node.args[2])
         self._run_local(node, P)
         users = list(node.users)
-        out = self._insert(node, C.reduce_from_tp, (node,),
-                           f"sum the partial outputs of rowwise {layer.fqn} (all-reduce forward, identity backward)",
-                           node, self.val[node], R)
+        d = self.seq_dim(node)
+        if d is not None:
+            out = self._to_sequence(node, d, f"rowwise {layer.fqn}")
+        else:
+            out = self._insert(node, C.reduce_from_tp, (node,),
+                               f"sum the partial outputs of rowwise {layer.fqn} (all-reduce forward, identity "
+                               f"backward)", node, self.val[node], R)
         final = out
         if bias is not None:
             with self.graph.inserting_after(out):
                 final = self.graph.call_function(aten.add.Tensor, (out, bias))
             final.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
-            final.meta["val"] = self.val[node]
+            final.meta["val"] = self.val[out]
             final.meta["partc_why"] = f"bias of rowwise {layer.fqn}, added once after the sum"
-            self.val[final], self.state[final] = self.val[node], R
+            self.val[final], self.state[final] = self.val[out], self.state[out]
+            if d is not None:
+                self.seq.add(final)
+                final.replace_input_with(bias, self.grad_sum(bias, final))
         for u in users:
             u.replace_input_with(node, final)
         return None
 
 
 def rewrite(ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
-            styles: dict[str, str], t: int, aliases: dict[str, list[str]]) -> Rewrite:
-    """Rewrite `ep.graph` in place for TP degree `t`; returns the parameter splits and collectives.
-    `aliases` maps a parameter FQN to every FQN of the same (tied) tensor."""
+            styles: dict[str, str], t: int, aliases: dict[str, list[str]], *,
+            sequence_parallel: bool = False) -> Rewrite:
+    """Rewrite `ep.graph` in place for TP degree `t` (with sequence parallelism where asked); returns the parameter
+    splits and collectives. `aliases` maps a parameter FQN to every FQN of the same (tied) tensor."""
     if t == 1:
         return Rewrite()
-    return _Rewriter(ep, node_layer, layers, styles, t, aliases).run()
+    return _Rewriter(ep, node_layer, layers, styles, t, aliases, sequence_parallel).run()

@@ -163,6 +163,8 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
             whole = n not in sharded_nodes
         if whole:
             unit.saved_bytes_replicated += saved
+            if layer is not None and layer.kind == "linear":
+                unit.saved_bytes_replicated_linear += saved
         if layer is None:
             unit.op_saved_bytes += saved
             unit.op_saved_bytes_replicated += saved if whole else 0

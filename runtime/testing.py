@@ -238,6 +238,11 @@ def check_collectives(group: dist.ProcessGroup) -> None:
         assert torch.equal(y, xs[rank].chunk(world, 1)[rank]) and torch.equal(dx, want_dx), "scatter_to_tp"
         y, dx = run(C.reduce_scatter_to_tp, 1, grad_shape=(3, 4 // world))
         assert torch.equal(y, sum(xs).chunk(world, 1)[rank]) and torch.equal(dx, want_dx), "reduce_scatter_to_tp"
+        y, dx = run(C.reduce_scatter_to_sp, 1, grad_shape=(3, 4 // world))
+        assert torch.equal(y, sum(xs).chunk(world, 1)[rank]) and torch.equal(dx, want_dx), "reduce_scatter_to_sp"
+        y, dx = run(C.gather_from_sp, 1, grad_shape=(3, 4 * world))
+        want_dx = sum(torch.full((3, 4 * world), float(r + 1)) for r in range(world)).chunk(world, 1)[rank]
+        assert torch.equal(y, torch.cat(xs, 1)) and torch.equal(dx, want_dx), "gather_from_sp"
         m = torch.empty(3, 4, device="meta")  # shapes only (the runtime's meta pass over the stage files)
         assert C.gather_from_tp(m, 0).shape == (3 * world, 4) and C.reduce_from_tp(m).shape == (3, 4)
         assert C.reduce_scatter_to_tp(m, 1).shape == (3, 4 // world)

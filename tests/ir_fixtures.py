@@ -59,7 +59,7 @@ def gpt_block(fqn: str, *, seq: int, dim: int, heads: int) -> tuple[Unit, list[L
     unit = Unit(fqn=fqn, kind="block", layers=[x.fqn for x in layers], num_params=sum(x.num_params for x in layers),
                 fwd_flops=sum(x.fwd_flops for x in layers) + sum(g.flops for g in core), core_gemms=core,
                 saved_bytes=34 * s * h + 5 * a * s * s, saved_bytes_core=5 * a * s * s,
-                saved_bytes_replicated=10 * s * h, input_bytes=s * h * ACTIVATION_BYTES, memory_bytes=20 * s * h,
+                saved_bytes_replicated=10 * s * h, saved_bytes_replicated_linear=4 * s * h, input_bytes=s * h * ACTIVATION_BYTES, memory_bytes=20 * s * h,
                 # the ops between the layers: norms' inputs and dropout masks whole, GELU's input and the attention
                 # core split (Korthikanti et al.'s 4 + 2 and 8 + 5as/h)
                 op_saved_bytes=14 * s * h + 5 * a * s * s, op_saved_bytes_replicated=6 * s * h,

@@ -113,6 +113,7 @@ def test_missing_gpus_and_bad_option_values(tmp_path):
     (["--dp", "5"], r"--dp 5 does not divide the GPU count 8"),
     (["--tp", "4", "--pp", "4"], r"pinned degrees 4 x 4 do not divide the GPU count 8"),
     (["--tp", "2", "--pp", "2", "--dp", "1"], r"dp x tp x pp = 4 but --gpus is 8"),
+    (["--tp", "1", "--sequence-parallel"], r"--sequence-parallel needs tensor parallelism"),
 ])
 def test_pins_that_do_not_divide_the_gpu_count(pins, pattern, tmp_path):
     run_error(["compile", GPT, "--gpus", "8", *pins], pattern, tmp_path)

@@ -11,7 +11,7 @@ import pytest
 from ir_fixtures import MEGATRON, gpt_block, gpt_graph
 from partc.cluster import PRESETS
 from partc.errors import PartcError
-from partc.ir import Gemm, ModelGraph
+from partc.ir import ACTIVATION_BYTES, Gemm, ModelGraph
 from partc.parallel import Parallel
 from partc.passes import cost, hw, zero
 
@@ -109,6 +109,61 @@ def test_korthikanti_activations(t):
     # All-replicate: nothing is divided, even with t > 1.
     (rep,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b), FakeTP())
     assert rep == pytest.approx(sbh * (34 + 5 * a * s / h))
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_sequence_parallel_activations(t):
+    """Sequence parallelism divides Korthikanti et al.'s "10" too (their 34·s·b·h/t with selective recomputation),
+    except what partc's colwise Linears save: their all-gathered inputs, 4·s·b·h a GPT block."""
+    s, h, a, b = 256, 512, 8, 2
+    unit, layers = gpt_block("blocks.0", seq=s, dim=h, heads=a)
+    graph = ModelGraph(name="one", num_params=unit.num_params, seq_len=s, units=[unit],
+                       layers={x.fqn: x for x in layers}, edges=[], cut_bytes=[])
+    tp, sbh = megatron_tp(graph, s=s, h=h), s * b * h
+    sp = par(tp=t, micro_batch_size=b, sequence_parallel=True)
+    (none,) = cost.unit_activation_bytes(graph, sp, tp)
+    assert none == pytest.approx(sbh * (4 + 30 / t + 5 * a * s / (h * t)))
+    (sel,) = cost.unit_activation_bytes(graph, dataclasses.replace(sp, recompute="selective"), tp)
+    assert sel == pytest.approx(sbh * (4 + 30 / t))
+    assert sel - 4 * sbh * (1 - 1 / t) == pytest.approx(34 * sbh / t)  # Korthikanti et al.'s + the gathered inputs
+    (without,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="selective"), tp)
+    assert without - sel == pytest.approx(sbh * 6 * (1 - 1 / t))
+
+
+def test_sequence_parallel_collectives():
+    """Each all-reduce becomes a reduce-scatter and an all-gather of the same tensor: twice the payload as the plan
+    counts it (an all-gather its output, a reduce-scatter its input), the same time on the ring; the norms' and
+    the rowwise biases' gradients are all-reduced once a micro-batch."""
+    s, h, t = 32, 64, 4
+    g = gpt(s=s, h=h)
+    tp = megatron_tp(g, s=s, h=h)
+    for u in g.units:
+        if u.kind == "block":
+            srcs = [f"{u.fqn}.attn.proj", f"{u.fqn}.mlp.fc2", f"{u.fqn}.ln_1", f"{u.fqn}.ln_2"]
+            for c, src in zip(tp.collectives[u.fqn], srcs):
+                c.src = src
+    for b in (1, 4):
+        plain, sp = par(tp=t, micro_batch_size=b), par(tp=t, micro_batch_size=b, sequence_parallel=True)
+        colls = cost.unit_collectives(g, sp, tp, g.units[1])
+        params = (4 * h + 2 * h) * ACTIVATION_BYTES  # ln_1 and ln_2, and the biases of proj and fc2
+        assert sorted(colls) == sorted([("reduce_scatter", "fwd", 2 * s * h * b), ("all_gather", "bwd", 2 * s * h * b)]
+                                       * 2 + [("all_gather", "fwd", 2 * s * h * b),
+                                              ("reduce_scatter", "bwd", 2 * s * h * b)] * 2
+                                       + [("all_reduce", "bwd", params)])
+        assert cost.unit_time_parts(g, A100, sp, tp)[1].tp_comm_s == pytest.approx(
+            cost.unit_time_parts(g, A100, plain, tp)[1].tp_comm_s + hw.collective_time(A100, "all_reduce", params, t))
+        blocks = [i for i, u in enumerate(g.units) if u.kind == "block"]
+        assert cost.tp_bytes(g, sp, tp, blocks) == pytest.approx(
+            2 * cost.tp_bytes(g, plain, tp, blocks) + len(blocks) * params * sp.num_microbatches)
+
+
+def test_sequence_parallel_needs_tp():
+    with pytest.raises(PartcError, match="sequence_parallel needs tp >= 2"):
+        par(tp=1, sequence_parallel=True)
+    with pytest.raises(PartcError, match="must be true or false"):
+        Parallel.from_dict({**par(tp=2).to_dict(), "sequence_parallel": 1})
+    assert Parallel.from_dict(par(tp=2, sequence_parallel=True).to_dict()).sequence_parallel
+    assert "sp" in par(tp=2, sequence_parallel=True).summary().split()
 
 
 def test_recompute_only_blocks():

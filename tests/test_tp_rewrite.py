@@ -496,3 +496,20 @@ def test_cross_attention_is_kept_whole_with_a_reason(tmp_path):
     with pytest.raises(PartcError, match=r"^layer attn \(MultiheadAttention, other\) can only be replicate, not "
                                          r"colwise \(nn\.MultiheadAttention reads its packed in_proj_weight"):
         _hand_set(str(path), tmp_path / "c_hand", {"attn": "colwise"})
+
+
+def test_sequence_parallel_gathers_are_said_in_the_plan(tmp_path):
+    """Under sequence parallelism a whole layer reading the sequence-split stream (a replicated LM head) gets it
+    all-gathered: the program stays correct, and the plan and the compile's warnings say where."""
+    path, out = str(EXAMPLES / "gpt.py"), tmp_path / "sp"
+    pins = Pins(tp=2, pp=1, dp=1, zero=0, micro_batch_size=1, precision="fp32", sequence_parallel=True)
+    first = compile_model(path, gpus=2, pins=pins, global_batch_size=2, out_dir=out)
+    plan = json.loads((out / "plan.json").read_text())
+    plan["tp"] = {f: "replicate" if f == "lm_head" else megatron_style(f, vocab=True) or "replicate"
+                  for f in first.plan.tp}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    result = compile_model(path, gpus=2, from_plan=str(tmp_path / "plan.json"), out_dir=out)
+    gathers = json.loads((out / "plan.json").read_text())["model"]["sequence_parallel_gathers"]
+    assert len(gathers) == 1 and "lm_head" in gathers[0], gathers
+    assert any(w.startswith("sequence parallelism: 1 value(s) gathered whole") for w in result.warnings)
+    assert "tp.gather_from_tp(" in (out / "program" / "stage_0.py").read_text()

@@ -1,0 +1,116 @@
+"""Sequence parallelism (Korthikanti et al. 2022) in the runtime: torchrun on CPU (gloo), tiny models, compared
+with one process.
+
+Each program is compiled with ``sequence_parallel`` pinned and Megatron's style map set by hand (as
+tests/test_runtime_tp.py does), then trained under torchrun in one launch: SGD losses and the gathered state dict
+must equal `reference_run` (fp32, 1e-5 relative), the parameters the program keeps whole (the norms, applied to
+each rank's part of the sequence, their gradients all-reduced) must stay identical on the tp ranks, and every
+rank's collective payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis by axis.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, megatron_style,
+                     run_jobs)
+from partc.compile import compile_model
+from partc.model_file import load_model_file
+from partc.parallel import Pins
+from partc.runtime.check import SLACK_BYTES, check_program
+from partc.runtime.testing import reference_run
+
+pytestmark = pytest.mark.slow  # torchrun launches of 2 and 8 gloo ranks
+
+# name: (model, tp, pp, dp, zero, micro-batch size, global batch)
+CONFIGS = {
+    "gpt_tp2_sp": ("gpt", 2, 1, 1, 0, 1, 2),
+    "llama_tp2_sp": ("llama", 2, 1, 1, 0, 1, 2),
+    # 8 ranks: the pipeline boundary is each rank's part of the sequence, ZeRO-1 over dp
+    "gpt_tp2_pp2_dp2_z1_sp": ("gpt", 2, 2, 2, 1, 1, 4),
+    "llama_tp2_pp2_dp2_z1_sp": ("llama", 2, 2, 2, 1, 1, 4),
+}
+STEPS = 2
+SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+
+
+def compile_sp(name: str, tmp: Path) -> Path:
+    model, tp, pp, dp, zero, mb, gbs = CONFIGS[name]
+    path, out = str(EXAMPLES / f"{model}.py"), tmp / name
+    pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
+                precision="fp32", sequence_parallel=True)
+    compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, out_dir=out)
+    plan = json.loads((out / "plan.json").read_text())
+    for fqn in plan["tp"]:
+        plan["tp"][fqn] = megatron_style(fqn, vocab=True) or "replicate"
+    edited = tmp / f"{name}.plan.json"
+    edited.write_text(json.dumps(plan, indent=2))
+    result = compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), out_dir=out)
+    assert not [w for w in result.warnings if "sequence parallelism" in w], result.warnings
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("sequence_parallel")
+    inits = {}
+    for m in ("gpt", "llama"):
+        inits[m] = tmp / f"init_{m}.pt"
+        torch.manual_seed(1234)
+        torch.save(load_model_file(str(EXAMPLES / f"{m}.py")).build().state_dict(), inits[m])
+    outs = {name: compile_sp(name, tmp) for name in CONFIGS}
+    jobs: dict[int, list[dict]] = {}
+    for name, (model, tp, pp, dp, *_rest) in CONFIGS.items():
+        jobs.setdefault(tp * pp * dp, []).append({"out": str(outs[name]), "steps": STEPS, "init": str(inits[model]),
+                                                  "result": str(tmp / f"{name}.pt"), **SGD})
+    # Megatron's conjugate functions, the two of sequence parallelism included, checked on 2 ranks first.
+    jobs[2].insert(0, {"check": "collectives", "result": str(tmp / "collectives.pt")})
+    for nproc, js in sorted(jobs.items()):
+        run_jobs(nproc, js, tmp)
+    return tmp, outs, inits
+
+
+def test_collectives_forward_and_backward(runs):
+    tmp, _, _ = runs
+    assert torch.load(tmp / "collectives.pt", weights_only=True) == {"ok": True}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sequence_parallel_matches_one_process(runs, name):
+    tmp, outs, inits = runs
+    model, _, pp, _, _, mb, gbs = CONFIGS[name]
+    got = torch.load(tmp / f"{name}.pt", weights_only=True)
+    init = torch.load(inits[model], weights_only=True)
+    losses, state = reference_run(str(EXAMPLES / f"{model}.py"), init, steps=STEPS, seed=0, global_batch_size=gbs,
+                                  precision="fp32", micro_batch_size=mb, untied=pp > 1, **SGD)
+    assert_close_losses(got["losses"], losses, rtol=1e-5)
+    assert_close_states(got["state"], state, rtol=1e-5)
+    assert got["replica_diff"] == 0.0, "parameters the program keeps whole must stay identical on the tp ranks"
+    source = "".join(f.read_text() for f in sorted((outs[name] / "program").glob("stage_*.py")))
+    assert "tp.gather_from_sp(" in source and "tp.reduce_scatter_to_sp(" in source
+    assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
+    assert "tp.gather_from_previous_stage(" not in source, "a stage receives its part of the sequence"
+    assert "sequence_parallel_gathers" not in json.loads((outs[name] / "plan.json").read_text())["model"]
+    assert assert_comm_matches_plan(outs[name], got["comm"]) > 0  # pp: the schedule's few bytes of warm-up vote
+    plan = json.loads((outs[name] / "plan.json").read_text())
+    per_pp = plan["parallel"]["dp"] * plan["parallel"]["tp"]
+    for step in got["comm"]:  # the tp traffic is the plan's to the byte
+        assert [r["tp"] for r in step] == [plan["predicted"]["ranks"][i // per_pp]["comm_bytes"]["tp"]
+                                           for i in range(len(step))]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_check_agrees_on_a_sequence_parallel_plan(runs, name):
+    """`partc check` runs the program on fake tensors: its traffic equals the plan's to the byte (slack 0), and
+    every row agrees at the default slack (a tiny model's activations are dominated by its loss)."""
+    _, outs, _ = runs
+    for r in check_program(str(outs[name]), slack_bytes=0):
+        assert r.comm_bytes == {k: int(v) for k, v in r.predicted_comm_bytes.items()}, r.pp_rank
+        assert r.comm_bytes["tp"] > 0
+        wrong = [row for row in r.rows() if not row.agrees and abs(row.measured - row.predicted) > SLACK_BYTES]
+        assert not wrong, wrong
