@@ -217,7 +217,7 @@ def test_pp_ranks_checks_only_those_ranks(plans, checked):
     name = "gpt_pp2_dp2_z1"
     result = CliRunner().invoke(main, ["check", str(plans[name]), "--pp-ranks", "1", "--format", "json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     assert report["pp_ranks_checked"] == [1] and [r["rank"] for r in report["ranks"]] == [checked[name][1].rank]
     assert report["ranks"][0]["comm_bytes"] == checked[name][1].comm_bytes
     result = CliRunner().invoke(main, ["check", str(plans[name]), "--pp-ranks", "0,2"])
@@ -330,8 +330,18 @@ def test_backward_gradients_of_a_one_block_rank_agree(tmp_path, monkeypatch):
     monkeypatch.setenv("PARTC_GPT_SIZE", "tiny-deep")
     torch.set_num_threads(1)
     out = tmp_path / "mid"
-    compile_model(str(EXAMPLES / "gpt.py"), gpus=16, global_batch_size=128, out_dir=out,
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=16, global_batch_size=128, out_dir=tmp_path / "free",
                   pins=Pins(tp=4, pp=4, dp=1, zero=1, micro_batch_size=32, schedule="1f1b"))
+    # The split under test, whatever the stage DP prefers (the launch floor evens tiny-deep's units): one block on
+    # each middle rank.
+    plan = json.loads((tmp_path / "free" / "plan.json").read_text())
+    units = [m for st in plan["stages"] for m in st["modules"]]
+    cut = [units[:units.index("blocks.3")], ["blocks.3"], ["blocks.4"], units[units.index("blocks.5"):]]
+    for st, modules in zip(plan["stages"], cut):
+        st["modules"] = modules
+    (tmp_path / "mid.plan.json").write_text(json.dumps(plan))
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=16, global_batch_size=128, out_dir=out,
+                  from_plan=str(tmp_path / "mid.plan.json"))
     assert [s.modules for s in read_plan(out / "plan.json").stages][1:3] == [["blocks.3"], ["blocks.4"]]
     results = check_program(str(out), jobs=1)
     for r in results:
