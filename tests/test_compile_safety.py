@@ -145,7 +145,8 @@ def compile_hostile(tmp_path: Path, name: str) -> Path:
     """Compile the hostile model (two pipeline stages) through the CLI, in `tmp_path` as the working directory."""
     path = write_hostile(tmp_path, name)
     code, out, err = partc("compile", str(path), "--gpus", "2", "--pp", "2", "--dp", "1", "--tp", "1",
-                           "--micro-batch-size", "1", "--global-batch-size", "2", "-o", str(tmp_path / "out"))
+                           "--micro-batch-size", "1", "--global-batch-size", "2", "--precision", "fp32",
+                           "-o", str(tmp_path / "out"))  # fp32: `check_program` runs the stages on the fp32 model's tensors
     assert code == 0, (out, err)
     assert not (tmp_path / "PWNED").exists()
     return tmp_path / "out"

@@ -26,9 +26,9 @@ from zoo_models import write_zoo_model
 CPU = torch.device("cpu")
 
 
-def _compile(tmp_path, path, *, pp=1, dp=1, zero=0, gbs=4, seq_len=None, name="out"):
-    return compile_program(path, tmp_path / name, global_batch_size=gbs, seq_len=seq_len, tp=1, pp=pp, dp=dp,
-                           zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none",
+def _compile(tmp_path, path, *, pp=1, dp=1, zero=0, gbs=4, seq_len=None, name="out", cluster="a100-80g"):
+    return compile_program(path, tmp_path / name, global_batch_size=gbs, seq_len=seq_len, cluster=cluster, tp=1,
+                           pp=pp, dp=dp, zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none",
                            precision="fp32")  # the families are the subject: fp32 programs equal the fp32 model
 
 
