@@ -34,6 +34,7 @@ from partc.parallel import MESH_AXES, TP_STYLES, Parallel
 from partc import timeline
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT, param_shard
+from partc.vocab_loss import VOCAB_PARALLEL
 from partc.passes.cost_types import Memory, Prediction, RankPrediction, TPPlan, UnitTime
 
 from . import hw, schedule, zero
@@ -406,6 +407,21 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
                         any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last)
 
 
+def tp_loss(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> str:
+    """How the last stage computes the loss under tp (plan.json's ``tp_loss``): ``vocab-parallel`` on the output
+    layer's vocabulary columns (`partc.vocab_loss`), or ``gathered: <why>`` from the logits gathered whole; "" at
+    tp 1."""
+    if par.tp == 1:
+        return ""
+    head = graph.vocab_loss.get("head")
+    if not head:
+        return f"gathered: {graph.vocab_loss_why or 'the loss is not a cross-entropy partc can split'}"
+    style = style_of(tp, head)
+    if style != "colwise":
+        return f"gathered: the output layer {head} is {style}, not split over the vocabulary (colwise)"
+    return VOCAB_PARALLEL
+
+
 def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
     """What recomputation rebuilds of the unit for its backward (`stage_extra_bytes`): 0 without recomputation."""
     mode = recompute_mode(unit, par)
@@ -462,8 +478,12 @@ def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: S
     if holds_last and last.layers:
         head = graph.layers[last.layers[-1]]
         logits = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size
-        extra += LOSS_BYTES * logits
-        if par.tp > 1 and style_of(tp, head.fqn) == "colwise":
+        if tp_loss(graph, par, tp) == VOCAB_PARALLEL:
+            # the loss on this rank's vocabulary columns: 1/t of the logits, and nothing gathered
+            extra += LOSS_BYTES * logits / par.tp
+        else:
+            extra += LOSS_BYTES * logits
+        if par.tp > 1 and style_of(tp, head.fqn) == "colwise" and tp_loss(graph, par, tp) != VOCAB_PARALLEL:
             # the head's output gathered whole: the all-gather's parts, besides the concatenated logits
             extra += compute_bytes(par.precision) * logits
     return extra

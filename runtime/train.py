@@ -29,7 +29,9 @@ schedule, FSDP's gathers and reductions and the shared weights' sums; not the on
 reports the loss and checks for non-finite gradients.
 
 With tensor parallelism every tp rank of the last stage computes the same loss from the same (gathered)
-outputs and runs backward from it; the program's collectives give each rank the gradient of its shards.
+outputs and runs backward from it; the program's collectives give each rank the gradient of its shards. Where the
+plan's ``tp_loss`` is vocab-parallel, the logits stay split over the vocabulary and the loss is computed from each
+rank's columns (`partc.vocab_loss`): the same loss on every tp rank, the gradient of its own columns.
 
 Non-finite numbers. Before the optimizer step every rank checks its gradients, and one all-reduce gives the
 global loss and the count of non-finite gradients: if either is not finite, `step` raises `NonFiniteError` on
@@ -60,6 +62,7 @@ from partc.runtime.parallelize import reshard
 from partc.runtime.program import ProgramFiles
 from partc.runtime.schedule import GatherOnceInterleaved1F1B, PipeStage
 from partc.sharding import TPLayout
+from partc.vocab_loss import program_loss
 
 
 class NonFiniteError(PartcError):
@@ -155,10 +158,21 @@ class PipelineRunner:
             assert len(self.stages) == 1
             self.schedule = cls(self.stages[0], n_microbatches=self.num_microbatches, loss_fn=self._loss)
         self._targets: Any = None
+        self.vocab_loss = None
+        """With tp > 1 and the manifest's ``tp.vocab_loss``: the loss from this rank's vocabulary columns of the
+        logits (`partc.vocab_loss`), which the last stage returns unsplit no more."""
+        vocab = program.tp.get("vocab_loss")
+        if vocab is not None and par.tp > 1 and self.has_last:
+            with torch.device("meta"):
+                targets = spec.targets(par.micro_batch_size)
+            self.vocab_loss = program_loss(self.loss_fn, self.last_code.outputs, list(shapes[-1][1]), targets,
+                                           int(vocab["output"]), par.tp, par.micro_batch_size)
 
     def _loss(self, output: Any, index: Tensor) -> Tensor:
         flat = output if isinstance(output, tuple) else (output,)
         targets = tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, self._targets)
+        if self.vocab_loss is not None:
+            return self.vocab_loss(cast_floating(flat, MASTER_DTYPE), targets)
         return self.loss_fn(self.last_code.outputs(cast_floating(flat, MASTER_DTYPE)), targets)
 
     def dp_slice(self, n: int) -> slice:
