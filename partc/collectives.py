@@ -157,7 +157,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     then the target's logit (from the rank that owns it, zero elsewhere) and the sum of exponentials all-reduced
     together (SUM, 2N floats): loss_i = log(sum_j exp(x_ij - m_i)) - (x_i,target - m_i), the mean over the rows whose
     target is not `ignore_index` (torch's ``reduction="mean"``). Backward, local: (softmax - onehot(target)) / count
-    on this rank's columns, zero on ignored rows. Holds this rank's fp32 softmax (its part only) for backward."""
+    on this rank's columns, zero on ignored rows. Computes in fp32 whatever the logits' dtype: one fp32 working
+    copy of this rank's columns, which becomes the softmax saved for backward and then, in place, the gradient
+    (returned in the logits' dtype)."""
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, group):

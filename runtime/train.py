@@ -171,8 +171,10 @@ class PipelineRunner:
     def _loss(self, output: Any, index: Tensor) -> Tensor:
         flat = output if isinstance(output, tuple) else (output,)
         targets = tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, self._targets)
-        if self.vocab_loss is not None:
-            return self.vocab_loss(cast_floating(flat, MASTER_DTYPE), targets)
+        if self.vocab_loss is not None:  # the logits in the compute dtype: the loss upcasts its working copy
+            keep = self.vocab_loss.found.output
+            return self.vocab_loss(tuple(t if i == keep else cast_floating(t, MASTER_DTYPE)
+                                         for i, t in enumerate(flat)), targets)
         return self.loss_fn(self.last_code.outputs(cast_floating(flat, MASTER_DTYPE)), targets)
 
     def dp_slice(self, n: int) -> slice:

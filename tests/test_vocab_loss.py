@@ -159,3 +159,46 @@ def test_trains_like_one_process(runs, model):
     plan = json.loads((outs[model] / "plan.json").read_text())
     want = plan["predicted"]["ranks"][0]["comm_bytes"]["tp"]
     assert [rank["tp"] for step in got["comm"] for rank in step] == [want] * (STEPS * 2)
+
+
+LLAMA_32K = """
+from transformers import LlamaConfig, LlamaForCausalLM
+
+def model():
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                        max_position_embeddings=256))
+"""
+
+
+@pytest.mark.slow
+def test_check_measures_the_last_stage_smaller_as_predicted(tmp_path):
+    """Hugging Face LLaMA with a 32K vocabulary (tiny widths: the logits dominate) at tp 4 x pp 2: `partc check` on
+    the last pipeline rank agrees with each plan, with and without the vocab-parallel loss, and measures the
+    activations smaller by what the plans predict (the logits' gather, their whole fp32 copies and
+    log-probabilities, against 8 bytes a logit of this rank's columns)."""
+    from partc.runtime.check import TOLERANCE, check_program
+
+    torch.set_num_threads(1)
+    path = tmp_path / "hf_llama_32k.py"
+    path.write_text(LLAMA_32K)
+    got = {}
+    for vocab in (True, False):
+        out = tmp_path / f"out_{vocab}"
+        kw = {"gpus": 8, "seq_len": 128, "out_dir": out, "force": True, "vocab_parallel_loss": vocab}
+        compile_model(str(path), pins=Pins(tp=4, pp=2, dp=1, zero=0, micro_batch_size=2, schedule="1f1b"),
+                      global_batch_size=4, **kw)
+        plan = json.loads((out / "plan.json").read_text())
+        plan["tp"] = {fqn: megatron_style(fqn, vocab=True) or "replicate" for fqn in plan["tp"]}
+        (tmp_path / "edited.json").write_text(json.dumps(plan))
+        compile_model(str(path), from_plan=str(tmp_path / "edited.json"), **kw)
+        plan = json.loads((out / "plan.json").read_text())
+        assert plan["tp_loss"] == ("vocab-parallel" if vocab else "gathered: turned off (--no-vocab-parallel-loss)")
+        (rank,) = check_program(str(out), pp_ranks=[1])
+        assert all(row.agrees for row in rank.rows()), [r.to_dict() for r in rank.rows() if not r.agrees]
+        assert rank.comm_bytes["tp"] == rank.predicted_comm_bytes["tp"]
+        got[vocab] = (rank.predicted_memory_bytes["activations"], rank.memory_bytes["activations"])
+    predicted = got[False][0] - got[True][0]
+    measured = got[False][1] - got[True][1]
+    assert measured > 0.8 * got[False][1], got  # the loss was most of the last stage's activations
+    assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)
