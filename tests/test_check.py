@@ -338,9 +338,7 @@ def test_backward_gradients_of_a_one_block_rank_agree(tmp_path, monkeypatch):
     monkeypatch.setenv("PARTC_GPT_SIZE", "tiny-deep")
     torch.set_num_threads(1)
     out = tmp_path / "mid"
-    # the logits gathered for the loss, as when the stages below were chosen (the vocab-parallel loss lightens the
-    # last stage, and the split moves)
-    compile_model(str(EXAMPLES / "gpt.py"), gpus=16, global_batch_size=128, out_dir=out, vocab_parallel_loss=False,
+    compile_model(str(EXAMPLES / "gpt.py"), gpus=16, global_batch_size=128, out_dir=out,
                   pins=Pins(tp=4, pp=4, dp=1, zero=1, micro_batch_size=32, schedule="1f1b"))
     assert [s.modules for s in read_plan(out / "plan.json").stages][1:3] == [["blocks.3"], ["blocks.4"]]
     results = check_program(str(out), jobs=1)
