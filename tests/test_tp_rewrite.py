@@ -29,9 +29,10 @@ from zoo_models import write_zoo_model
 def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False, extra: dict | None = None,
                   pattern: bool = True) -> dict:
     """Compile at `tp` (fp32: the workers run the fp32 model's shards against its own fp32 forward), set the Megatron
-    pattern by hand (and `extra` styles), compile again --from-plan; returns the plan."""
+    pattern by hand (and `extra` styles), compile again --from-plan; returns the plan. The logits are gathered (no
+    vocab-parallel loss): the workers compare them whole."""
     compile_model(path, gpus=tp, pins=Pins(tp=tp, pp=1, micro_batch_size=2, precision="fp32"), global_batch_size=2,
-                  out_dir=out)
+                  out_dir=out, vocab_parallel_loss=False)
     plan = json.loads((out / "plan.json").read_text())
     matched = {fqn: style for fqn in plan["tp"] if (style := megatron_style(fqn, vocab=vocab))}
     # The pattern must match, or a case would test whatever the solver chose instead of Megatron's split.
@@ -42,7 +43,7 @@ def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False, extra: 
     plan["tp"].update(extra or {})
     edited = out / "edited.json"
     edited.write_text(json.dumps(plan))
-    compile_model(path, gpus=tp, from_plan=str(edited), out_dir=out)
+    compile_model(path, gpus=tp, from_plan=str(edited), out_dir=out, vocab_parallel_loss=False)
     return plan
 
 
@@ -295,13 +296,14 @@ def test_fused_pieces_read_whole_are_put_back_in_order(tp_runs):
 
 
 def _hand_set(path: str, out: Path, styles: dict[str, str]) -> None:
-    """Compile at tp 2, set `styles` (by name suffix) in plan.json by hand, compile that plan."""
+    """Compile at tp 2, set `styles` (by name suffix) in plan.json by hand, compile that plan (the logits gathered,
+    as the workers compare them)."""
     compile_model(path, gpus=2, pins=Pins(tp=2, pp=1, micro_batch_size=2, precision="fp32"), global_batch_size=2,
-                  out_dir=out)
+                  out_dir=out, vocab_parallel_loss=False)
     plan = json.loads((out / "plan.json").read_text())
     plan["tp"].update({f: style for f in plan["tp"] for k, style in styles.items() if f.endswith(k)})
     (out / "edited.json").write_text(json.dumps(plan))
-    compile_model(path, gpus=2, from_plan=str(out / "edited.json"), out_dir=out)
+    compile_model(path, gpus=2, from_plan=str(out / "edited.json"), out_dir=out, vocab_parallel_loss=False)
 
 
 class _ViewAttention(torch.nn.Module):
