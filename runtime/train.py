@@ -160,7 +160,7 @@ class PipelineRunner:
         self._targets: Any = None
         self.vocab_loss = None
         """With tp > 1 and the manifest's ``tp.vocab_loss``: the loss from this rank's vocabulary columns of the
-        logits (`partc.vocab_loss`), which the last stage returns unsplit no more."""
+        logits (`partc.vocab_loss`), which the last stage returns split, not gathered."""
         vocab = program.tp.get("vocab_loss")
         if vocab is not None and par.tp > 1 and self.has_last:
             with torch.device("meta"):
