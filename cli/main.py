@@ -101,8 +101,11 @@ def _pin_options(command):
 @click.option("--dump-dir", default=None, help="Also write graph.txt and costs.json here.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
               help="json: print the plan JSON to stdout instead of the summary.")
+@click.option("--no-vocab-parallel-loss", "no_vocab_loss", is_flag=True,
+              help="Under tp, gather the logits whole for the loss even where partc can compute it on the "
+                   "vocabulary shards (docs/vocab-parallel-loss.md).")
 def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_size, seq_len, from_plan, out_dir,
-                force, dump_dir, fmt, **pinned):
+                force, dump_dir, fmt, no_vocab_loss, **pinned):
     """Plan MODEL_FILE for --gpus GPUs: write OUT/plan.json and print why."""
     from partc.compile import compile_model
 
@@ -115,7 +118,7 @@ def compile_cmd(model_file, gpus, entry, cluster, gpus_per_node, global_batch_si
             result = compile_model(model_file, gpus=gpus, entry=entry, cluster=cluster, gpus_per_node=gpus_per_node,
                                    global_batch_size=global_batch_size, seq_len=seq_len, pins=pins,
                                    from_plan=from_plan, out_dir=out_dir, dump_dir=dump_dir, force=force,
-                                   on_phase=on_phase)
+                                   on_phase=on_phase, vocab_parallel_loss=not no_vocab_loss)
     except SystemExit as e:  # the model's forward called sys.exit() while traced
         raise PartcError(f"the model's code called sys.exit({e.code!r}) during partc compile") from None
     if fmt == "json":

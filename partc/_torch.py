@@ -2,8 +2,8 @@
 
 - `TorchDispatchMode`: `partc.deferred_init` records every ATen op that builds the model on the meta device, and
   `partc.passes.measure` counts the bytes and FLOPs of each traced op.
-- `tree_map`, `tree_flatten`: arguments and results of any structure (tensor, tuple, dict): recorded ops, targets
-  sliced per DP rank and per micro-batch.
+- `tree_map`, `tree_flatten`, `tree_unflatten`: arguments and results of any structure (tensor, tuple, dict): recorded
+  ops, targets sliced per DP rank and per micro-batch, the loss traced on the model's outputs (`partc.vocab_loss`).
 - `storage_key`: which storage a tensor views (meta tensors have storages but no data pointer).
 - ``torch.nn.init._no_grad_trunc_normal_``: replaced while `partc.deferred_init` records a build (it does nothing
   on meta).
@@ -35,10 +35,10 @@ from torch.distributed.distributed_c10d import _set_pg_timeout as set_pg_timeout
 from torch.export._tree_utils import reorder_kwargs
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["LazyGraphModule", "TorchDispatchMode", "mod_tracker_module", "reorder_kwargs", "set_pg_timeout",
-           "storage_key", "tree_flatten", "tree_map"]  # and _LAZY's names
+           "storage_key", "tree_flatten", "tree_map", "tree_unflatten"]  # and _LAZY's names
 
 
 def storage_key(t: Tensor) -> int:

@@ -21,6 +21,11 @@ sequence, so Megatron's f and g become
 
 (an all-reduce is a reduce-scatter and an all-gather: the same time on the wire, each collective half of it).
 
+and, on the output layer split over the vocabulary (Megatron-Core's ``vocab_parallel_cross_entropy``):
+
+    vocab_parallel_cross_entropy(logits, target, ignore_index)   the mean cross-entropy from each rank's
+                                                                 vocabulary columns; the logits are never gathered
+
 Each takes the ``tp`` process group, or uses the one the runtime set with `set_tp_group`. With one rank in the
 group every function is the identity.
 """
@@ -165,3 +170,59 @@ def masked_embedding(weight: Tensor, ids: Tensor, group: dist.ProcessGroup | Non
     outside = (ids < start) | (ids >= start + weight.shape[0])
     local = torch.where(outside, torch.zeros_like(ids), ids - start)
     return torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits split over the vocabulary (Megatron-Core, ``tensor_parallel/cross_entropy.py``).
+
+    Rank r holds columns [r·V/t, (r+1)·V/t) of logits [N, V]. Forward: the row maxima all-reduced (MAX, N floats),
+    then the target's logit (from the rank that owns it, zero elsewhere) and the sum of exponentials all-reduced
+    together (SUM, 2N floats): loss_i = log(sum_j exp(x_ij - m_i)) - (x_i,target - m_i), the mean over the rows whose
+    target is not `ignore_index` (torch's ``reduction="mean"``). Backward, local: (softmax - onehot(target)) / count
+    on this rank's columns, zero on ignored rows. Computes in fp32 whatever the logits' dtype: one fp32 working
+    copy of this rank's columns, which becomes the softmax saved for backward and then, in place, the gradient
+    (returned in the logits' dtype)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, group):
+        x = logits.float()
+        if x is logits:
+            x = x.clone()  # the exponentials are computed in place: never in the caller's tensor
+        local = x.shape[-1]
+        start = dist.get_rank(group) * local
+        row_max = x.detach().amax(dim=-1)
+        if not x.is_meta:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        x.sub_(row_max.unsqueeze(-1))
+        ignored = target == ignore_index
+        mine = (target >= start) & (target < start + local) & ~ignored
+        index = torch.where(mine, target - start, torch.zeros_like(target)).unsqueeze(-1)
+        both = torch.stack([x.gather(-1, index).squeeze(-1) * mine, x.exp_().sum(dim=-1)])
+        if not x.is_meta:
+            dist.all_reduce(both, group=group)
+        picked, sums = both[0], both[1]
+        count = (~ignored).sum()
+        loss = (sums.log() - picked).masked_fill(ignored, 0.0).sum() / count
+        x.div_(sums.unsqueeze(-1))  # softmax, this rank's columns
+        ctx.save_for_backward(x, index, mine, ignored, count)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, mine, ignored, count = ctx.saved_tensors
+        g = softmax  # in place, as Megatron-Core: the saved softmax is not needed again
+        g.scatter_add_(-1, index, -mine.unsqueeze(-1).to(g.dtype))
+        g.mul_(((grad / count) * ~ignored).unsqueeze(-1))
+        return g.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100,
+                                 group: dist.ProcessGroup | None = None) -> Tensor:
+    """``F.cross_entropy(logits_whole, target, ignore_index=ignore_index)`` (mean) from this rank's vocabulary
+    columns `logits` [N, V/t] (rank r's are [r·V/t, (r+1)·V/t)) and the class indices `target` [N]; with one rank,
+    torch's own cross-entropy."""
+    group = group or _TP_GROUP
+    if _size(group) == 1:
+        return torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, target, ignore_index, group)

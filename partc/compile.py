@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from partc import output, report
+from partc._torch import tree_unflatten
 from partc.cluster import Cluster, load_cluster
 from partc.deferred_init import InitRecord, record
 from partc.errors import PartcError
@@ -38,7 +39,9 @@ from partc.passes.codegen import GeneratedProgram, generate
 from partc.passes.export import CHECKPOINT_CALLS, export_on_meta
 from partc.passes.rebatch import rebatch
 from partc.value_sized import EXPECTED_SIZES, expected_sizes
+from partc.passes.assign import assign
 from partc.passes.trace import Traced, trace
+from partc import vocab_loss
 
 DEFAULT_BATCH_TOKENS = 2 * 1024 * 1024
 """Default global batch of a model with token inputs: the smallest multiple of the GPU count holding at least
@@ -103,10 +106,12 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                   gpus_per_node: int | None = None, global_batch_size: int | None = None,
                   seq_len: int | None = None, pins: Pins | None = None, from_plan: str | None = None,
                   out_dir: str | Path | None = None, dump_dir: str | Path | None = None,
-                  force: bool = False, on_phase: Callable[[int, str], None] | None = None) -> CompileResult:
+                  force: bool = False, on_phase: Callable[[int, str], None] | None = None,
+                  vocab_parallel_loss: bool = True) -> CompileResult:
     """Plan the model of the file at `path`; with `out_dir`, write the plan and the program there (`partc.output`:
     `force` replaces an earlier output whose files were changed since partc wrote them). `on_phase(i, what)` is
-    called as phase i of `PHASES` starts (a progress display)."""
+    called as phase i of `PHASES` starts (a progress display). `vocab_parallel_loss` False: under tp, gather the
+    logits whole for the loss even where it could run on the vocabulary shards (`partc.vocab_loss`)."""
     on_phase = on_phase or (lambda i, what: None)
     t0 = time.perf_counter()
     check_gpus(gpus)
@@ -144,6 +149,8 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     if not graph.units:
         raise PartcError(f"{path}: {entry}() returned a model without parameters ({type(model).__name__}); partc "
                          f"plans the training of a model with parameters")
+    graph.vocab_loss, graph.vocab_loss_why = find_vocab_loss(spec, model, traced) if vocab_parallel_loss else \
+        ({}, "turned off (--no-vocab-parallel-loss)")
     t_trace = time.perf_counter()
 
     # 3. Search, or re-predict a plan read from disk. A BatchNorm that sees one value per channel in a sample
@@ -221,6 +228,43 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                "codegen": t_end - t_codegen, "total": t_end - t0}
     return CompileResult(plan=plan, best=best, graph=graph, spec=spec, traced=traced, search=result,
                          timings=timings, warnings=warnings)
+
+
+def find_vocab_loss(spec: ModelSpec, model: torch.nn.Module, traced: Traced) -> tuple[dict, str]:
+    """(`ModelGraph.vocab_loss`, why not): the model output that is an output layer's logits (the layer's linear,
+    then at most casts and views that keep its last dimension), with the loss traced on meta and proven to be the
+    mean cross-entropy of those logits (`partc.vocab_loss.match`)."""
+    ep, graph = traced.exported, traced.graph
+    readers = {e.src for e in graph.edges if e.src != e.dst}
+    heads = {f for f, layer in graph.layers.items() if layer.kind == "linear" and f not in readers}
+    node_layer = assign(ep, model).node_layer
+    outs = list(ep.graph.output_node().args[0])
+    found = []
+    for i, o in enumerate(outs):
+        x = o
+        while isinstance(x, torch.fx.Node) and x.target in vocab_loss.SAME | vocab_loss.VIEWS and \
+                x.args[0].meta["val"].shape[-1:] == x.meta["val"].shape[-1:]:
+            x = x.args[0]
+        fqn = node_layer.get(x) if isinstance(x, torch.fx.Node) else None
+        if fqn in heads and x.target is torch.ops.aten.linear.default and \
+                o.meta["val"].shape[-1] == graph.layers[fqn].out_features:
+            found.append((i, fqn))
+    if len(found) != 1:
+        return {}, "no model output is one output layer's logits" if not found else \
+            "several model outputs are output layers' logits"
+    (i, fqn), = found
+    flat = [torch.empty(o.meta["val"].shape, dtype=torch.float32 if o.meta["val"].is_floating_point()
+                        else o.meta["val"].dtype, device="meta") for o in outs]
+    try:
+        with torch.device("meta"):
+            targets = spec.targets(1)
+        gm, n = vocab_loss.trace_loss(spec.loss_fn, lambda f: tree_unflatten(f, ep.call_spec.out_spec), flat, targets)
+    except Exception as e:  # noqa: BLE001 - a loss partc cannot trace is gathered as before
+        return {}, f"the loss could not be traced on meta tensors ({type(e).__name__})"
+    m = vocab_loss.match(gm, n, i, graph.layers[fqn].out_features, 1)
+    if isinstance(m, str):
+        return {}, m
+    return {"head": fqn, "output": i, "rows": m.rows_per_sample}, ""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -348,8 +392,10 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
         args, kwargs = meta_inputs(spec, b, plan.parallel.precision)
         ep = rebatch(traced.exported, model, args, kwargs) or export_on_meta(model, args, kwargs, path=path,
                                                                              precision=plan.parallel.precision)
+    vocab = traced.graph.vocab_loss if plan.tp_loss == vocab_loss.VOCAB_PARALLEL else None
     with expected_sizes(ep.graph_module.meta) or contextlib.nullcontext():  # the TP rewrite runs ops on meta
-        return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers)
+        return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers,
+                        vocab_loss=vocab)
 
 
 def _no_fit_message(clus: Cluster, result: SearchResult) -> str:
@@ -453,7 +499,8 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
                              "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
                              "mfu": c.prediction.mfu})
     return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
-                predicted=_predicted(pred, par.global_batch_size), alternatives=alternatives, tp_why=dict(best.tp.why))
+                predicted=_predicted(pred, par.global_batch_size), alternatives=alternatives, tp_why=dict(best.tp.why),
+                tp_loss=cost.tp_loss(graph, par, best.tp))
 
 
 def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path) -> None:

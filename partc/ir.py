@@ -193,6 +193,11 @@ class ModelGraph:
     """Units that must be on the last stage (the head feeding the loss)."""
     info: dict[str, object] = field(default_factory=dict)
     """Free-form model facts for the plan's ``model`` section (hidden size, heads, vocab...)."""
+    vocab_loss: dict[str, object] = field(default_factory=dict)
+    """When the loss is a cross-entropy partc can compute on the vocabulary shards (`partc.vocab_loss`):
+    ``head`` (the output layer's FQN), ``output`` (the flat model output it reads, the head's logits) and ``rows``
+    (logit rows per sample it reads); empty when not, and `vocab_loss_why` says why."""
+    vocab_loss_why: str = ""
 
     def boundary_bytes(self, i: int, micro_batch_size: int) -> int:
         """Bytes of one micro-batch across the pipeline boundary after units[i] (0 outside the model: before the

@@ -43,6 +43,9 @@ class Plan:
     tp_why: dict[str, str] = field(default_factory=dict)
     """At tp > 1: layer FQN -> why the plan keeps it whole or off Megatron's pattern (`partc.passes.tp.explain`);
     written for people, recomputed (not read) by ``--from-plan``."""
+    tp_loss: str = ""
+    """At tp > 1: ``vocab-parallel`` (the loss computed on the output layer's vocabulary shards, the logits never
+    gathered; docs/vocab-parallel-loss.md) or ``gathered: <why>``; recomputed (not read) by ``--from-plan``."""
 
     def to_dict(self) -> dict:
         return {
@@ -56,6 +59,7 @@ class Plan:
             "predicted": self.predicted,
             "alternatives": self.alternatives,
             "tp_why": dict(self.tp_why),
+            **({"tp_loss": self.tp_loss} if self.tp_loss else {}),
         }
 
     def to_json(self) -> str:

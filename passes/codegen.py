@@ -116,14 +116,17 @@ class _GraphIO:
 # --- the steps ------------------------------------------------------------------------------------------------
 
 def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Plan, *, model_path: str,
-             entry: str, layers: dict[str, Layer]) -> GeneratedProgram:
+             entry: str, layers: dict[str, Layer], vocab_loss: dict | None = None) -> GeneratedProgram:
     """Rewrite the exported graph for the plan's TP styles (in place), split it by the plan's stages and units
-    and write each stage as Python."""
+    and write each stage as Python. `vocab_loss` (`ModelGraph.vocab_loss`, where the plan's ``tp_loss`` is
+    vocab-parallel): the last stage returns that output as this rank's vocabulary columns, not gathered; the
+    manifest's ``tp.vocab_loss`` tells the runtime."""
     a = assign(ep, model)
     aliases = {n: names for names in a.by_id.values() for n in names}  # parameter FQN -> every name of its tensor
     with SameShapes():  # the rewrite runs each op on local shapes: once per distinct op and shapes
         rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases,
-                                sequence_parallel=plan.parallel.sequence_parallel)
+                                sequence_parallel=plan.parallel.sequence_parallel,
+                                keep_split=None if vocab_loss is None else int(vocab_loss["output"]))
     if plan.parallel.tp > 1:
         a = assign(ep, model)  # the rewrite added nodes
     io = _graph_io(ep)
@@ -153,6 +156,8 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
                               else None)
         stages.append(code)
     manifest = _manifest(ep, a, io, rw, layers, plan, stages, names, aliases, model_path=model_path, entry=entry)
+    if vocab_loss is not None and plan.parallel.tp > 1:
+        manifest["tp"]["vocab_loss"] = {"output": int(vocab_loss["output"])}
     files = {f"stage_{s.index}.py": s.source for s in stages}
     files["manifest.json"] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     return GeneratedProgram(stages=stages, manifest=manifest, files=files, sequence_gathers=rw.sequence_gathers)

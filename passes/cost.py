@@ -34,6 +34,7 @@ from partc.parallel import MESH_AXES, TP_STYLES, Parallel, Reads
 from partc import timeline
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT, param_shard
+from partc.vocab_loss import VOCAB_PARALLEL
 from partc.passes.cost_types import Memory, Prediction, RankPrediction, TPPlan, UnitTime
 
 from . import hw, schedule, zero
@@ -452,8 +453,10 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     - ZeRO's transient memory (`partc.passes.zero.working_bytes`): gathered units and one unit's gradients;
     - the backward of one unit at a time (`unit_backward_bytes`): the gradients it holds besides the saved
       activations, the largest unit's;
-    - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole even when the head is
-      colwise, since a loss-parallel head is not assumed; then the gather's parts are one more copy at its peak).
+    - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole when the head is
+      colwise but the loss gathers them: then the gather's parts are one more copy at its peak); with the
+      vocab-parallel loss (`tp_loss`) `vocab_loss_bytes` per logit of this rank's columns, at a moment of its
+      own (before any unit's backward).
     `shards`: `unit_param_shards`, when the caller has it. `last` False: in a micro-batch's backward before the last
     (`zero.working_bytes`; the search bounds every stage by the last one's, the larger).
     """
@@ -465,6 +468,30 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     backward = unit_backward_bytes(graph, par, tp)
     return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
                         any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last)
+
+
+def vocab_loss_bytes(precision: str) -> int:
+    """Bytes per logit of this rank's vocabulary columns at the vocab-parallel loss's peak: the logits (compute
+    dtype), the fp32 softmax it saves (its working copy, which becomes the gradient in place), and either the
+    compute-dtype gradient it hands back (bf16, made from the fp32 one) or, fp32, the working copy it makes in
+    forward beside the logits. 8 bytes either way; measured by ``partc check`` (docs/vocab-parallel-loss.md)."""
+    c = compute_bytes(precision)
+    return c + 4 + (4 if c == 4 else c)
+
+
+def tp_loss(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> str:
+    """How the last stage computes the loss under tp (plan.json's ``tp_loss``): ``vocab-parallel`` on the output
+    layer's vocabulary columns (`partc.vocab_loss`), or ``gathered: <why>`` from the logits gathered whole; "" at
+    tp 1."""
+    if par.tp == 1:
+        return ""
+    head = graph.vocab_loss.get("head")
+    if not head:
+        return f"gathered: {graph.vocab_loss_why or 'the loss is not a cross-entropy partc can split'}"
+    style = style_of(tp, head)
+    if style != "colwise":
+        return f"gathered: the output layer {head} is {style}, not split over the vocabulary (colwise)"
+    return VOCAB_PARALLEL
 
 
 def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
@@ -517,9 +544,16 @@ def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: S
     """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU and hold
     `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`;
     `last` False: in a micro-batch's backward before the last (`zero.working_bytes`)."""
-    extra = max([0.0, *rebuilt]) + max([0.0, *backward])
-    extra += zero.working_bytes(par, sizes, last=last)
+    extra = max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last) + max([0.0, *backward])
     last = graph.units[-1]
+    if holds_last and last.layers and tp_loss(graph, par, tp) == VOCAB_PARALLEL:
+        # The loss on this rank's vocabulary columns (`partc.collectives.vocab_parallel_cross_entropy`), nothing
+        # gathered. Its peak, in its own backward, comes before any unit's backward: no recomputation, unit
+        # gradient or ZeRO reduction yet, only ZeRO-3's gathered units beside it. The larger of the two moments.
+        head = graph.layers[last.layers[-1]]
+        local = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size / par.tp
+        gathered = compute_bytes(par.precision) * sum(sorted(sizes, reverse=True)[:2]) if par.zero == 3 else 0.0
+        return max(extra, vocab_loss_bytes(par.precision) * local + gathered)
     if holds_last and last.layers:
         head = graph.layers[last.layers[-1]]
         logits = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size

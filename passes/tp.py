@@ -103,7 +103,9 @@ class _Source:
     layer: str
     nbytes: int
     consumers: dict[str, bool]
-    loss: bool
+    loss: bool | str
+    """True: the loss reads the output whole; ``"vocab"``: the loss can read it split over the vocabulary (colwise),
+    `partc.collectives.vocab_parallel_cross_entropy`, with its two all-reduces (`vocab_loss_collectives`)."""
 
 
 # 1. Semantics, shared by the evaluator and the CP-SAT model
@@ -222,8 +224,21 @@ def _sources(graph: ModelGraph) -> list[_Source]:
             continue
         consumers[e.src][e.dst] = consumers[e.src].get(e.dst, True) and e.shard_ok
         nbytes[e.src] = max(nbytes[e.src], e.bytes)
-    return [_Source(layer=f, nbytes=nbytes[f] or layer.out_bytes, consumers=consumers[f], loss=not consumers[f])
+    head = graph.vocab_loss.get("head")
+    return [_Source(layer=f, nbytes=nbytes[f] or layer.out_bytes, consumers=consumers[f],
+                    loss="vocab" if f == head and not consumers[f] else not consumers[f])
             for f, layer in graph.layers.items()]
+
+
+def vocab_loss_collectives(graph: ModelGraph) -> list[Collective]:
+    """The vocab-parallel cross-entropy's all-reduces per sample (`partc.collectives.vocab_parallel_cross_entropy`):
+    the row maxima (one fp32 a logit row), then the target's logit and the sum of exponentials (two)."""
+    head, rows = graph.vocab_loss["head"], int(graph.vocab_loss["rows"])
+    why = "vocab-parallel cross-entropy of {}: {} all-reduced over tp (the logits stay split)"
+    return [Collective(kind="all_reduce", phase="fwd", nbytes=4 * rows, src=head,
+                       reason=why.format(head, "the row maxima")),
+            Collective(kind="all_reduce", phase="fwd", nbytes=8 * rows, src=head,
+                       reason=why.format(head, "the target's logit and the sum of exponentials"))]
 
 
 def _compute_s(cluster: Cluster, layer: Layer, style: str, tp: int, b: int) -> float:
@@ -398,7 +413,13 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
         for src in cache.sources:
             layer, style = graph.layers[src.layer], styles[src.layer]
             needs = [(*_needs(graph.layers[c], styles[c]), ok) for c, ok in src.consumers.items()]
-            for phase, kind in _conversions(STATE[style], _facts(needs, src.loss)).items():
+            vocab = src.loss == "vocab" and style == "colwise"
+            for coll in vocab_loss_collectives(graph) if vocab else ():
+                collectives.setdefault(layer.unit, []).append(coll)
+                unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + hw.collective_time(
+                    cluster, coll.kind, coll.nbytes * b, tp, spans_nodes=_spans_nodes(cluster, tp))
+            loss = src.loss is True or (src.loss == "vocab" and not vocab)
+            for phase, kind in _conversions(STATE[style], _facts(needs, loss)).items():
                 readers = _readers(phase, kind, list(src.consumers), needs)
                 inner = {styles[r] == "inner" for r in readers}
                 reader_style = "colwise" if inner == {False} else "split-inside" if inner == {True} else \
@@ -623,7 +644,11 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
     spans = _spans_nodes(cluster, tp)
     for (r, nbytes, consumers, loss), count in terms["sources"]:
         lits: dict[str, list] = {f: [] for f in FACTS}
-        lits["need_r"].append(loss)
+        lits["need_r"].append(_neg(lit(r, "colwise")) if loss == "vocab" else loss)
+        if loss == "vocab" and lit(r, "colwise") is not False:  # the vocab-parallel loss's all-reduces
+            for coll in vocab_loss_collectives(graph):
+                ns = round(NS * hw.collective_time(cluster, coll.kind, coll.nbytes * b, tp, spans_nodes=spans))
+                indicators.append((ns * count, lit(r, "colwise")))
         for c, ok in consumers:
             styles = styles_of(c)
             for fact in FACTS:

@@ -90,11 +90,14 @@ class _Multi(tuple):
 
 class _Rewriter:
     def __init__(self, ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
-                 styles: dict[str, str], t: int, aliases: dict[str, list[str]], sequence_parallel: bool = False):
+                 styles: dict[str, str], t: int, aliases: dict[str, list[str]], sequence_parallel: bool = False,
+                 keep_split: int | None = None):
         self.ep, self.graph, self.aliases = ep, ep.graph, aliases
         self.sp = sequence_parallel and t > 1
         self.seq: set[Node] = set()
         """Nodes split along the sequence (their state is that dim)."""
+        self.keep_split = keep_split
+        """The flat output left split over its last dimension (the logits of a vocab-parallel loss)."""
         self.node_layer, self.layers, self.styles, self.t = node_layer, layers, styles, t
         self.state: dict[Node, object] = {}
         self.pieces: dict[Node, int] = {}
@@ -238,7 +241,14 @@ class _Rewriter:
                 self._call(node)
             elif node.op == "output":
                 outs = node.args[0]
-                new = [self.need(o, R, node) if isinstance(o, Node) else o for o in outs]
+                new = [o if i == self.keep_split else self.need(o, R, node) if isinstance(o, Node) else o
+                       for i, o in enumerate(outs)]
+                if self.keep_split is not None:
+                    # The vocab-parallel loss reads this output as this rank's columns of the vocabulary, in order
+                    # (`partc.collectives.vocab_parallel_cross_entropy`): never gathered.
+                    o = outs[self.keep_split]
+                    assert self.state.get(o) == self.val[o].dim() - 1 and self.pieces.get(o, 1) == 1, \
+                        (o.name, self.state.get(o))
                 node.args = (type(outs)(new),)
         self.graph.lint()
         self.result.split = {n for n, st in self.state.items() if st is not R}
@@ -605,9 +615,10 @@ class _Rewriter:
 
 def rewrite(ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
             styles: dict[str, str], t: int, aliases: dict[str, list[str]], *,
-            sequence_parallel: bool = False) -> Rewrite:
+            sequence_parallel: bool = False, keep_split: int | None = None) -> Rewrite:
     """Rewrite `ep.graph` in place for TP degree `t` (with sequence parallelism where asked); returns the parameter
-    splits and collectives. `aliases` maps a parameter FQN to every FQN of the same (tied) tensor."""
+    splits and collectives. `aliases` maps a parameter FQN to every FQN of the same (tied) tensor; `keep_split`: the
+    flat output left split over its last dimension (a colwise output layer's logits, for the vocab-parallel loss)."""
     if t == 1:
         return Rewrite()
-    return _Rewriter(ep, node_layer, layers, styles, t, aliases, sequence_parallel).run()
+    return _Rewriter(ep, node_layer, layers, styles, t, aliases, sequence_parallel, keep_split).run()

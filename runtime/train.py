@@ -35,7 +35,9 @@ Optimizer step. The learning rate of the step (`LRSchedule.lr_at`), the gradient
 ``max_norm`` (when set), then each optimizer's step.
 
 With tensor parallelism every tp rank of the last stage computes the same loss from the same (gathered)
-outputs and runs backward from it; the program's collectives give each rank the gradient of its shards.
+outputs and runs backward from it; the program's collectives give each rank the gradient of its shards. Where the
+plan's ``tp_loss`` is vocab-parallel, the logits stay split over the vocabulary and the loss is computed from each
+rank's columns (`partc.vocab_loss`): the same loss on every tp rank, the gradient of its own columns.
 
 Non-finite numbers. Before the optimizer step every rank checks its gradients, and one all-reduce gives the
 global loss and the count of non-finite gradients: if either is not finite, `step` raises `NonFiniteError` on
@@ -69,6 +71,7 @@ from partc.runtime.program import ProgramFiles
 from partc.runtime.schedule import GatherOnceInterleaved1F1B, PipeStage
 from partc.sharding import TPLayout
 from partc.value_sized import expected_sizes
+from partc.vocab_loss import program_loss
 
 
 class NonFiniteError(PartcError):
@@ -174,10 +177,23 @@ class PipelineRunner:
         """(parameter, 1 / its copies in the job): the gradient norm's terms (`partc.runtime.optim.grad_copies`)."""
         self.last: dict = {}
         """The last step's ``loss``, ``grad_norm`` (before clipping), ``lr``, ``clipped``."""
+        self.vocab_loss = None
+        """With tp > 1 and the manifest's ``tp.vocab_loss``: the loss from this rank's vocabulary columns of the
+        logits (`partc.vocab_loss`), which the last stage returns split, not gathered."""
+        vocab = program.tp.get("vocab_loss")
+        if vocab is not None and par.tp > 1 and self.has_last:
+            with torch.device("meta"):
+                targets = spec.targets(par.micro_batch_size)
+            self.vocab_loss = program_loss(self.loss_fn, self.last_code.outputs, list(shapes[-1][1]), targets,
+                                           int(vocab["output"]), par.tp, par.micro_batch_size)
 
     def _loss(self, output: Any, index: Tensor) -> Tensor:
         flat = output if isinstance(output, tuple) else (output,)
         targets = tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, self._targets)
+        if self.vocab_loss is not None:  # the logits in the compute dtype: the loss upcasts its working copy
+            keep = self.vocab_loss.found.output
+            return self.vocab_loss(tuple(t if i == keep else cast_floating(t, MASTER_DTYPE)
+                                         for i, t in enumerate(flat)), targets)
         return self.loss_fn(self.last_code.outputs(cast_floating(flat, MASTER_DTYPE)), targets)
 
     def dp_slice(self, n: int) -> slice:

@@ -107,13 +107,15 @@ def load_stage(path: Path):
 
 
 def compile_program(model: str | Path, out: Path, *, global_batch_size: int | None = None, gpus: int | None = None,
-                    seq_len: int | None = None, tp_styles=None, cluster="a100-80g", **pins):
+                    seq_len: int | None = None, tp_styles=None, cluster="a100-80g", vocab_parallel_loss: bool = True,
+                    **pins):
     """Compile a model file (a path, or the name of an examples/ file) into `out` with exactly the given `Pins`
     fields (``tp=2, pp=2, micro_batch_size=1, schedule="1f1b", precision="fp32"``...: what is not given is
     searched); `gpus` defaults to the product of the pinned mesh degrees. With `tp_styles` the tp map is then set
     in plan.json by hand and that file compiled again with ``--from-plan``, as a user would: a dict updates the
     solver's map, a function ``(fqn, solver's style) -> style`` rewrites every entry. Returns the last
-    `CompileResult` (the program is in `out`). `cluster`: a preset name or a `Cluster`."""
+    `CompileResult` (the program is in `out`). `cluster`: a preset name or a `Cluster`; `vocab_parallel_loss`: as
+    `compile_model`'s (False: a colwise head's logits are gathered)."""
     from partc.compile import compile_model
     from partc.parallel import MESH_AXES, Pins
 
@@ -121,7 +123,7 @@ def compile_program(model: str | Path, out: Path, *, global_batch_size: int | No
     out = Path(out)
     gpus = gpus or math.prod(pins.get(axis) or 1 for axis in MESH_AXES)
     result = compile_model(path, gpus=gpus, pins=Pins(**pins), global_batch_size=global_batch_size,
-                           seq_len=seq_len, out_dir=out, cluster=cluster)
+                           seq_len=seq_len, out_dir=out, cluster=cluster, vocab_parallel_loss=vocab_parallel_loss)
     if tp_styles is not None:
         plan = json.loads((out / "plan.json").read_text())
         if callable(tp_styles):
@@ -130,7 +132,8 @@ def compile_program(model: str | Path, out: Path, *, global_batch_size: int | No
             plan["tp"].update(tp_styles)
         edited = out.parent / f"{out.name}.plan.json"
         edited.write_text(json.dumps(plan, indent=2))
-        result = compile_model(path, gpus=gpus, from_plan=str(edited), seq_len=seq_len, out_dir=out)
+        result = compile_model(path, gpus=gpus, from_plan=str(edited), seq_len=seq_len, out_dir=out,
+                               vocab_parallel_loss=vocab_parallel_loss)
     return result
 
 

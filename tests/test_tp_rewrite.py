@@ -29,14 +29,15 @@ from zoo_models import write_zoo_model
 def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False, extra: dict | None = None,
                   pattern: bool = True) -> dict:
     """Compile at `tp` (fp32: the workers run the fp32 model's shards against its own fp32 forward), set the Megatron
-    pattern by hand (and `extra` styles), compile again --from-plan; returns the plan."""
+    pattern by hand (and `extra` styles), compile again --from-plan; returns the plan. The logits are gathered (no
+    vocab-parallel loss): the workers compare them whole."""
     extra = extra or {}
 
     def styles(fqn: str, solved: str) -> str:
         return extra.get(fqn) or megatron_style(fqn, vocab=vocab) or solved
 
-    compile_program(path, out, gpus=tp, global_batch_size=2, tp_styles=styles, tp=tp, pp=1, micro_batch_size=2,
-                    precision="fp32")
+    compile_program(path, out, gpus=tp, global_batch_size=2, tp_styles=styles, vocab_parallel_loss=False, tp=tp,
+                    pp=1, micro_batch_size=2, precision="fp32")
     plan = json.loads((out.parent / f"{out.name}.plan.json").read_text())
     matched = {fqn: style for fqn in plan["tp"] if (style := megatron_style(fqn, vocab=vocab))}
     # The pattern must match, or a case would test whatever the solver chose instead of Megatron's split.
@@ -295,13 +296,14 @@ def test_fused_pieces_read_whole_are_put_back_in_order(tp_runs):
 
 
 def _hand_set(path: str, out: Path, styles: dict[str, str]) -> None:
-    """Compile at tp 2, set `styles` (by name suffix) in plan.json by hand, compile that plan."""
+    """Compile at tp 2, set `styles` (by name suffix) in plan.json by hand, compile that plan (the logits gathered,
+    as the workers compare them)."""
     compile_model(path, gpus=2, pins=Pins(tp=2, pp=1, micro_batch_size=2, precision="fp32"), global_batch_size=2,
-                  out_dir=out)
+                  out_dir=out, vocab_parallel_loss=False)
     plan = json.loads((out / "plan.json").read_text())
     plan["tp"].update({f: style for f in plan["tp"] for k, style in styles.items() if f.endswith(k)})
     (out / "edited.json").write_text(json.dumps(plan))
-    compile_model(path, gpus=2, from_plan=str(out / "edited.json"), out_dir=out)
+    compile_model(path, gpus=2, from_plan=str(out / "edited.json"), out_dir=out, vocab_parallel_loss=False)
 
 
 class _ViewAttention(torch.nn.Module):
