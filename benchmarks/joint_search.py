@@ -15,7 +15,7 @@ Rows:
   global batch of `partc compile`'s default: the search's CPU seconds with and without the other styles (the
   compile-time bar is benchmarks/compile_time.py's).
 
-"least time only" is the same search with `passes.tp.MAX_CHOICES` set to 1: every component at its least-time
+"least time only" is the same search with `passes.tp_solve.MAX_CHOICES` set to 1: every component at its least-time
 styles, the search before the joint choice. Columns: the token embedding's style, the units of the first and of
 the busiest pipeline rank, the slowest rank's seconds per micro-batch, the predicted step time, and the search's
 CPU seconds.
@@ -33,7 +33,7 @@ from partc.cluster import load_cluster
 from partc.compile import default_global_batch
 from partc.parallel import Pins
 from partc.passes import search as search_mod
-from partc.passes import tp as tp_mod
+from partc.passes import tp_solve as tp_mod
 from partc.passes.trace import trace
 
 GPT = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"

@@ -31,7 +31,7 @@ from partc.ir import ModelGraph
 from partc.parallel import MAX_BATCH, MAX_GPUS, MESH_AXES, Pins, check_gpus
 from partc.precision import cast_floating, compute_dtype
 from partc.plan import Plan, Stage, read_plan
-from partc.passes import cost
+from partc.passes import assemble, cost
 from partc.model_file import ModelSpec, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import TPSolution, evaluate_tp
@@ -456,7 +456,7 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
     if missing:
         raise PartcError(f"the plan's tp map has no style for layer {missing[0]!r} ({len(missing)} missing)")
     tp = evaluate_tp(graph, par.tp, plan.tp, clus, par.micro_batch_size)
-    pred = cost.predict(graph, clus, par, tp, bounds)
+    pred = assemble.predict(graph, clus, par, tp, bounds)
     if not cost.fits(clus, pred.memory_per_gpu):
         gib = 1024**3
         raise PartcError(f"the plan needs {pred.memory_per_gpu.total / gib:.1f} GiB per GPU but a {clus.gpu} has "

@@ -3,7 +3,7 @@
 Every pipeline rank runs its forwards and backwards in its schedule's order (`rank_order`: GPipe, 1F1B, and
 torch.distributed.pipelining's interleaved 1F1B, as `partc.passes.schedule` and the runtime order them); an action
 starts when its rank is free and its input is there: the forward of the previous chunk (model chunk s - 1) or the
-backward of the next (s + 1) for the same micro-batch. As in the cost model (`partc.passes.cost.predict`,
+backward of the next (s + 1) for the same micro-batch. As in the cost model (`partc.passes.assemble.predict`,
 Narayanan et al. 2021), the slowest rank sets the pace: every forward of a chunk takes F/v and every backward B/v,
 F and B that rank's forward and backward per micro-batch (compute, TP collectives and the pipeline send and
 receive), so a faster rank idles in part of each slot. With equal slots the walk ends at

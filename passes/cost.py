@@ -1,4 +1,5 @@
-"""The cost model: time and memory of a plan on a cluster, as pure functions over the IR.
+"""The cost model's terms: time, memory and traffic of units, ranks and collectives, as pure functions over the IR
+(`passes.assemble.predict` puts them together into a plan's step).
 
 Sources (docs/cost-model.md cites each): Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM" (bubble, in-flight micro-batches, TP/PP traffic, model FLOPs; Table 1);
@@ -22,20 +23,16 @@ the runtime's (the multi-process tests).
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 from partc.cluster import Cluster
-from partc.errors import PartcError
 from partc.ir import ModelGraph, Unit
 from partc.parallel import MESH_AXES, TP_STYLES, Parallel, Reads
-from partc import timeline
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT, param_shard
 from partc.vocab_loss import VOCAB_PARALLEL
-from partc.passes.cost_types import Memory, Prediction, RankPrediction, TPPlan, UnitTime
+from partc.passes.cost_types import Memory, TPPlan, UnitTime
 
 from . import hw, schedule, zero
 
@@ -53,17 +50,6 @@ the runtime computes the loss from, the fp32 log-probabilities cross-entropy sav
 # (`partc.parallel.Reads`), then the derived values it reads (the rank's chunks, its parameters, ...).
 _PER_MICRO_BATCH = ("dp", "pp", "zero", "global_batch_size", "schedule", "virtual_stages")
 FORWARD_FLOOR = Reads("forward_floor", (*_PER_MICRO_BATCH, "recompute", "precision"))  # + the unit's signature
-TIED = Reads("tied", (*_PER_MICRO_BATCH, "recompute"))  # parameters held by two units: (tp, b)
-COPIES = Reads("copies", (*_PER_MICRO_BATCH, "recompute"))  # the TP copies' readers (`copy_all_reduces`): (tp, b)
-UNITS = Reads("units", (*_PER_MICRO_BATCH, "recompute"))  # parameters a unit holds on one GPU: (tp, b)
-PADDED = Reads("padded", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # + dp
-REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp, b, recompute)
-BACKWARD = Reads("backward", (*_PER_MICRO_BATCH, "recompute"))  # what a unit's backward holds: (tp, b)
-EXTRA = Reads("extra", ("dp", "pp", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks
-TIME = Reads("time", _PER_MICRO_BATCH)  # + the chunks
-FWD_TIME = Reads("fwd_time", _PER_MICRO_BATCH)  # the forward's share of TIME, for the timeline: + the chunks
-TP_BYTES = Reads("tp_bytes", _PER_MICRO_BATCH)  # + the micro-batch count and the chunks
-DP_TIME = Reads("dp_time", ("pp", "schedule", "virtual_stages", "recompute"))  # + the rank's parameters and groups
 
 
 # --- 1. Helpers: styles, recomputation, mesh placement -----------------------------------------------------------
@@ -752,208 +738,3 @@ def shared_time(cluster: Cluster, par: Parallel, nbytes: float) -> float:
     """The all-reduce of shared weights' gradients over pipeline ranks (two of them; across nodes when the
     pipeline spans nodes)."""
     return hw.collective_time(cluster, "all_reduce", nbytes, 2, spans_nodes=par.spans_nodes("pp", cluster.gpus_per_node))
-
-
-# --- 6. The whole step -------------------------------------------------------------------------------------------
-
-@dataclass(kw_only=True, slots=True)
-class _UnitSizes:
-    """Per unit on one GPU (`predict`'s sums over a rank's units)."""
-
-    counts: list[int]
-    """Parameters of each unit (`unit_param_shards` summed)."""
-    params: list[int]
-    """Prefix sums of `counts`: params[i] = sum(counts[:i])."""
-    numel: list[int]
-    """Elements of each unit's local parameter shapes (`unit_local_shapes`), as `fsdp_groups` counts them."""
-
-    @staticmethod
-    def of(shards: list[dict[str, int]], local_shapes: list[dict[str, tuple]]) -> _UnitSizes:
-        counts = [sum(d.values()) for d in shards]
-        return _UnitSizes(counts=counts, params=[0, *itertools.accumulate(counts)],
-                          numel=[sum(math.prod(v) for v in s.values()) for s in local_shapes])
-
-
-def _holds_tie(tied: list[tuple[str, list[int], tuple]], chunks: Sequence[tuple[int, int]]) -> bool:
-    """Whether the units of `chunks` hold a parameter (`_tied_holders`) twice."""
-    return any(sum(1 for i in units if any(lo <= i < hi for lo, hi in chunks)) > 1 for _, units, _ in tied)
-
-
-class _Memo:
-    """`predict`'s per-chunk terms, kept in the caller's dict when it passes one."""
-
-    __slots__ = ("store",)
-
-    def __init__(self, store: dict | None):
-        self.store = store
-
-    def __call__(self, key: tuple, make):
-        if self.store is None:
-            return make()
-        if key not in self.store:
-            self.store[key] = make()
-        return self.store[key]
-
-
-def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, int]]) -> None:
-    """`bounds`: one half-open unit range [start, end) per model chunk, contiguous, covering every unit."""
-    want = par.pp * par.chunks_per_rank
-    if len(bounds) != want:
-        raise PartcError(f"expected {want} pipeline chunks (pp x virtual stages), got {len(bounds)}")
-    prev = 0
-    for lo, hi in bounds:
-        if lo != prev or hi <= lo:
-            raise PartcError(f"pipeline chunks must be contiguous, non-empty [start, end) ranges: {list(bounds)}")
-        prev = hi
-    if prev != len(graph.units):
-        raise PartcError(f"pipeline chunks cover {prev} of {len(graph.units)} units")
-
-
-def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
-                 bounds: Sequence[tuple[int, int]], acts: list[float], shards: list[dict[str, int]],
-                 local_shapes: list[dict[str, tuple]], shared: dict[int, float], keep: _Memo):
-    """Per pipeline rank, in order: (rank, its chunks, its units, parameters on one GPU, FSDP's padded elements
-    (in groups of their own, in the root group), FSDP groups, memory), as `predict` counts them."""
-    p, v = par.pp, par.chunks_per_rank
-    tied = keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes))
-    units = keep(UNITS.key(par), lambda: _UnitSizes.of(shards, local_shapes))
-    padded_sums = keep(PADDED.key(par), lambda: [0, *itertools.accumulate(
-        sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
-    rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
-    backward = keep(BACKWARD.key(par), lambda: unit_backward_bytes(graph, par, tp))
-    for r in range(p):
-        chunks = [tuple(bounds[r + j * p]) for j in range(v)]
-        idx = [i for lo, hi in chunks for i in range(lo, hi)]
-        if _holds_tie(tied, chunks):  # a parameter held by two units of the rank counts once, they share a group
-            params = stage_param_count(graph, par, tp, idx, shards)
-            groups = [fsdp_groups(graph, par, tp, range(lo, hi), local_shapes) for lo, hi in chunks]
-            padded = (sum(g[1] for g in groups), sum(g[2] for g in groups))
-            groups_n = sum(len(g[0]) + (g[3] > 0) for g in groups)  # with the chunk's root group, if it holds any
-        else:  # sums over the units (exact: integers), each unit an FSDP group of its own (`fsdp_groups`)
-            params = sum(units.params[hi] - units.params[lo] for lo, hi in chunks)
-            padded = (float(sum(padded_sums[hi] - padded_sums[lo] for lo, hi in chunks)), 0.0)
-            groups_n = len(idx)
-        mem = model_state_bytes(params, par)
-        def extra(last: bool = True) -> float:
-            return keep(EXTRA.key(par, tuple(chunks), last),
-                        lambda: _extra_bytes(graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx],
-                                             idx[-1] == len(graph.units) - 1, [backward[i] for i in idx], last))
-
-        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra()
-        if v == 1 and par.zero < 2 and in_flight(par, r) > 1:
-            # Below ZeRO-2 the reduction's fp32 input is made in the last micro-batch's backward, when only that
-            # micro-batch is in flight; the backwards before it only fold a compute-dtype gradient. (Interleaved:
-            # other chunks' micro-batches may still be in flight then, so the larger charge stays.)
-            mem.activations = max(_in_flight_bytes(graph, par, r, chunks, acts) + extra(last=False),
-                                  _held_bytes(graph, par, chunks, acts)[0] + extra())
-        mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
-        yield r, chunks, idx, params, padded, groups_n, mem
-
-
-def fits_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
-                bounds: list[tuple[int, int]], *, acts: list[float], shards: list[dict[str, int]],
-                local_shapes: list[dict[str, tuple]], memo: dict | None = None) -> bool:
-    """`fits(cluster, predict(...).memory_per_gpu)` without the time terms, rank by rank until one does not fit (the
-    same memory, computed the same way; arguments as `predict`'s)."""
-    check_bounds(graph, par, bounds)
-    keep = _Memo(memo)
-    shared = shared_weights(graph, par, tp, bounds, local_shapes,
-                            tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
-    return all(fits(cluster, mem) for *_, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
-                                                              local_shapes, shared, keep))
-
-
-def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
-            bounds: list[tuple[int, int]], *, parts: list[UnitTime] | None = None,
-            acts: list[float] | None = None, shards: list[dict[str, int]] | None = None,
-            local_shapes: list[dict[str, tuple]] | None = None, memo: dict | None = None) -> Prediction:
-    """Step time, throughput and memory of a plan. Pipeline (Narayanan et al.): every rank runs m micro-batches;
-    the slowest rank, T_max seconds per micro-batch (compute + TP comm + p2p), sets the steady-state pace, and
-    filling and draining the pipeline costs p - 1 more slots (an upper bound when stages are unbalanced):
-        1F1B, GPipe:      (m + p - 1) · T_max
-        interleaved 1F1B: (m + (p - 1)/v) · T_max, T_max summing the v chunks of a rank: the ideal time is still
-                          m · T_max, and the fill/drain slot is one chunk, T_max / v (bubble (1/v)·(p - 1)/m).
-    Then the exposed DP gradient traffic and the optimizer step of the rank with the most parameters.
-    `parts`, `acts`, `shards` and `local_shapes` (`unit_time_parts`, `unit_activation_bytes`, `unit_param_shards`,
-    `unit_local_shapes` of the same graph, par and tp) save recomputing them when the caller has them. `memo`: a
-    dict kept across calls on one graph whose TP solution is a function of (tp, micro-batch size), as in the search:
-    the per-chunk terms (parameters, FSDP groups, working memory, TP payload) are then computed once per key of
-    what each depends on (a model of identical blocks repeats most chunks).
-    """
-    check_bounds(graph, par, bounds)
-    p, v, m, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.micro_batch_size
-    if m < 1:
-        raise PartcError(f"global batch {par.global_batch_size} is smaller than dp x micro-batch ({par.dp} x {b})")
-    parts = parts if parts is not None else unit_time_parts(graph, cluster, par, tp)
-    acts = acts if acts is not None else unit_activation_bytes(graph, par, tp)
-    shards = shards if shards is not None else unit_param_shards(graph, par, tp)
-    local_shapes = local_shapes if local_shapes is not None else unit_local_shapes(graph, par, tp)
-    spans = mesh_spans(cluster, par)
-
-    ranks, comps, dp_times, opt_times = [], [], [], []
-    keep = _Memo(memo)
-    shared = shared_weights(graph, par, tp, bounds, local_shapes,
-                            tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
-    for r, chunks, idx, params, padded, groups_n, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
-                                                                      local_shapes, shared, keep):
-        ck = tuple(chunks)  # the memo's key of the rank's units
-        compute, tp_comm = keep(TIME.key(par, ck), lambda: (
-            sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
-        # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
-        pp_comm = sum(p2p_round_trip(cluster, par,
-                                     max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)), spans["pp"],
-                                     max(graph.boundary_grad_bytes(lo - 1, b), graph.boundary_grad_bytes(hi - 1, b)))
-                      for lo, hi in chunks)
-        pp_fwd = sum(p2p_round_trip(cluster, par, max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)),
-                                    spans["pp"], 0.0) for lo, hi in chunks)  # the activations' half
-        fwd_compute, fwd_tp = keep(FWD_TIME.key(par, ck), lambda: (
-            sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
-        tp_payload = keep(TP_BYTES.key(par, par.num_microbatches, ck),
-                          lambda: tp_bytes(graph, par, tp, idx))
-        if par.tp > 1:  # a copied value's gradient all-reduced on each stage that reads it (`copy_moves`)
-            for count, nbytes in copy_moves(keep(COPIES.key(par), lambda: copy_all_reduces(graph, tp)), bounds,
-                                            chunks):
-                once = hw.collective_time(cluster, "all_reduce", nbytes * b, par.tp, spans_nodes=spans["tp"],
-                                          ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
-                tp_comm += count * once
-                tp_payload += count * nbytes * b * m
-        # What one GPU of the rank passes to collectives in a step, on each mesh axis (`MeshAxis.traffic`; the
-        # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
-        comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
-                "dp": sum(zero.dp_bytes(par, params, *padded).values()),
-                "tp": tp_payload + gather_bytes(graph, par, chunks)}
-        assert tuple(comm) == MESH_AXES, (tuple(comm), MESH_AXES)
-        comps.append((compute, tp_comm, pp_comm))
-        dp_time = keep(DP_TIME.key(par, spans["dp"], params, padded, groups_n),
-                       lambda: dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n))
-        dp_times.append(dp_time + shared_time(cluster, par, shared.get(r, 0.0)))
-        opt_times.append(optimizer_time(cluster, par, params))
-        timeline_s = {"fwd": {"compute": fwd_compute, "tp": fwd_tp, "pp": pp_fwd},
-                      "bwd": {"compute": compute - fwd_compute, "tp": tp_comm - fwd_tp, "pp": pp_comm - pp_fwd},
-                      "dp_comm": dp_times[-1], "optimizer": opt_times[-1]}
-        ranks.append(RankPrediction(rank=r, time_s=compute + tp_comm + pp_comm, memory=mem, num_params=params,
-                                    chunks=chunks, comm_bytes=comm, timeline_s=timeline_s))
-
-    slow = max(range(p), key=lambda r: ranks[r].time_s)
-    t_max = ranks[slow].time_s
-    bubble_s = (p - 1) / v * t_max
-    dp_s, opt_s = max(dp_times), max(opt_times)
-    # The pipeline walk's end (`partc.timeline`, which the report draws): m slots of T_max and the fill/drain.
-    step = timeline.pipeline_span(p, v, m, t_max, 0.0) + dp_s + opt_s
-
-    # Model FLOPs: 3 x forward (forward + backward, no recompute) over the global batch; for a GPT, Megatron's
-    # 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) (Korthikanti et al.; Narayanan et al.'s 96 counts the recompute).
-    model_flops = 3.0 * par.global_batch_size * sum(u.fwd_flops for u in graph.units)
-    tflops = model_flops / step / par.world_size / 1e12
-    compute, tp_comm, pp_comm = comps[slow]
-    return Prediction(
-        step_time_s=step,
-        tokens_per_s=par.global_batch_size * graph.seq_len / step,
-        model_tflops_per_gpu=tflops,
-        mfu=tflops * 1e12 / cluster.peak_flops,
-        bubble_fraction=bubble_fraction(par),
-        memory_per_gpu=max((r.memory for r in ranks), key=lambda mem: mem.total),
-        ranks=ranks,
-        compute_s=m * compute, tp_comm_s=m * tp_comm, pp_comm_s=m * pp_comm,
-        bubble_s=bubble_s, dp_comm_s=dp_s, optimizer_s=opt_s,
-    )

@@ -2,9 +2,9 @@
 
 Candidates are (dp, tp, pp) factorizations of the GPU count (tp inside a node unless pinned), micro-batch sizes
 dividing the per-replica batch, ZeRO stages 0-3, recomputation none/selective/full and the schedules 1F1B,
-GPipe and interleaved 1F1B (v chunks a rank). For each, `passes.tp` offers the per-layer TP style maps (the least
+GPipe and interleaved 1F1B (v chunks a rank). For each, `passes.tp_solve` offers the per-layer TP style maps (the least
 time first, then maps that trade time for parameters a GPU: `solve_tp_choices`, docs/joint-search.md), each a
-candidate of its own, and `passes.stages` the stage boundaries; `passes.cost.predict` gives the step time and
+candidate of its own, and `passes.stages` the stage boundaries; `passes.assemble.predict` gives the step time and
 memory.
 
 Pruning never loses the optimum of the cost model: a candidate is evaluated in full only while a lower bound of
@@ -29,9 +29,10 @@ from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import RECOMPUTE, SCHEDULES, ZERO_STAGES, Parallel, Pins, Reads, check_pins
-from partc.passes import cost
+from partc.passes import assemble, cost
 from partc.passes.stages import FreeSplits, partition_stages, stage_memory
-from partc.passes.tp import SolveCache, TPSolution, solve_tp_choices
+from partc.passes.tp import SolveCache, TPSolution
+from partc.passes.tp_solve import solve_tp_choices
 
 
 MAX_VIRTUAL_STAGES = 8
@@ -161,7 +162,7 @@ class _Costs:
     def __init__(self, graph: ModelGraph, cluster: Cluster, tp_pins: dict[str, str] | None):
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
         self._cache: dict[tuple, object] = {}
-        self._memo: dict[tuple, object] = {}  # `cost.predict`'s per-chunk terms (the TP solve is one per (tp, b))
+        self._memo: dict[tuple, object] = {}  # `assemble.predict`'s per-chunk terms (the TP solve is one per (tp, b))
         self._tp_cache = SolveCache(graph, cluster)
         self.variant = 0
         """Which of `tp_choices` this object prices: each other one is a view (`at`) with caches of its own."""
@@ -210,13 +211,13 @@ class _Costs:
         return self._get(SHARDS, par, lambda: [sum(d.values()) for d in self.shards(par)], "params")
 
     def predict(self, par: Parallel, bounds: list[tuple[int, int]]) -> cost.Prediction:
-        return cost.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
+        return assemble.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
                             acts=self.acts(par), shards=self.shards(par), local_shapes=self.local_shapes(par),
                             memo=self._memo)
 
     def fits_memory(self, par: Parallel, bounds: list[tuple[int, int]]) -> bool:
-        """Whether `predict(par, bounds)` fits, from its memory terms alone (`cost.fits_memory`)."""
-        return cost.fits_memory(self.graph, self.cluster, par, self.tp(par), bounds, acts=self.acts(par),
+        """Whether `predict(par, bounds)` fits, from its memory terms alone (`assemble.fits_memory`)."""
+        return assemble.fits_memory(self.graph, self.cluster, par, self.tp(par), bounds, acts=self.acts(par),
                                 shards=self.shards(par), local_shapes=self.local_shapes(par), memo=self._memo)
 
     def params_all(self, par: Parallel) -> int:
@@ -333,7 +334,7 @@ class _Costs:
 
     def split_bound(self, par: Parallel, bounds: list[tuple[int, int]]) -> float:
         """The same bound for a given stage split, with the busiest rank's own time per micro-batch (its units
-        and, per chunk, the larger of its two boundaries, as `cost.predict` counts them): cheaper than `predict`."""
+        and, per chunk, the larger of its two boundaries, as `assemble.predict` counts them): cheaper than `predict`."""
         p, times, cuts = par.pp, self.times(par), self.cut_time(par)
         n = len(times)
 
@@ -348,7 +349,7 @@ class _Costs:
         return self._step_bound(par, max(rank_time(r) for r in range(p)))
 
     def _step_bound(self, par: Parallel, per_rank: float) -> float:
-        """`cost.predict`'s step time for a slowest rank of at least `per_rank` seconds per micro-batch."""
+        """`assemble.predict`'s step time for a slowest rank of at least `per_rank` seconds per micro-batch."""
         p, v, m = par.pp, par.chunks_per_rank, par.num_microbatches
         params = self.params_all(par) / p  # the most loaded rank holds at least the average
         spans = par.spans_nodes("dp", self.cluster.gpus_per_node)

@@ -13,7 +13,7 @@ from partc.cluster import PRESETS
 from partc.errors import PartcError
 from partc.ir import ACTIVATION_BYTES, Gemm, ModelGraph
 from partc.parallel import Parallel
-from partc.passes import cost, hw, zero
+from partc.passes import assemble, cost, hw, zero
 
 A100 = PRESETS["a100-80g"]
 
@@ -317,7 +317,7 @@ def test_predict_consistent():
     tp = megatron_tp(g, s=s, h=h)
     p_ = par(dp=2, tp=2, pp=2, zero=1, micro_batch_size=2, global_batch_size=32)
     m = p_.num_microbatches
-    pred = cost.predict(g, A100, p_, tp, [(0, 3), (3, 7)])
+    pred = assemble.predict(g, A100, p_, tp, [(0, 3), (3, 7)])
     t_max = max(st.time_s for st in pred.ranks)
     assert len(pred.ranks) == 2
     assert pred.step_time_s >= (m + 1) * t_max
@@ -362,7 +362,7 @@ def test_copied_value_all_reduced_on_each_stage_that_reads_it():
         tp = megatron_tp(g, s=s, h=h)
         tp.collectives["blocks.0"].append(FakeCollective(kind="all_reduce", phase="bwd", nbytes=n,
                                                          reader_units=readers))
-        return cost.predict(g, A100, p_, tp, bounds).ranks
+        return assemble.predict(g, A100, p_, tp, bounds).ranks
 
     m = p_.num_microbatches
     base = predict(())  # charged to blocks.0's stage, as one stage holding every reader runs it
@@ -384,8 +384,8 @@ def test_predict_with_the_search_caches_equals_predict_without(zero_stage, bound
     g = gpt(L=4, s=32, h=64, a=4, V=512)
     tp = megatron_tp(g, s=32, h=64)
     p_ = par(dp=2, tp=2, pp=len(bounds), zero=zero_stage, micro_batch_size=2, global_batch_size=32)
-    alone = cost.predict(g, A100, p_, tp, bounds)
-    cached = cost.predict(g, A100, p_, tp, bounds, parts=cost.unit_time_parts(g, A100, p_, tp),
+    alone = assemble.predict(g, A100, p_, tp, bounds)
+    cached = assemble.predict(g, A100, p_, tp, bounds, parts=cost.unit_time_parts(g, A100, p_, tp),
                           acts=cost.unit_activation_bytes(g, p_, tp), shards=cost.unit_param_shards(g, p_, tp),
                           local_shapes=cost.unit_local_shapes(g, p_, tp))
     assert cached.to_dict() == alone.to_dict()
@@ -397,7 +397,7 @@ def test_predict_with_the_search_caches_equals_predict_without(zero_stage, bound
 
 def test_predict_single_gpu_no_comm():
     g = gpt()
-    pred = cost.predict(g, A100, par(global_batch_size=4), None, [(0, len(g.units))])
+    pred = assemble.predict(g, A100, par(global_batch_size=4), None, [(0, len(g.units))])
     assert pred.tp_comm_s == pred.pp_comm_s == pred.dp_comm_s == pred.bubble_s == 0
     t = sum(cost.unit_times(g, A100, par(global_batch_size=4), None))
     assert pred.step_time_s == pytest.approx(4 * t + pred.optimizer_s)
@@ -409,7 +409,7 @@ def test_predict_interleaved():
     g = gpt(L=6)
     p_ = par(pp=2, global_batch_size=8, schedule="interleaved-1f1b", virtual_stages=2)
     bounds = [(0, 2), (2, 4), (4, 6), (6, 9)]
-    pred = cost.predict(g, A100, p_, None, bounds)
+    pred = assemble.predict(g, A100, p_, None, bounds)
     assert pred.ranks[0].chunks == [(0, 2), (4, 6)] and pred.ranks[1].chunks == [(2, 4), (6, 9)]
     t_max = max(st.time_s for st in pred.ranks)
     assert pred.bubble_s == pytest.approx((2 - 1) / 2 * t_max)
@@ -422,11 +422,11 @@ def test_predict_bad_bounds():
     g = gpt()
     n = len(g.units)
     with pytest.raises(PartcError):
-        cost.predict(g, A100, par(pp=2), None, [(0, n)])
+        assemble.predict(g, A100, par(pp=2), None, [(0, n)])
     with pytest.raises(PartcError):
-        cost.predict(g, A100, par(pp=2), None, [(0, 2), (3, n)])
+        assemble.predict(g, A100, par(pp=2), None, [(0, 2), (3, n)])
     with pytest.raises(PartcError):
-        cost.predict(g, A100, par(pp=2), None, [(0, 2), (2, n - 1)])
+        assemble.predict(g, A100, par(pp=2), None, [(0, 2), (2, n - 1)])
 
 
 # --- 8. Hardware profile: GEMM roofline, wave quantization, aggregated InfiniBand --------------------------------
@@ -562,7 +562,7 @@ def test_predict_per_rank_sums_equal_the_stage_functions(pp, v):
         for cuts in itertools.combinations(range(1, n), k - 1):
             ends = [*cuts, n]
             bounds = list(zip([0, *cuts], ends))
-            pred = cost.predict(g, A100, p_, tp, bounds, memo=memo)
+            pred = assemble.predict(g, A100, p_, tp, bounds, memo=memo)
             shared = cost.shared_weights(g, p_, tp, bounds)
             for r in pred.ranks:
                 idx = [i for lo, hi in r.chunks for i in range(lo, hi)]

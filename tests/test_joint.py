@@ -21,10 +21,11 @@ import pytest
 from ir_fixtures import MEGATRON, gpt_graph
 from partc.cluster import PRESETS, Cluster
 from partc.parallel import Pins
-from partc.passes import tp as tp_mod
-from partc.passes import cost
+from partc.passes import tp_solve as tp_mod
+from partc.passes import assemble, cost
 from partc.passes.search import search
-from partc.passes.tp import SolveCache, _layer_params, allowed_styles, solve_tp, solve_tp_choices
+from partc.passes.tp import SolveCache, allowed_styles
+from partc.passes.tp_solve import _layer_params, solve_tp, solve_tp_choices
 
 GiB = 1 << 30
 PINS = Pins(tp=2, pp=4, micro_batch_size=1, recompute="full", schedule="1f1b")
@@ -67,7 +68,7 @@ def test_small_1t_takes_the_split_embedding_for_its_memory():
     assert blocks(after)[0] >= 3 and max(blocks(after)) == 4
     assert max(r.time_s for r in before.prediction.ranks) > 1.2 * max(r.time_s for r in after.prediction.ranks)
     # Memory is the reason: the least-time styles do not fit on the joint plan's split.
-    moved = cost.predict(g, clus, before.parallel, before.tp, after.bounds)
+    moved = assemble.predict(g, clus, before.parallel, before.tp, after.bounds)
     assert not cost.fits(clus, moved.memory_per_gpu)
 
 

@@ -21,7 +21,8 @@ from partc.model_file import build_on_meta, load_model_file
 from partc.passes import hw
 from partc.passes.experts import inner_split, param_placeholders
 from partc.passes.export import export_on_meta
-from partc.passes.tp import evaluate_tp, megatron_styles, solve_tp
+from partc.passes.tp import evaluate_tp, megatron_styles
+from partc.passes.tp_solve import solve_tp
 from partc.passes.trace import trace
 from partc.runtime.testing import reference_run
 from partc.sharding import GEMM_SPLIT

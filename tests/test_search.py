@@ -23,12 +23,13 @@ import torch
 
 from helpers import EXAMPLES, GiB
 from partc.cluster import PRESETS, Cluster
-from partc.passes import cost
+from partc.passes import assemble, cost
 from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import TP_STYLES, Parallel, Pins, Reads
 from partc.passes import search as search_module
 from partc.passes.search import _configs, _Costs, search
-from partc.passes.tp import allowed_styles, solve_tp, style_error
+from partc.passes.tp import allowed_styles, style_error
+from partc.passes.tp_solve import solve_tp
 from partc.passes.trace import trace
 
 A100 = PRESETS["a100-80g"]
@@ -191,7 +192,7 @@ def test_brute_force_cases_are_not_trivial():
 def test_pruning_bound_is_below_every_step_time(case_id):
     """The bounds `search` prunes with never exceed the step time of the best stage split of a configuration:
     before the TP solve (`floor_bound`), before the split (`lower_bound`) and after it (`split_bound`, which skips
-    `cost.predict`)."""
+    `assemble.predict`)."""
     case = CASES[case_id]
     graph, cluster = gpt_graph(case.graph), case.cluster
     costs = _Costs(graph, cluster, None)
@@ -201,7 +202,7 @@ def test_pruning_bound_is_below_every_step_time(case_id):
         bounds = costs.split_stages(par, mem_limit=limit)
         if bounds is None:
             continue
-        step = cost.predict(graph, cluster, par, costs.tp(par), bounds).step_time_s
+        step = assemble.predict(graph, cluster, par, costs.tp(par), bounds).step_time_s
         assert costs.floor_bound(par) <= costs.lower_bound(par) <= step * (1 + 1e-9), par
         assert costs.lower_bound(par) <= costs.split_bound(par, bounds) <= step * (1 + 1e-9), par
         checked += 1
@@ -227,7 +228,7 @@ def test_state_floor_is_below_every_plans_memory(case):
         plans = [costs.tp(par), SimpleNamespace(styles={f: rng.choice(TP_STYLES) for f in graph.layers},
                                                 collectives={})]
         for plan in plans:
-            mem = cost.predict(graph, cluster, par, plan, bounds).memory_per_gpu.total
+            mem = assemble.predict(graph, cluster, par, plan, bounds).memory_per_gpu.total
             assert floor <= mem * (1 + 1e-12), (par, floor, mem)
             checked += 1
     assert checked > 50 and dropped > 0
@@ -295,7 +296,7 @@ def test_cache_keys_see_a_new_field():
     every key a search leaves in its caches is one of those (none written by hand)."""
     wide = dataclasses.make_dataclass("Wide", [("cp", int, dataclasses.field(default=1))], bases=(Parallel,),
                                       kw_only=True, slots=True, frozen=True)
-    reads = [r for module in (search_module, cost) for r in vars(module).values() if isinstance(r, Reads)]
+    reads = [r for module in (search_module, cost, assemble) for r in vars(module).values() if isinstance(r, Reads)]
     assert len({r.name for r in reads}) == len(reads) > 20
     base = dict(dp=2, tp=2, pp=2, zero=1, micro_batch_size=1, global_batch_size=8)
     one, two = wide(cp=1, **base), wide(cp=2, **base)
@@ -332,7 +333,7 @@ def test_chosen_plans_fit_and_predictions_are_reproducible(case_id):
         assert c.prediction.memory_per_gpu.total <= limit
         assert all(r.memory.total <= limit for r in c.prediction.ranks)
         assert c.prediction.memory_per_gpu.total == max(r.memory.total for r in c.prediction.ranks)
-        again = cost.predict(graph, cluster, c.parallel, c.tp, c.bounds)
+        again = assemble.predict(graph, cluster, c.parallel, c.tp, c.bounds)
         assert again.step_time_s == c.step_time_s
     if pruned.best is None:
         assert pruned.least_memory > limit  # the least any plan needs, for the error message

@@ -12,8 +12,9 @@ from ir_fixtures import MEGATRON, embedding, gpt_graph, linear, norm
 from partc.cluster import PRESETS, Cluster
 from partc.errors import PartcError
 from partc.ir import Edge, ModelGraph, Unit
-from partc.passes.tp import (_conversions, _facts, _solve_classes, allowed_styles, evaluate_tp, megatron_style,
-                             megatron_styles, representatives, solve_tp)
+from partc.passes.tp import (_conversions, _facts, allowed_styles, evaluate_tp, megatron_style, megatron_styles,
+                             representatives)
+from partc.passes.tp_solve import _solve_classes, solve_tp
 
 A100 = PRESETS["a100-80g"]
 # The fixture's model is tiny (h = 256): on a real NVLink the 5 us ring-step latency outweighs its GEMMs. Without
