@@ -1,33 +1,48 @@
-"""partc's predicted training throughput of convolutional networks against a published figure.
+"""partc's predicted training throughput of convolutional networks against published figures.
 
-    python benchmarks/convnets.py            # about a minute: two traces on meta and a few searches
+    python benchmarks/convnets.py            # a minute or two: two traces on meta and a few searches
 
-ResNet-50 v1.5 (benchmarks/models/resnet50.py, plain PyTorch) against NVIDIA's Deep Learning Examples, PyTorch
-ResNet50 v1.5 (github.com/NVIDIA/DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md,
-"Training performance: NVIDIA DGX A100 (8x A100 80GB)", pytorch-21.03 NGC container): mixed precision (AMP),
-224 x 224 images, 256 images per GPU (ConvNets/configs.yml, resnet50 / DGXA100 / AMP: batch_size 256, NHWC),
-data-parallel (PyTorch DDP), throughput averaged over a whole training epoch:
+ResNet-50 v1.5 (benchmarks/models/resnet50.py, plain PyTorch) on DGX A100 (8x A100 80GB), mixed precision,
+224 x 224 images, from two of NVIDIA's Deep Learning Examples (github.com/NVIDIA/DeepLearningExamples):
 
-    1 GPU    2,470 img/s
-    8 GPUs  16,621 img/s
+- PyTorch (PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance: NVIDIA DGX A100 (8x
+  A100 80GB)", pytorch-21.03 NGC container): AMP, 256 images per GPU, NHWC (ConvNets/configs.yml, resnet50 /
+  DGXA100 / AMP), PyTorch DDP, 1 GPU 2,470 img/s and 8 GPUs 16,621 (TF32: 938 and 7,248). The benchmark command
+  the README gives (``launch.py --mode benchmark_training``) takes its input pipeline from configs.yml:
+  ``data_backend: pytorch`` (torchvision's ImageFolder, JPEG decoded and cropped by PIL in DataLoader worker
+  processes on the CPU), ``workers: 16`` per GPU on DGXA100.
+- MXNet (MxNet/Classification/RN50v1.5/README.md, same section title, mxnet-22.10-py3): float16, 512 images per
+  GPU (``benchmark.py -b 512``), Horovod, DALI decoding on the GPU (the runner's default ``dali-gpu``), total
+  images/s with data loading: 1 GPU 3,410.52 and 8 GPUs 26,673.72 (TF32: 1,055.78 and 8,247.44). Its float16 runs
+  fuse batch norm with ReLU and with the residual add and use CUDA graphs (the runner's flags), a different
+  program from the plain PyTorch model partc prices, so only its scaling from 1 to 8 GPUs is compared.
 
-Each row compiles the model for ``a100-80g`` with the published run pinned (``--gpus n --dp n
---micro-batch-size 256 --global-batch-size 256n``, bf16: A100's fp16 and bf16 tensor-core rates are equal) and
-compares partc's predicted images/s with the published ones. A last column shows the plan partc picks with only
-the global batch given. The published 8-GPU run is 16% slower per GPU than the 1-GPU run; partc's plan loses 2%
-to the gradient all-reduce, and the rest (the input pipeline, part of an epoch's average) is outside the cost
-model: the 1-GPU row is the one that measures the cost model of the GPU's work.
+Table 1 compiles the model for ``a100-80g`` with the PyTorch run pinned (``--gpus n --dp n --zero 0
+--micro-batch-size 256 --global-batch-size 256n``: DDP is ZeRO-0's fp32 all-reduce of the gradients once a step;
+bf16, as A100's fp16 and bf16 tensor-core rates are equal) and compares the predicted images/s with the published
+ones; a last column shows the plan partc picks with only the global batch given.
+
+Table 2 compares each publication's scaling from 1 to 8 GPUs (8-GPU images/s over 8 x the 1-GPU ones) with
+partc's at the same images per GPU, and gives the time each published 8-GPU step takes beyond its 1-GPU step. Every
+per-GPU term of the cost model (convolutions, batch norms, kernel launches) is the same in the 1- and 8-GPU
+predictions, which run the same images per GPU: only the data-parallel collectives tell them apart. The lines after
+it are what the 8-GPU prediction does with the kernel-launch floor off and with the gradient reduction fully
+overlapped with backward (the cost model charges it all, `Cluster.dp_overlap` 0), and the NVLink bus bandwidth at
+which the published run's fp32 gradient all-reduce would take its whole extra step time.
 
 Then the U-Net of benchmarks/models/unet.py (128 x 128 pixels) compiled for 8 A100s with nothing pinned: its
 predicted MFU (model FLOPs per second over the GPUs' peak), which an A100 bounds well below 100%.
 
-The table is printed and written, with the date, to benchmarks/results/convnets-YYYY-MM-DD.md (and .json).
+The tables are printed and written, with the date, to benchmarks/results/convnets-YYYY-MM-DD.md (and .json; a
+second run on a day writes -2, ...).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,19 +53,26 @@ HERE = Path(__file__).resolve().parent
 RESNET = HERE / "models" / "resnet50.py"
 UNET = HERE / "models" / "unet.py"
 CLUSTER = "a100-80g"
-PER_GPU_BATCH = 256
 TOLERANCE = 0.25
 """The issue's bar: predicted throughput within 25% of the published one."""
 
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    gpus: int
-    images_per_s: float
+    source: str
+    per_gpu_batch: int
+    images_per_s: dict[int, float]
+    """GPUs -> mixed-precision images/s."""
+    tf32_images_per_s: dict[int, float]
+    """GPUs -> TF32 images/s (the same program at A100's TF32 rate)."""
+    input_pipeline: str
 
 
-PUBLISHED = [Published(1, 2470.0), Published(8, 16621.0)]
-"""NVIDIA Deep Learning Examples, PyTorch ResNet50 v1.5, DGX A100 (8x A100 80GB), mixed precision."""
+PYTORCH = Published("PyTorch DLE (pytorch-21.03)", 256, {1: 2470.0, 8: 16621.0}, {1: 938.0, 8: 7248.0},
+                    "PyTorch DataLoader, PIL JPEG decode on the CPU, 16 workers/GPU")
+MXNET = Published("MXNet DLE (mxnet-22.10)", 512, {1: 3410.52, 8: 26673.72}, {1: 1055.78, 8: 8247.44},
+                  "DALI, JPEG decode on the GPU")
+"""NVIDIA Deep Learning Examples, ResNet-50 v1.5, DGX A100 (8x A100 80GB): see the module docstring."""
 
 
 def trace_file(path: Path):
@@ -64,13 +86,22 @@ def trace_file(path: Path):
     return trace(net, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=str(path), fused_attention=True).graph
 
 
-def predict(graph, gpus: int, global_batch: int, pins=None):
+def predict(graph, gpus: int, global_batch: int, pins=None, cluster=None):
     from partc.cluster import load_cluster
     from partc.passes.search import search
 
-    best = search(graph, load_cluster(CLUSTER), gpus, global_batch_size=global_batch, pins=pins).best
+    cluster = cluster or load_cluster(CLUSTER)
+    best = search(graph, cluster, gpus, global_batch_size=global_batch, pins=pins).best
     assert best is not None, f"no plan fits on {gpus} GPUs"
     return best
+
+
+def ddp(gpus: int, per_gpu_batch: int):
+    """The published runs' configuration: data parallel, one micro-batch of the per-GPU batch, the gradients
+    all-reduced once a step (ZeRO-0)."""
+    from partc.parallel import Pins
+
+    return Pins(dp=gpus, zero=0, micro_batch_size=per_gpu_batch)
 
 
 def plan_text(c) -> str:
@@ -78,26 +109,64 @@ def plan_text(c) -> str:
     return f"dp {p.dp} tp {p.tp} pp {p.pp} ZeRO {p.zero} mb {p.micro_batch_size}"
 
 
+def scaling(rates: dict[int, float]) -> float:
+    """8-GPU throughput over 8 x the 1-GPU throughput."""
+    return rates[8] / (8 * rates[1])
+
+
+def extra_step_s(rates: dict[int, float], per_gpu_batch: int) -> float:
+    """Seconds an 8-GPU step takes beyond a 1-GPU step (the same images per GPU)."""
+    return 8 * per_gpu_batch / rates[8] - per_gpu_batch / rates[1]
+
+
 def main() -> None:
-    from partc.parallel import Pins
+    from partc.cluster import load_cluster
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
+    cluster = load_cluster(CLUSTER)
     resnet = trace_file(RESNET)
     rows = []
-    for pub in PUBLISHED:
-        gbs = PER_GPU_BATCH * pub.gpus
-        pinned = predict(resnet, pub.gpus, gbs, Pins(dp=pub.gpus, micro_batch_size=PER_GPU_BATCH))
-        free = predict(resnet, pub.gpus, gbs)
+    for gpus, published in PYTORCH.images_per_s.items():
+        gbs = PYTORCH.per_gpu_batch * gpus
+        pinned = predict(resnet, gpus, gbs, ddp(gpus, PYTORCH.per_gpu_batch))
+        free = predict(resnet, gpus, gbs)
         predicted = gbs / pinned.step_time_s
         pred = pinned.prediction
         rows.append({
-            "model": "ResNet-50 v1.5 (224)", "gpus": pub.gpus, "global_batch": gbs,
-            "published_images_per_s": pub.images_per_s, "predicted_images_per_s": predicted,
-            "error": predicted / pub.images_per_s - 1, "mfu": pred.mfu, "step_s": pinned.step_time_s,
+            "model": "ResNet-50 v1.5 (224)", "source": PYTORCH.source, "gpus": gpus, "global_batch": gbs,
+            "published_images_per_s": published, "predicted_images_per_s": predicted,
+            "error": predicted / published - 1, "mfu": pred.mfu, "step_s": pinned.step_time_s,
             "compute_s": pred.compute_s, "dp_comm_s": pred.dp_comm_s, "plan": plan_text(pinned),
             "free_plan": plan_text(free), "free_images_per_s": gbs / free.step_time_s,
         })
+
+    scalings = []
+    for pub in (PYTORCH, MXNET):
+        b = pub.per_gpu_batch
+        one, eight = (predict(resnet, n, b * n, ddp(n, b)) for n in (1, 8))
+        predicted = {1: b / one.step_time_s, 8: 8 * b / eight.step_time_s}
+        scalings.append({
+            "source": pub.source, "per_gpu_batch": b, "input_pipeline": pub.input_pipeline,
+            "published_scaling": scaling(pub.images_per_s), "published_tf32_scaling": scaling(pub.tf32_images_per_s),
+            "published_extra_step_s": extra_step_s(pub.images_per_s, b),
+            "published_tf32_extra_step_s": extra_step_s(pub.tf32_images_per_s, b),
+            "predicted_scaling": scaling(predicted), "predicted_extra_step_s": extra_step_s(predicted, b),
+            "predicted_dp_comm_s": eight.prediction.dp_comm_s,
+        })
+
+    eight = PYTORCH.per_gpu_batch * 8
+    pins = ddp(8, PYTORCH.per_gpu_batch)
+    no_launch = eight / predict(resnet, 8, eight, pins, dataclasses.replace(cluster, kernel_launch_s=0.0)).step_time_s
+    overlapped = eight / predict(resnet, 8, eight, pins, dataclasses.replace(cluster, dp_overlap=1.0)).step_time_s
+    params = predict(resnet, 8, eight, pins).prediction.ranks[0].num_params
+    # The bus bandwidth at which a ring all-reduce of the fp32 gradients (4 bytes a parameter, 2(n-1)/n of them
+    # over the bus: nccl-tests' doc/PERFORMANCE.md) would take the whole extra step time of the published 8-GPU run.
+    implied_busbw = 2 * 7 / 8 * 4 * params / scalings[0]["published_extra_step_s"]
+    sensitivity = {"kernel_launch_s_0_images_per_s": no_launch, "dp_overlap_1_images_per_s": overlapped,
+                   "params": params, "implied_allreduce_bus_bandwidth": implied_busbw,
+                   "cluster_allreduce_bus_bandwidth": cluster.intra_node_bandwidth * cluster.intra_node_efficiency}
+
     unet = trace_file(UNET)
     from partc.compile import default_global_batch
 
@@ -108,9 +177,9 @@ def main() -> None:
                 "model_tflops_per_gpu": u.prediction.model_tflops_per_gpu}
 
     lines = [f"ResNet-50 v1.5 training on {CLUSTER}: NVIDIA Deep Learning Examples (PyTorch, DGX A100 80GB, AMP, "
-             f"256 images/GPU) vs partc's prediction",
+             f"256 images/GPU, DDP) vs partc's prediction",
              "",
-             "| GPUs | batch | published img/s | predicted img/s | error | MFU | plan (pinned dp, mb 256) | "
+             "| GPUs | batch | published img/s | predicted img/s | error | MFU | plan (pinned as published) | "
              "partc's pick | its img/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -118,6 +187,27 @@ def main() -> None:
                      f"{r['predicted_images_per_s']:,.0f} | {100 * r['error']:+.1f}% | {100 * r['mfu']:.1f}% | "
                      f"{r['plan']} | {r['free_plan']} | {r['free_images_per_s']:,.0f} |")
     lines += ["",
+              "Scaling from 1 to 8 GPUs (8-GPU img/s over 8 x 1-GPU img/s) at the same images per GPU, and the time "
+              "an 8-GPU step takes beyond a 1-GPU step",
+              "",
+              "| publication | img/GPU | input pipeline | published AMP | its extra step | published TF32 | "
+              "its extra step | predicted (bf16) | its extra step |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for s in scalings:
+        lines.append(f"| {s['source']} | {s['per_gpu_batch']} | {s['input_pipeline']} | "
+                     f"{100 * s['published_scaling']:.1f}% | {1e3 * s['published_extra_step_s']:.1f} ms | "
+                     f"{100 * s['published_tf32_scaling']:.1f}% | {1e3 * s['published_tf32_extra_step_s']:.1f} ms | "
+                     f"{100 * s['predicted_scaling']:.1f}% | {1e3 * s['predicted_extra_step_s']:.1f} ms |")
+    pt = rows[-1]["predicted_images_per_s"]
+    lines += ["",
+              f"8 GPUs, 256 images/GPU: predicted {pt:,.0f} img/s; with kernel_launch_s 0: {no_launch:,.0f} "
+              f"({100 * (no_launch / pt - 1):+.1f}%); with the gradient all-reduce fully overlapped (dp_overlap 1): "
+              f"{overlapped:,.0f} ({100 * (overlapped / pt - 1):+.1f}%)",
+              f"The published PyTorch 8-GPU step's extra {1e3 * scalings[0]['published_extra_step_s']:.1f} ms would "
+              f"be the fp32 all-reduce of {params / 1e6:.1f}M gradients at a bus bandwidth of "
+              f"{implied_busbw / 1e9:.1f} GB/s (the cluster's: "
+              f"{sensitivity['cluster_allreduce_bus_bandwidth'] / 1e9:.0f} GB/s)",
+              "",
               f"U-Net (128 x 128) on 8 x {CLUSTER}, nothing pinned (global batch {unet_gbs}): {unet_row['plan']}, "
               f"predicted MFU {100 * unet_row['mfu']:.1f}% ({unet_row['model_tflops_per_gpu']:.0f} TFLOP/s a GPU), "
               f"{unet_row['images_per_s']:,.0f} images/s"]
@@ -126,15 +216,19 @@ def main() -> None:
     lines.append("within 25%: " + ", ".join(f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} "
                                              f"{'yes' if ok else 'no'}" for r, ok in zip(rows, within))
                  + f" ({time.perf_counter() - t0:.0f} s)")
-    text = "\n".join(lines)
-    print(text)
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
-    day = datetime.date.today().isoformat()
-    (out / f"convnets-{day}.md").write_text(text + "\n")
-    (out / f"convnets-{day}.json").write_text(json.dumps({"date": day, "cluster": CLUSTER, "resnet50": rows,
-                                                          "unet": unet_row}, indent=2) + "\n")
+    print("\n".join(lines))
+    if os.environ.get("PARTC_BENCH_RESULTS") != "0":
+        from record import results_path
+
+        day = datetime.datetime.now(datetime.timezone.utc).date()
+        path = results_path("convnets", day).with_suffix(".json")  # the name recorded() gives the table
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"date": day.isoformat(), "cluster": CLUSTER, "resnet50": rows,
+                                    "scaling": scalings, "sensitivity": sensitivity, "unet": unet_row},
+                                   indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    from record import recorded
+
+    recorded("convnets", main, markdown=True)
