@@ -38,7 +38,7 @@ MEGATRON_DROPOUT = 0.1
 
 
 def _examples_gpt():
-    from partc.model_file import import_file
+    from partc.user_code import import_file
 
     return import_file(_GPT_PATH)
 
