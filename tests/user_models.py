@@ -23,19 +23,33 @@ TOKENS = "(torch.randint(0, 32, (batch_size, 6)),)"
 """The inputs of the models on 6 tokens of a vocabulary of 32."""
 IMAGES = "(torch.randn(batch_size, 3, 8, 8),)"
 """The inputs of the models on 8 x 8 RGB images."""
+CLASSES = "torch.randint(0, 8, (batch_size,))"
+"""Targets: one of 8 classes a sample."""
+PLAIN = """
+    import torch
+    from torch import nn
+"""
 
 
 def _code(text: str, indent: str = "") -> str:
     return textwrap.indent(textwrap.dedent(text).strip("\n"), indent)
 
 
-def model_file(*parts: str, inputs: str = FEATURES) -> str:
-    """A model file after its imports: `parts` (statements and classes, the model being ``Net``), ``model()`` and
+def model_file(*parts: str, inputs: str = FEATURES, targets: str | None = None) -> str:
+    """A model file after its imports: `parts` (statements and classes, the model being ``Net``), ``model()``,
     ``example_inputs(batch_size)`` returning `inputs` (an expression; statements ending in ``return`` when it spans
-    lines)."""
+    lines) and, with `targets` (an expression), ``example_targets(batch_size)``."""
     body = inputs if "\n" in inputs else f"return {inputs}"
     return ("\n" + "\n\n".join(_code(p) for p in parts) + "\n\ndef model():\n    return Net()\n\n"
-            f"def example_inputs(batch_size):\n{_code(body, '    ')}\n")
+            f"def example_inputs(batch_size):\n{_code(body, '    ')}\n"
+            + (f"\ndef example_targets(batch_size):\n    return {targets}\n" if targets else ""))
+
+
+def write_model(path: Path, *parts: str, inputs: str = FEATURES, targets: str | None = None,
+                imports: str = PLAIN) -> Path:
+    """Write the model file of `model_file` with `imports` at `path`; returns `path`."""
+    path.write_text(textwrap.dedent(imports) + model_file(*parts, inputs=inputs, targets=targets))
+    return path
 
 
 def mlp(name: str = "Block", residual: bool = True) -> str:
