@@ -54,13 +54,11 @@ def model() -> torch.nn.Module:
 
 
 def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
-    c = config()
-    return (torch.randint(0, c.vocab_size, (batch_size, c.seq_len)),)
+    return _examples_gpt().example_inputs(batch_size)  # the dropout does not change the tokens
 
 
 def example_targets(batch_size: int) -> torch.Tensor:
-    c = config()
-    return torch.randint(0, c.vocab_size, (batch_size, c.seq_len))
+    return _examples_gpt().example_targets(batch_size)
 
 
 # --- the table ------------------------------------------------------------------------------------------------
