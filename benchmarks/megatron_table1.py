@@ -38,7 +38,7 @@ MEGATRON_DROPOUT = 0.1
 
 
 def _examples_gpt():
-    from partc.model_file import import_file
+    from partc.user_code import import_file
 
     return import_file(_GPT_PATH)
 
@@ -54,13 +54,11 @@ def model() -> torch.nn.Module:
 
 
 def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
-    c = config()
-    return (torch.randint(0, c.vocab_size, (batch_size, c.seq_len)),)
+    return _examples_gpt().example_inputs(batch_size)  # the dropout does not change the tokens
 
 
 def example_targets(batch_size: int) -> torch.Tensor:
-    c = config()
-    return torch.randint(0, c.vocab_size, (batch_size, c.seq_len))
+    return _examples_gpt().example_targets(batch_size)
 
 
 # --- the table ------------------------------------------------------------------------------------------------

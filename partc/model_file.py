@@ -46,15 +46,12 @@ Loss, when the file has no ``loss_fn``: ``F.cross_entropy(logits.flatten(0, -2),
 ``outputs["logits"]`` or ``outputs[0]``.
 
 Every problem a user can cause raises `PartcError` with one line naming the file and what to do.
+
+Importing the file and calling its functions: `partc.user_code`; the Hugging Face rules above: `partc.hf_model`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import inspect
-import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -65,14 +62,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partc.errors import PartcError, article
-from partc.frames import exception_frames, innermost
+from partc.hf_model import _hf_inputs, _hf_targets
+from partc.user_code import _call_user, _callables, _describe, _import_file, _shown, _user_frame
 from partc.value_sized import ExpectedSizes
 
-DEFAULT_MAX_SEQ_LEN = 1024
-"""Default tokens per sample for a Hugging Face token model: min(this, the config's max positions)."""
-
 _SCALARS = (bool, int, float, str, type(None))
-_HF_LM_SUFFIXES = ("LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -280,115 +274,6 @@ def default_loss(outputs: Any, targets: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Importing the file
-
-
-def import_file(path: str | Path) -> ModuleType:
-    """The Python file at `path` imported once per process (later calls return the first import), as
-    `load_model_file` imports it. For benchmarks and tests that build on a model file's code."""
-    file = Path(path).resolve()
-    return sys.modules.get(_module_name(file)) or _import_file(file, _shown(file))
-
-
-def _module_name(file: Path) -> str:
-    stem = re.sub(r"\W", "_", file.stem)
-    return f"_partc_model_{stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:10]}"
-
-
-def _import_file(file: Path, shown: str) -> ModuleType:
-    """Imports `file` under a name unique to its path, with its directory first on sys.path during the import.
-
-    Sibling modules it imports (``from gpt import GPT``) land in sys.modules under their own names, as in
-    ``python model.py``; only imports at the file's top level see the directory on sys.path.
-    """
-    name = _module_name(file)
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    saved_path = list(sys.path)
-    sys.path.insert(0, str(file.parent))
-    sys.modules[name] = module  # dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:
-        del sys.modules[name]
-        if isinstance(e, SystemExit):  # not partc's exit code: a compile that ends without a word, or a plan
-            raise PartcError(f"{_where(e, shown)}: the model file called sys.exit({e.code!r}) while partc imported "
-                             f"it; put script code under `if __name__ == \"__main__\":`") from None
-        if isinstance(e, Exception):
-            raise _import_error(e, shown) from None
-        raise
-    finally:
-        sys.path[:] = saved_path
-    return module
-
-
-def _import_error(e: Exception, shown: str) -> PartcError:
-    if isinstance(e, SyntaxError):
-        where = f"{_shown(Path(e.filename))}:{e.lineno}" if e.filename else shown
-        return PartcError(f"{where}: syntax error: {e.msg}; fix the model file")
-    if isinstance(e, ModuleNotFoundError) and e.name:
-        return PartcError(f"{_where(e, shown)}: no module named '{e.name}'; install it or fix the import")
-    if isinstance(e, ImportError):
-        return PartcError(f"{_where(e, shown)}: {_one_line(e)}; fix the import")
-    return PartcError(f"{_where(e, shown)}: {_describe(e)} (raised while importing {shown})")
-
-
-def _where(e: BaseException, shown: str) -> str:
-    """Where an import failed: 'file:line', naming the model file too when the line is in a module it imports."""
-    where = _user_frame(e)
-    if where is None:
-        return f"importing {shown}"
-    return where if where.rpartition(":")[0] == shown else f"{where} (imported by {shown})"
-
-
-def _callables(module: ModuleType) -> list[str]:
-    """Public functions and classes defined in the file itself (not imported into it)."""
-    return sorted(k for k, v in vars(module).items()
-                  if not k.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Calling user code
-
-
-def _call_user(fn: Callable, what: str, shown: str, *args: Any) -> Any:
-    """Calls a function of the file, turning its exceptions into one line with the user's file:line."""
-    try:
-        return fn(*args)
-    except PartcError:
-        raise
-    except (Exception, SystemExit) as e:  # sys.exit() in the file is its error, not partc's exit code
-        where = _user_frame(e) or shown
-        raise PartcError(f"{where}: {what} raised {_describe(e)}") from None
-
-
-def _user_frame(e: BaseException) -> str | None:
-    """'file:line' of the innermost frame of `e` in the user's own files (not the standard library, an installed
-    package, torch or partc); None if there is none."""
-    frame = innermost(exception_frames(e), installed_packages=False)
-    return None if frame is None else f"{_shown(Path(frame.filename).resolve())}:{frame.lineno}"
-
-
-def _shown(file: Path) -> str:
-    """A path as the user would write it: relative to the working directory when under it."""
-    try:
-        return str(file.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(file)
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _describe(e: BaseException) -> str:
-    text = _one_line(e)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Inputs and targets
 
 
@@ -484,88 +369,3 @@ def _default_targets(build: Callable[[], nn.Module], inputs: Callable[[int], tup
         return torch.randint(0, classes, (batch_size, *rest))
 
     return targets
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hugging Face models
-
-
-def is_hf(model: nn.Module) -> bool:
-    """True for a Hugging Face ``PreTrainedModel`` (without importing transformers when the model file did not)."""
-    transformers = sys.modules.get("transformers")  # a PreTrainedModel means the file imported transformers
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
-
-
-def _hf_inputs(model: nn.Module, shown: str, seq_len: int | None
-               ) -> tuple[Callable[[int], tuple[tuple, dict]], int | None] | None:
-    """(inputs, seq_len) synthesized for a Hugging Face model; None if `model` is not one."""
-    if not is_hf(model):
-        return None
-    config = model.config
-    cls = type(model).__name__
-    main = getattr(model, "main_input_name", "input_ids")
-    scalars = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    cannot = f"{shown}: partc cannot synthesize inputs for {cls}"
-
-    if main == "input_ids":
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        vocab = getattr(text, "vocab_size", None)
-        if not isinstance(vocab, int) or vocab < 1:
-            raise PartcError(f"{cannot} (its config has no vocab_size); define example_inputs(batch_size)")
-        limit = getattr(text, "max_position_embeddings", None)
-        limit = limit if isinstance(limit, int) and limit > 0 else None
-        if seq_len is None:
-            seq_len = min(limit, DEFAULT_MAX_SEQ_LEN) if limit else DEFAULT_MAX_SEQ_LEN
-        elif limit is not None and seq_len > limit:
-            raise PartcError(f"--seq-len {seq_len} exceeds the {limit} positions of {cls} in {shown}; "
-                             f"pass --seq-len {limit} or less")
-        names = ("input_ids", "decoder_input_ids") if getattr(config, "is_encoder_decoder", False) else ("input_ids",)
-        shape = seq_len
-
-        def inputs(batch_size: int) -> tuple[tuple, dict]:
-            return (), {**{n: torch.randint(0, vocab, (batch_size, shape)) for n in names}, **scalars}
-
-        return inputs, seq_len
-
-    if main == "pixel_values":
-        if seq_len is not None:
-            raise PartcError(f"--seq-len does not apply to {cls} in {shown}, an image model")
-        vision = getattr(config, "vision_config", None)  # CLIP and other two-tower models keep it there
-        config = config if getattr(config, "image_size", None) is not None or vision is None else vision
-        size = getattr(config, "image_size", None)
-        size = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, (list, tuple)) else None
-        if size is None or len(size) != 2:
-            raise PartcError(f"{cannot} (its config has no image_size); define example_inputs(batch_size)")
-        channels = int(getattr(config, "num_channels", 3))
-
-        def pixels(batch_size: int) -> tuple[tuple, dict]:
-            return (), {"pixel_values": torch.randn(batch_size, channels, *size), **scalars}
-
-        return pixels, None
-
-    raise PartcError(f"{cannot} (main input '{main}'); define example_inputs(batch_size) in the file")
-
-
-def _hf_targets(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], int] | None:
-    """(target shape after the batch dim, number of classes) of a Hugging Face model, read from its class name
-    and config (its forward cannot run on the meta device); None if not a Hugging Face model or not recognized."""
-    if not is_hf(model):
-        return None
-    cls = type(model).__name__
-    config = model.config
-    ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
-    if ids is None and args and isinstance(args[0], Tensor):
-        ids = args[0]
-    positions = tuple(ids.shape[1:]) if isinstance(ids, Tensor) else None
-    if cls.endswith(_HF_LM_SUFFIXES) and positions is not None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        vocab = getattr(text, "vocab_size", None)
-        return (positions, vocab) if isinstance(vocab, int) else None
-    labels = getattr(config, "num_labels", None)
-    if not isinstance(labels, int) or "For" not in cls:
-        return None
-    if cls.endswith("ForTokenClassification") and positions is not None:
-        return positions, labels
-    if cls.endswith("Classification"):
-        return (), labels
-    return None

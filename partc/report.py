@@ -10,7 +10,7 @@ so it opens on a cluster's login node as well as on a laptop.
 3. The step-time breakdown; the alternatives the search ranked as a scatter of step time against memory (the
    chosen plan marked, the memory limit drawn); the tensor-parallel style of each layer of one block.
 4. With a training log (`partc run --log-jsonl`): the loss curve and the measured step time and memory against
-   the predicted.
+   the predicted (`partc.report_log`).
 
 `render` takes plain data (``Plan.to_dict()``, `partc check`'s rank records, the log's records), so the compiler and
 the commands that measure draw the same report. Every drawn quantity carries its number in ``data-`` attributes
@@ -19,7 +19,6 @@ the commands that measure draw the same report. Every drawn quantity carries its
 
 from __future__ import annotations
 
-import html
 import json
 import math
 from pathlib import Path
@@ -28,107 +27,9 @@ from partc import output, timeline
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.plan import read_plan
-
-GiB = 2 ** 30
-CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
-CATEGORY_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
-                  "activations": "activations and working memory", "buffers": "communicator buffers"}
-COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759",
-          "buffers": "#9c755f",
-          "fwd": "#4e79a7", "bwd": "#59a14f", "tp": "#f28e2b", "pp": "#b07aa1", "dp": "#e15759",
-          "optimizer_step": "#9c755f", "wait": "#cdd5df", "busy": "#7f9fb5", "idle": "#f2f2f2",
-          "compute": "#4e79a7", "tp_comm": "#f28e2b", "pp_comm": "#b07aa1", "bubble": "#bab0ac", "dp_comm": "#e15759",
-          "limit": "#d62728", "measured": "#333333"}
-BREAKDOWN = (("compute", "compute"), ("tp_comm", "tensor-parallel collectives"), ("pp_comm", "pipeline send/receive"),
-             ("bubble", "pipeline bubble"), ("dp_comm", "data-parallel traffic (exposed)"),
-             ("optimizer", "optimizer step"))
-STYLE_COLORS = {"colwise": "#4e79a7", "rowwise": "#f28e2b", "replicate": "#bab0ac", "vocab": "#59a14f"}
-
-CSS = """
-body { font-family: -apple-system, "Segoe UI", "DejaVu Sans", Helvetica, Arial, sans-serif; margin: 24px;
-       color: #222; max-width: 1240px; }
-h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
-.sub { color: #555; font-size: 13px; } .note { color: #555; font-size: 12px; max-width: 1150px; }
-table { border-collapse: collapse; font-size: 12px; margin: 8px 0; }
-td, th { border-bottom: 1px solid #e4e4e4; padding: 3px 10px; text-align: left; }
-td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; }
-.kv td:first-child { color: #555; } .bad { color: #c0392b; font-weight: bold; }
-.legend { font-size: 12px; margin: 4px 0 6px 0; } .legend span { display: inline-block; margin-right: 14px; }
-.legend i { display: inline-block; width: 11px; height: 11px; margin-right: 4px; vertical-align: -1px;
-            border: 1px solid #0002; }
-svg text { font-family: inherit; } .style { padding: 1px 6px; border-radius: 3px; color: #fff; font-size: 11px; }
-section { break-inside: avoid; }
-"""
-
-
-def _e(x) -> str:
-    return html.escape(str(x), quote=True)
-
-
-def _num(x: float) -> str:
-    """A number for a ``data-`` attribute: exact enough to compare with plan.json."""
-    return repr(float(x))
-
-
-def _secs(s: float) -> str:
-    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
-
-
-def _tick(t: float) -> str:
-    """An axis label in seconds: as few digits as the value needs."""
-    if t == 0:
-        return "0"
-    return f"{t:.6g} s" if t >= 1 else f"{t * 1e3:.6g} ms"
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _nice_ticks(hi: float, n: int = 6) -> list[float]:
-    """About `n` round tick values from 0 to at least `hi`."""
-    if hi <= 0:
-        return [0.0]
-    raw = hi / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(k * mag for k in (1, 2, 2.5, 5, 10) if k * mag >= raw)
-    return [i * step for i in range(int(math.ceil(hi / step - 1e-9)) + 1)]
-
-
-OFF_SCALE = 4.0
-"""A memory limit more than this many times the largest bar is written, not drawn (the bars would be slivers)."""
-
-
-def _mem_unit(top: float) -> tuple[float, str]:
-    """The unit of a memory axis reaching `top` bytes."""
-    for name, scale in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if top >= scale:
-            return float(scale), name
-    return 1.0, "B"
-
-
-def _axis(lo: float, hi: float) -> tuple[float, float]:
-    """A plotting range around [lo, hi] with a margin (a tenth of the span, or of the value when they are equal)."""
-    pad = (hi - lo) * 0.1 or abs(hi) * 0.05 or 1.0
-    return max(0.0, lo - pad), hi + pad
-
-
-def _ticks_between(lo: float, hi: float, n: int = 6) -> list[float]:
-    step = _nice_ticks(hi - lo, n)[1] if hi > lo else 1.0
-    return [k * step for k in range(math.ceil(lo / step - 1e-9), int(hi / step + 1e-9) + 1)]
-
-
-def _legend(items) -> str:
-    return '<div class="legend">' + "".join(f'<span><i style="background:{c}"></i>{_e(name)}</span>'
-                                            for name, c in items) + "</div>"
-
-
-def _svg(width: int, height: int, body: list[str], id_: str, attrs: str = "") -> str:
-    return (f'<svg id="{id_}" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-size="11"{attrs}>' + "".join(body) + "</svg>")
+from partc.report_draw import (BREAKDOWN, CATEGORIES, CATEGORY_NAMES, COLORS, CSS, OFF_SCALE, STYLE_COLORS, _axis,
+                               _bytes, _e, _legend, _mem_unit, _nice_ticks, _num, _secs, _svg, _tick, _ticks_between)
+from partc.report_log import _log
 
 
 # --- 1. The timeline --------------------------------------------------------------------------------------------
@@ -457,7 +358,9 @@ def _tp_styles(plan: dict) -> str:
             f'<table><tr><th>layer</th><th>style</th><th>why</th></tr>{rows}</table>')
 
 
-# --- 4. A training log ---------------------------------------------------------------------------------------------
+
+
+# --- 4. A training log: reading it (`partc.report_log` draws it) ---------------------------------------------------
 
 def read_log(path: str | Path) -> list[dict]:
     """The records of a ``partc run --log-jsonl`` file (one JSON object a line; blank lines skipped)."""
@@ -477,87 +380,6 @@ def read_log(path: str | Path) -> list[dict]:
             raise PartcError(f"{path}:{n} is not a JSON object")
         out.append(rec)
     return out
-
-
-def _line_chart(id_: str, series: list[tuple[str, list[tuple[float, float]], str]], y_label: str,
-                hline: tuple[float, str] | None = None, fmt=lambda v: f"{v:g}") -> str:
-    pts = [pt for _, s, _ in series for pt in s]
-    if not pts:
-        return ""
-    left, top, pw, ph = 80, 14, 560, 220
-    x_lo, x_hi = min(p[0] for p in pts), max(p[0] for p in pts)
-    ys = [p[1] for p in pts] + ([hline[0]] if hline else [])
-    y_hi = max(ys) * 1.08 if max(ys) > 0 else 1.0
-    y_lo = min(0.0, min(ys))
-    xs = lambda v: left + (v - x_lo) / max(x_hi - x_lo, 1e-12) * pw  # noqa: E731
-    yv = lambda v: top + ph - (v - y_lo) / (y_hi - y_lo) * ph  # noqa: E731
-    body = [f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>']
-    for t in _nice_ticks(y_hi, 5):
-        if t >= y_lo:
-            body.append(f'<line x1="{left}" x2="{left + pw}" y1="{yv(t):.1f}" y2="{yv(t):.1f}" stroke="#eee"/>'
-                        f'<text x="{left - 6}" y="{yv(t) + 4:.1f}" text-anchor="end" fill="#555">{_e(fmt(t))}</text>')
-    for name, s, color in series:
-        d = " ".join(f"{xs(a):.1f},{yv(b):.1f}" for a, b in s)
-        body.append(f'<polyline class="series" data-name="{_e(name)}" data-points="{len(s)}" points="{d}" fill="none" '
-                    f'stroke="{color}" stroke-width="1.6"/>')
-        if len(s) == 1:
-            body.append(f'<circle cx="{xs(s[0][0]):.1f}" cy="{yv(s[0][1]):.1f}" r="3" fill="{color}"/>')
-    if hline:
-        body.append(f'<line x1="{left}" x2="{left + pw}" y1="{yv(hline[0]):.1f}" y2="{yv(hline[0]):.1f}" '
-                    f'stroke="{COLORS["limit"]}" stroke-dasharray="6 3"/><text x="{left + pw + 4}" '
-                    f'y="{yv(hline[0]) + 4:.1f}" fill="{COLORS["limit"]}">{_e(hline[1])}</text>')
-    body.append(f'<text x="{left + pw / 2}" y="{top + ph + 30}" text-anchor="middle" fill="#555">step</text>'
-                f'<text x="{left}" y="{top + ph + 14}" fill="#555">{x_lo:g}</text>'
-                f'<text x="{left + pw}" y="{top + ph + 14}" text-anchor="end" fill="#555">{x_hi:g}</text>'
-                f'<text x="14" y="{top + ph / 2}" fill="#555" transform="rotate(-90 14 {top + ph / 2})" '
-                f'text-anchor="middle">{_e(y_label)}</text>')
-    return _svg(left + pw + 200, top + ph + 40, body, id_)
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _log(plan: dict, records: list[dict]) -> str:
-    pred = plan["predicted"]
-    recs = [r for r in records if _finite(r.get("step"))]
-    loss = [(r["step"], r["loss"]) for r in recs if _finite(r.get("loss"))]
-    times = [(r["step"], r["step_time_s"]) for r in recs if _finite(r.get("step_time_s"))]
-    out = []
-    if loss:
-        out.append("<h3>Loss</h3>" + _line_chart("loss", [("loss", loss, "#4e79a7")], "loss"))
-    if times:
-        later = [t for _, t in times[1:]] or [t for _, t in times]  # the first step warms up
-        mean = sum(later) / len(later)
-        err = (mean - pred["step_time_s"]) / pred["step_time_s"]
-        out.append("<h3>Step time</h3>" + _line_chart(
-            "step-time", [("measured", times, "#333")], "seconds",
-            (pred["step_time_s"], f"predicted {_secs(pred['step_time_s'])}"), fmt=_secs)
-            + f'<p class="note" id="step-time-summary" data-measured-s="{_num(mean)}" '
-              f'data-predicted-s="{_num(pred["step_time_s"])}">Measured {_secs(mean)} a step (mean of '
-              f'{len(later)} step{"s" if len(later) != 1 else ""}{" after the first" if len(times) > 1 else ""}), '
-              f'predicted {_secs(pred["step_time_s"])}: {err:+.1%}.</p>')
-    mfu = [(r["step"], r["mfu"]) for r in recs if _finite(r.get("mfu"))]
-    if mfu:
-        out.append("<h3>MFU</h3>" + _line_chart("mfu", [("measured", mfu, "#333")], "MFU",
-                                                (pred["mfu"], f"predicted {pred['mfu']:.1%}"), fmt=lambda v: f"{v:.0%}"))
-    last = next((r for r in reversed(recs) if isinstance(r.get("ranks"), list)), None)
-    peaks: dict[int, float] = {}
-    for rank in (last or {}).get("ranks") or []:
-        if isinstance(rank, dict) and _finite(rank.get("peak_memory_bytes")) and _finite(rank.get("pp_rank")):
-            peaks[rank["pp_rank"]] = max(peaks.get(rank["pp_rank"], 0.0), rank["peak_memory_bytes"])
-    if peaks:
-        mems = [r["memory_bytes"] for r in pred["ranks"]]
-        rows = "".join(f'<tr class="log-memory" data-rank="{r}" data-measured="{peaks[r]:.0f}" '
-                       f'data-predicted="{mems[r]["total"]}"><td>{r}</td><td class="n">{_bytes(mems[r]["total"])}</td>'
-                       f'<td class="n">{_bytes(mems[r]["total"] - mems[r].get("buffers", 0))}</td>'
-                       f'<td class="n">{_bytes(peaks[r])}</td></tr>' for r in sorted(peaks) if 0 <= r < len(mems))
-        out.append('<h3>Memory</h3><table><tr><th>pp rank</th><th class="n">predicted</th><th class="n">predicted '
-                   'without the communicators\' buffers</th><th class="n">measured peak (the most any GPU of the '
-                   f'rank allocated; the allocator does not see those buffers)</th></tr>{rows}</table>')
-    if not out:
-        out.append('<p class="note">The log holds no step with a loss, a step time or a memory peak.</p>')
-    return "".join(out)
 
 
 # --- The page ------------------------------------------------------------------------------------------------------

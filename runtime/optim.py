@@ -40,6 +40,12 @@ _POSITIONS = re.compile(r"(^|_)(pos|wpe|position|positions|pos_emb|pos_embed|pos
 """Names of position tables (the last component of an ``nn.Embedding``'s FQN)."""
 
 
+def _one_of(option: str, value: str, choices: tuple[str, ...]) -> None:
+    """The one-line error of a command-line choice (`OPTIMIZERS`, `SCHEDULES`) that is none of them."""
+    if value not in choices:
+        raise PartcError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
     name: str = "adamw"
@@ -55,8 +61,7 @@ class OptimizerConfig:
     """AdamW's eps."""
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise PartcError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
+        _one_of("--optimizer", self.name, OPTIMIZERS)
         if self.lr < 0 or self.weight_decay < 0:
             raise PartcError("--lr and --weight-decay must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -84,8 +89,7 @@ class LRSchedule:
     min_lr: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULES:
-            raise PartcError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.kind!r}")
+        _one_of("--lr-schedule", self.kind, SCHEDULES)
         if self.warmup < 0 or self.total < 0:
             raise PartcError(f"--warmup-steps and --lr-decay-steps must be >= 0, got {self.warmup}, {self.total}")
         if not 0 <= self.min_lr <= self.lr:

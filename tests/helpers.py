@@ -149,22 +149,32 @@ VOCAB = MEGATRON_VOCAB["rowwise"]
 LAUNCH_TIMEOUT_S = 240
 
 
+def run_in_session(what: str, cmd: list[str], *, env: dict | None, timeout: float,
+                   stderr_apart: bool = False) -> subprocess.CompletedProcess:
+    """`cmd` (`what`, for the failure) in its own session, so a hang kills every process it started (not only the
+    first), with one thread a process; the test fails after `timeout` seconds. stderr joins stdout unless
+    `stderr_apart`."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        tail = f"{out[-3000:]}\n{err[-3000:]}" if stderr_apart else out[-5000:]
+        pytest.fail(f"{what} timed out after {timeout}s:\n{tail}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err or "")
+
+
 def torchrun(nproc: int, args: list[str], *, env: dict | None = None, check: bool = True,
              timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
     """torchrun in its own session, so a hang kills every rank (not only the launcher)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout}s:\n{out[-5000:]}")
-    if check and proc.returncode != 0:
-        pytest.fail(f"torchrun exited with {proc.returncode}:\n{out[-8000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    res = run_in_session("torchrun", cmd, env=env, timeout=timeout)
+    if check and res.returncode != 0:
+        pytest.fail(f"torchrun exited with {res.returncode}:\n{res.stdout[-8000:]}")
+    return res
 
 
 def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:

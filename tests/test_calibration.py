@@ -13,7 +13,7 @@ import pytest
 from helpers import BENCHMARKS
 from partc.cluster import Cluster, load_cluster
 from partc.compile import compile_model
-from partc.model_file import import_file
+from partc.user_code import import_file
 
 BENCHMARK = BENCHMARKS / "megatron_table1.py"
 SIZES = ("1.7b", "7.5b", "18.4b", "39.1b", "76.1b", "145.6b")

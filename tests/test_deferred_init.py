@@ -18,7 +18,8 @@ from torch.nn.init import trunc_normal_ as bound_trunc_normal_
 
 from partc._torch import TorchDispatchMode
 from partc.cli.main import main as cli
-from partc.deferred_init import record, seed_of
+from partc.deferred_init import record
+from partc.init_replay import seed_of
 from partc.errors import PartcError
 from partc.model_file import load_model_file
 from partc.runtime.materialize import build_initialized, build_model, check_initializable, init_weights, materialize

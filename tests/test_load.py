@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from partc.errors import PartcError
-from partc.model_file import DEFAULT_MAX_SEQ_LEN, build_on_meta, load_model_file
+from partc.hf_model import DEFAULT_MAX_SEQ_LEN
+from partc.model_file import build_on_meta, load_model_file
 
 PLAIN = """
 import torch

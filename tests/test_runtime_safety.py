@@ -36,7 +36,7 @@ from partc.runtime import checkpoint_dir
 from partc.runtime.checkpoint_dir import RunRecord
 from partc.runtime.launch import failure_lines
 
-from helpers import EXAMPLES, LAUNCH_TIMEOUT_S as RUN_TIMEOUT_S, compile_program
+from helpers import EXAMPLES, LAUNCH_TIMEOUT_S as RUN_TIMEOUT_S, compile_program, run_in_session
 
 GPT = EXAMPLES / "gpt.py"
 
@@ -53,16 +53,8 @@ def programs(compiled):
 
 def partc_run(out: Path, *args: str, env: dict | None = None, timeout: float = RUN_TIMEOUT_S):
     """`partc run OUT ARGS` in a subprocess (its own session: a hang is killed whole); stdout and stderr apart."""
-    cmd = [sys.executable, "-m", "partc.cli.main", "run", str(out), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"partc run timed out after {timeout}s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return run_in_session("partc run", [sys.executable, "-m", "partc.cli.main", "run", str(out), *args], env=env,
+                          timeout=timeout, stderr_apart=True)
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -17,6 +17,7 @@ from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.ir import ACTIVATION_BYTES
 from partc.model_file import build_on_meta
+from user_models import write_model
 
 BLOCK_LAYERS = ["ln_1", "attn.qkv", "attn.proj", "ln_2", "mlp.fc1", "mlp.fc2"]
 
@@ -279,11 +280,7 @@ def test_untraceable_model_names_module_and_line(tmp_path):
 
 def test_data_dependent_shape_is_one_line(tmp_path):
     """Boolean-mask indexing exports (with an unbacked size) but cannot run on meta: still one clear line."""
-    path = tmp_path / "masked.py"
-    path.write_text(textwrap.dedent("""
-        import torch
-        from torch import nn
-
+    path = write_model(tmp_path / "masked.py", """
         class Net(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -292,13 +289,7 @@ def test_data_dependent_shape_is_one_line(tmp_path):
             def forward(self, x):
                 y = self.lin(x)
                 return y[y > 0].sum() + y
-
-        def model():
-            return Net()
-
-        def example_inputs(batch_size):
-            return (torch.randn(batch_size, 8),)
-    """))
+    """)
     with pytest.raises(PartcError) as info:
         trace_file(path)
     message = str(info.value)

@@ -21,6 +21,7 @@ from partc.runtime.program import read_program
 from partc.runtime.stage import StageModule
 from partc.runtime.train import flatten_inputs, global_batch, stage_shapes
 from helpers import EXAMPLES, compile_program
+from user_models import CLASSES, write_model
 from zoo_models import write_zoo_model
 
 CPU = torch.device("cpu")
@@ -197,11 +198,7 @@ def test_tensor_constants_are_carried_as_literals(tmp_path, family, literal):
 
 
 def test_a_large_constant_is_refused(tmp_path):
-    path = tmp_path / "big_constant.py"
-    path.write_text(textwrap.dedent("""
-        import torch
-        from torch import nn
-
+    path = write_model(tmp_path / "big_constant.py", """
         class Net(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -209,13 +206,7 @@ def test_a_large_constant_is_refused(tmp_path):
 
             def forward(self, x):
                 return self.lin(x) + torch.tensor([0.5] * 5000).sum()
-
-        def model():
-            return Net()
-
-        def example_inputs(batch_size):
-            return (torch.randn(batch_size, 8),)
-    """))
+    """)
     with pytest.raises(PartcError, match=r"creates a tensor constant of 5,000 elements .* register it as a buffer"):
         _compile(tmp_path, str(path), gbs=2)
 
@@ -223,9 +214,6 @@ def test_a_large_constant_is_refused(tmp_path):
 # -- 6. unit order follows data flow; the search offers only cuts codegen can make -------------------------------
 
 SHARED = """
-    import torch
-    from torch import nn
-
     class Net(nn.Module):  # b runs twice, the second time on c's output: no stage boundary between b and c
         def __init__(self):
             super().__init__()
@@ -236,15 +224,6 @@ SHARED = """
 
         def forward(self, x):
             return self.d(self.b(self.c(self.b(self.a(x)))))
-
-    def model():
-        return Net()
-
-    def example_inputs(batch_size):
-        return (torch.randn(batch_size, 8),)
-
-    def example_targets(batch_size):
-        return torch.randint(0, 8, (batch_size,))
 """
 
 
@@ -265,8 +244,7 @@ def test_units_follow_data_flow(tmp_path):
 def test_search_offers_only_cuts_the_program_can_make(tmp_path):
     from helpers import trace_file
 
-    path = tmp_path / "shared.py"
-    path.write_text(textwrap.dedent(SHARED))
+    path = write_model(tmp_path / "shared.py", SHARED, targets=CLASSES)
     _, traced = trace_file(path)
     assert [u.fqn for u in traced.graph.units] == ["a", "b", "c", "d"]
     assert traced.graph.cut_ok == [True, False, True]

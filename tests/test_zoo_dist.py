@@ -12,6 +12,7 @@ from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
 from partc.runtime.testing import reference_run
+from user_models import CLASSES, write_model
 from zoo_models import write_zoo_model
 
 pytestmark = pytest.mark.slow  # one torchrun launch of 2 gloo ranks
@@ -77,9 +78,6 @@ def test_matches_one_process(runs, name):
 
 
 NO_LOGITS = """
-    import torch
-    from torch import nn
-
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -88,27 +86,15 @@ NO_LOGITS = """
 
         def forward(self, x):
             return {"hidden": self.b(torch.relu(self.a(x)))}
-
-    def model():
-        return Net()
-
-    def example_inputs(batch_size):
-        return (torch.randn(batch_size, 8),)
-
-    def example_targets(batch_size):
-        return torch.randint(0, 8, (batch_size,))
 """
 
 
 def test_error_of_the_last_stage_reaches_the_user_under_torchrun(tmp_path):
     """The default loss finds no logits: a user error on rank 1 (the last stage) only. Under plain torchrun its line
     is printed, and rank 0, whose send fails because rank 1 left, names rank 1 without a traceback."""
-    import textwrap
-
     from helpers import torchrun
 
-    path = tmp_path / "no_logits.py"
-    path.write_text(textwrap.dedent(NO_LOGITS))
+    path = write_model(tmp_path / "no_logits.py", NO_LOGITS, targets=CLASSES)
     pins = Pins(tp=1, pp=2, dp=1, zero=0, micro_batch_size=1, schedule="1f1b", recompute="none")
     compile_model(str(path), gpus=2, pins=pins, global_batch_size=4, out_dir=tmp_path / "out")
     res = torchrun(2, ["-m", "partc.runtime", str(tmp_path / "out"), "--steps", "2"], check=False)
