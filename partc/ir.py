@@ -198,6 +198,10 @@ class ModelGraph:
     ``head`` (the output layer's FQN), ``output`` (the flat model output it reads, the head's logits) and ``rows``
     (logit rows per sample it reads); empty when not, and `vocab_loss_why` says why."""
     vocab_loss_why: str = ""
+    sums: list[tuple[str, ...]] = field(default_factory=list)
+    """Layers whose outputs are read only through their elementwise sum (a token and a position embedding added,
+    `passes.trace._sums`): when every one is colwise, the sum stays split in the program and is converted once
+    for all of them (`passes.tp`), not once per layer."""
 
     def boundary_bytes(self, i: int, micro_batch_size: int) -> int:
         """Bytes of one micro-batch across the pipeline boundary after units[i] (0 outside the model: before the
