@@ -153,6 +153,9 @@ class Edge:
     shard_ok: bool
     """True when a feature-sharded `src` output can reach `dst` still sharded on its input features (only
     per-feature / per-head ops in between), so a colwise -> rowwise pair needs no collective."""
+    routed: bool = False
+    """`dst` reads a part of `src`'s output whose size depends on values (the tokens routed to one expert,
+    `partc.value_sized`), `bytes` at its expected size: the program converts that part for `dst` alone."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -216,18 +216,26 @@ def _conversions(state: str, facts: set[str]) -> dict[str, str]:
 
 
 def _sources(graph: ModelGraph) -> list[_Source]:
+    """One source per layer, and one per routed edge (`Edge.routed`: the part of the output one expert reads,
+    converted for it alone, at its expected bytes)."""
     consumers: dict[str, dict[str, bool]] = {f: {} for f in graph.layers}
     nbytes = {f: 0 for f in graph.layers}
+    read = {f: False for f in graph.layers}
+    routed = []
     for e in graph.edges:
         assert e.src in graph.layers and e.dst in graph.layers, f"edge {e.src} -> {e.dst} names an unknown layer"
         if e.src == e.dst:
+            continue
+        read[e.src] = True
+        if e.routed:
+            routed.append(_Source(layer=e.src, nbytes=e.bytes, consumers={e.dst: e.shard_ok}, loss=False))
             continue
         consumers[e.src][e.dst] = consumers[e.src].get(e.dst, True) and e.shard_ok
         nbytes[e.src] = max(nbytes[e.src], e.bytes)
     head = graph.vocab_loss.get("head")
     return [_Source(layer=f, nbytes=nbytes[f] or layer.out_bytes, consumers=consumers[f],
-                    loss="vocab" if f == head and not consumers[f] else not consumers[f])
-            for f, layer in graph.layers.items()]
+                    loss="vocab" if f == head and not read[f] else not read[f])
+            for f, layer in graph.layers.items()] + routed
 
 
 def _sum_sources(graph: ModelGraph, sources: list[_Source]) -> list[_Source]:

@@ -25,7 +25,7 @@ from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
 from partc.precision import cast_floating, cast_parameters, compute_dtype
 from partc.passes.assign import Assignment, assign, layer_outputs, owner
-from partc.value_sized import expected_sizes
+from partc.value_sized import VALUE_SIZED, expected_sizes
 from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
 from partc.passes.experts import mark_inner, param_placeholders
 from partc.passes.export import export_on_meta, norms_on_any_batch
@@ -192,6 +192,8 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
     for n in nodes:
         srcs: set[str] = set()
         for a in n.all_input_nodes:
+            if _is_index(a):  # integers carry no gradient and are never converted (a router's choice of experts)
+                continue
             if a in out_node_of:
                 srcs.add(out_node_of[a])
             elif a in sources and node_layer.get(a) is None:
@@ -206,16 +208,25 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
         if dst is None or n.target is aten._assert_tensor_metadata.default:  # reads no values (the program skips it)
             continue
         for a in n.all_input_nodes:
-            if node_layer.get(a) == dst:
+            if node_layer.get(a) == dst or _is_index(a):
                 continue
             srcs = {out_node_of[a]} if a in out_node_of else set(sources.get(a, ()))
+            routed = a not in out_node_of and bool(a.meta.get(VALUE_SIZED))
             for s in srcs:
                 if s == dst or (s, dst) in found:
                     continue
                 region = shard.regions.get(s)
                 ok = bool(region and region.valid and region.reaches.get(dst) and layers[dst].kind == "linear")
-                found[(s, dst)] = Edge(src=s, dst=dst, bytes=_read_bytes(layers[s].out_bytes, a, n), shard_ok=ok)
+                nbytes = _read_bytes(layers[s].out_bytes, a, n)
+                found[(s, dst)] = Edge(src=s, dst=dst, bytes=min(nbytes, val_bytes(a)) if routed else nbytes,
+                                       shard_ok=ok, routed=routed)
     return list(found.values())
+
+
+def _is_index(n: torch.fx.Node) -> bool:
+    """Whether `n` holds an integer or boolean tensor (indices, masks): data flow through it is no edge."""
+    val = n.meta.get("val")
+    return isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())
 
 
 def _sums(nodes, node_layer, layer_out, layers) -> list[tuple[str, ...]]:
