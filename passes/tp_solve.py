@@ -376,11 +376,12 @@ def _solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: in
             fast = first.styles[fqn]
             if style != fast:
                 layer = graph.layers[fqn]
+                alone = f"{fast} is faster alone (the model by {slower:.3g} ms a micro-batch)" if slower > 1e-6 \
+                    else f"{fast} is as fast alone and splits fewer layers"
                 sol.why[fqn] = (f"memory: {style} keeps {_layer_params(layer, style, tp):,} of its parameters on "
-                                f"a GPU where {fast} keeps {_layer_params(layer, fast, tp):,}; {fast} is faster "
-                                f"alone (the model by {slower:.3g} ms a micro-batch), but the plan is faster with "
-                                f"{style}: the memory it frees lets the stages fit or balance, or the fewer "
-                                f"parameters shorten the optimizer step and gradient traffic")
+                                f"a GPU where {fast} keeps {_layer_params(layer, fast, tp):,}; {alone}, but the "
+                                f"plan is faster with {style}: the memory it frees lets the stages fit or balance, "
+                                f"or the fewer parameters shorten the optimizer step and gradient traffic")
         return sol
 
     return TPChoices(first, maps, make)
