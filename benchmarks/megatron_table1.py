@@ -200,15 +200,19 @@ def predict_paper_and_free(row: Row, graph, cluster="a100-80g") -> tuple[Result,
     return out[0], out[1]
 
 
+RECOMPUTE_LABEL = {"none": "no-rc", "selective": "sel-rc", "full": "full-rc"}
+
+
 def _describe(par) -> str:
+    """A configuration in one short cell: t, p, d, b, v (interleaved only), ZeRO stage, recomputation."""
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
     return (f"t{par.tp} p{par.pp} d{par.dp} b{par.micro_batch_size}{v} z{par.zero} "
-            f"{ {'none': 'no-rc', 'selective': 'sel-rc', 'full': 'full-rc'}.get(par.recompute, par.recompute)}")
+            f"{RECOMPUTE_LABEL.get(par.recompute, par.recompute)}")
 
 
 def print_paper_vs_free(pairs: list[tuple[Result, Result]]) -> None:
-    print("\nThe paper's configuration (t, p, b, v, full recompute, Megatron's TP map pinned) against partc's free choice")
-    print("(only --gpus and --global-batch-size pinned): predicted seconds per step and MFU.")
+    print("\nThe paper's configuration (t, p, b, v, full recompute, Megatron's TP map pinned) against partc's free")
+    print("choice (only --gpus and --global-batch-size pinned): predicted seconds per step and MFU.")
     print(f"{'params':>7} {'GPUs':>5} {'B':>5} | {'paper config':<28} {'step':>8} {'MFU':>6} | "
           f"{'partc free':<28} {'step':>8} {'MFU':>6} | {'free vs paper':>13}")
     for paper, free in pairs:
