@@ -14,6 +14,13 @@ columns show the plan partc picks when b and v are left to it as well. The publi
 F / (n · TFLOP/s per GPU), F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) the FLOPs the paper counts per iteration
 (recompute forward included, as the paper counts them).
 
+A second table (issue 26) sets each row's configuration as the paper ran it, expressed in partc (t, p, b, v, full
+recomputation and Megatron-LM's TP map pinned: qkv and fc1 colwise, proj and fc2 rowwise, the token embedding
+split over the vocabulary with the tied head colwise, the position embedding and norms whole; the ZeRO stage
+searched, as above), beside the plan partc picks with only the GPUs and the global batch pinned (``--gpus n
+--global-batch-size B``): predicted seconds per step and MFU (model FLOPs 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)),
+no recompute, over n · peak) for both. ``--rows 1.7b,1008b`` restricts both tables to those sizes.
+
 This file is also the model file it compiles (``partc compile benchmarks/megatron_table1.py``): examples/gpt.py's
 GPT at ``PARTC_GPT_SIZE``, with Megatron-LM's default dropout of 0.1 after the embedding, on the attention
 probabilities and after both residual branches (``--hidden-dropout``, ``--attention-dropout``), which the
@@ -169,6 +176,52 @@ def predict_row(row: Row, graph, cluster="a100-80g", *, search_batching: bool = 
     return Result(row=row, published_s=published_time(row), predicted_s=best.step_time_s, candidate=best)
 
 
+def megatron_map(graph, tp: int) -> dict[str, str] | None:
+    """Megatron-LM's TP styles for every layer (`partc.passes.tp.megatron_style` with the vocabulary split; a layer
+    the pattern names nothing for stays whole); None at tp 1."""
+    from partc.passes.tp import megatron_style
+
+    return {f: megatron_style(f, vocab=True) or "replicate" for f in graph.layers} if tp > 1 else None
+
+
+def predict_paper_and_free(row: Row, graph, cluster="a100-80g") -> tuple[Result, Result]:
+    """(the paper's run with Megatron's map pinned, partc's free choice with only n and B pinned)."""
+    from partc.cluster import load_cluster
+    from partc.passes.search import search
+
+    clus = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    out = []
+    for kwargs in (dict(pins=pins(row), tp_pins=megatron_map(graph, row.tp)), {}):
+        best = search(graph, clus, row.gpus, global_batch_size=row.batch, **kwargs).best
+        assert best is not None, f"no plan fits for {row.size} ({kwargs or 'free'})"
+        out.append(Result(row=row, published_s=published_time(row), predicted_s=best.step_time_s, candidate=best))
+    return out[0], out[1]
+
+
+RECOMPUTE_LABEL = {"none": "no-rc", "selective": "sel-rc", "full": "full-rc"}
+
+
+def _describe(par) -> str:
+    """A configuration in one short cell: t, p, d, b, v (interleaved only), ZeRO stage, recomputation."""
+    v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
+    return (f"t{par.tp} p{par.pp} d{par.dp} b{par.micro_batch_size}{v} z{par.zero} "
+            f"{RECOMPUTE_LABEL.get(par.recompute, par.recompute)}")
+
+
+def print_paper_vs_free(pairs: list[tuple[Result, Result]]) -> None:
+    print("\nThe paper's configuration (t, p, b, v, full recompute, Megatron's TP map pinned) against partc's free")
+    print("choice (only --gpus and --global-batch-size pinned): predicted seconds per step and MFU.")
+    print(f"{'params':>7} {'GPUs':>5} {'B':>5} | {'paper config':<28} {'step':>8} {'MFU':>6} | "
+          f"{'partc free':<28} {'step':>8} {'MFU':>6} | {'free vs paper':>13}")
+    for paper, free in pairs:
+        row, a, b = paper.row, paper.candidate, free.candidate
+        print(f"{row.size:>7} {row.gpus:>5} {row.batch:>5} | {_describe(a.parallel):<28} {paper.predicted_s:7.2f}s "
+              f"{100 * a.prediction.mfu:5.1f}% | {_describe(b.parallel):<28} {free.predicted_s:7.2f}s "
+              f"{100 * b.prediction.mfu:5.1f}% | {100 * (free.predicted_s / paper.predicted_s - 1):+12.1f}%")
+    slower = [p.row.size for p, f in pairs if f.predicted_s > p.predicted_s * (1 + 1e-9)]
+    print(f"partc's free choice predicted slower than the paper's configuration on: {', '.join(slower) or 'no row'}")
+
+
 def table(rows=ROWS, cluster="a100-80g", graphs: dict | None = None, *, search_batching: bool = False
           ) -> list[Result]:
     """One `Result` a row; `graphs` (size -> ModelGraph) caches the traces across calls."""
@@ -182,10 +235,28 @@ def table(rows=ROWS, cluster="a100-80g", graphs: dict | None = None, *, search_b
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default=None, help="comma-separated sizes (default: all ten)")
+    parser.add_argument("--skip-published", action="store_true",
+                        help="print only the second table (the paper's configuration against partc's free choice)")
+    args = parser.parse_args()
+    rows = [r for r in ROWS if args.rows is None or r.size in args.rows.split(",")]
     t0 = time.perf_counter()
     graphs: dict = {}
-    results = table(graphs=graphs)
-    free = table(graphs=graphs, search_batching=True)
+    if not args.skip_published:
+        print_published(table(rows, graphs=graphs), table(rows, graphs=graphs, search_batching=True), t0)
+    pairs = []
+    for row in rows:
+        if row.size not in graphs:
+            graphs[row.size] = trace_size(row.size)
+        pairs.append(predict_paper_and_free(row, graphs[row.size]))
+    print_paper_vs_free(pairs)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+
+
+def print_published(results: list[Result], free: list[Result], t0: float) -> None:
     print("Megatron-LM Table 1 (Narayanan et al. 2021) on a100-80g: published vs predicted iteration time, with the")
     print("paper's micro-batch b and virtual stages v; last columns: the plan partc picks with b and v free.")
     print(f"{'params':>7} {'t':>2} {'p':>3} {'GPUs':>5} {'B':>5} {'b':>2} {'v':>2} | {'published':>9} {'predicted':>9} "

@@ -153,6 +153,9 @@ class Edge:
     shard_ok: bool
     """True when a feature-sharded `src` output can reach `dst` still sharded on its input features (only
     per-feature / per-head ops in between), so a colwise -> rowwise pair needs no collective."""
+    routed: bool = False
+    """`dst` reads a part of `src`'s output whose size depends on values (the tokens routed to one expert,
+    `partc.value_sized`), `bytes` at its expected size: the program converts that part for `dst` alone."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -198,6 +201,10 @@ class ModelGraph:
     ``head`` (the output layer's FQN), ``output`` (the flat model output it reads, the head's logits) and ``rows``
     (logit rows per sample it reads); empty when not, and `vocab_loss_why` says why."""
     vocab_loss_why: str = ""
+    sums: list[tuple[str, ...]] = field(default_factory=list)
+    """Layers whose outputs are read only through their elementwise sum (a token and a position embedding added,
+    `passes.trace._sums`): when every one is colwise, the sum stays split in the program and is converted once
+    for all of them (`passes.tp`), not once per layer."""
 
     def boundary_bytes(self, i: int, micro_batch_size: int) -> int:
         """Bytes of one micro-batch across the pipeline boundary after units[i] (0 outside the model: before the

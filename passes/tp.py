@@ -24,6 +24,11 @@ so the shards do not line up: gather to R, then split locally.
                                                     local part), else all_gather if an S gradient crosses a
                                                     shard_ok False edge
 
+Layers whose outputs are read only through their sum (`ModelGraph.sums`: GPT's token and position embeddings
+added) are one source when every one is colwise: the rewrite keeps an add of split operands split, so the sum is
+converted once for the readers of all of them (its bytes the widest member's), charged to the last member's unit.
+Otherwise each is its own source, as the rewrite gathers a split operand that meets a whole one.
+
 These are the collectives `passes.tp_rewrite` writes into the program: a rowwise output is always all-reduced
 (then split where a reader needs it split), and a colwise reader of a split tensor gets it gathered, its P
 gradient all-reduced.
@@ -98,6 +103,9 @@ class _Source:
     loss: bool | str
     """True: the loss reads the output whole; ``"vocab"``: the loss can read it split over the vocabulary (colwise),
     `partc.collectives.vocab_parallel_cross_entropy`, with its two all-reduces (`vocab_loss_collectives`)."""
+    members: tuple[str, ...] = ()
+    """A sum of colwise layers' outputs (`ModelGraph.sums`; `layer` is the last of them): converted once when every
+    member is colwise, in place of the members' own conversions. Empty: one layer's output."""
 
 
 # 1. Semantics, shared by the evaluator and the CP-SAT model
@@ -208,18 +216,48 @@ def _conversions(state: str, facts: set[str]) -> dict[str, str]:
 
 
 def _sources(graph: ModelGraph) -> list[_Source]:
+    """One source per layer, and one per routed edge (`Edge.routed`: the part of the output one expert reads,
+    converted for it alone, at its expected bytes)."""
     consumers: dict[str, dict[str, bool]] = {f: {} for f in graph.layers}
     nbytes = {f: 0 for f in graph.layers}
+    read = {f: False for f in graph.layers}
+    routed = []
     for e in graph.edges:
         assert e.src in graph.layers and e.dst in graph.layers, f"edge {e.src} -> {e.dst} names an unknown layer"
         if e.src == e.dst:
+            continue
+        read[e.src] = True
+        if e.routed:
+            routed.append(_Source(layer=e.src, nbytes=e.bytes, consumers={e.dst: e.shard_ok}, loss=False))
             continue
         consumers[e.src][e.dst] = consumers[e.src].get(e.dst, True) and e.shard_ok
         nbytes[e.src] = max(nbytes[e.src], e.bytes)
     head = graph.vocab_loss.get("head")
     return [_Source(layer=f, nbytes=nbytes[f] or layer.out_bytes, consumers=consumers[f],
-                    loss="vocab" if f == head and not consumers[f] else not consumers[f])
-            for f, layer in graph.layers.items()]
+                    loss="vocab" if f == head and not read[f] else not read[f])
+            for f, layer in graph.layers.items()] + routed
+
+
+def _sum_sources(graph: ModelGraph, sources: list[_Source]) -> list[_Source]:
+    """One source per `ModelGraph.sums` group: the readers of any member (an edge's shards line up only if they do
+    for every member), the widest member's bytes, read by the loss if any member is."""
+    by_layer = {s.layer: s for s in sources}
+    out = []
+    for members in graph.sums:
+        assert len(members) > 1 and all(m in by_layer for m in members), members
+        consumers: dict[str, bool] = {}
+        for m in members:
+            for c, ok in by_layer[m].consumers.items():
+                consumers[c] = consumers.get(c, True) and ok
+        out.append(_Source(layer=members[-1], nbytes=max(by_layer[m].nbytes for m in members), consumers=consumers,
+                           loss=any(bool(by_layer[m].loss) for m in members), members=tuple(members)))
+    return out
+
+
+def summed(sums: list[_Source], styles: dict[str, str]) -> tuple[list[_Source], set[str]]:
+    """(the sum sources whose members are all colwise under `styles`, the members they stand for)."""
+    live = [s for s in sums if all(styles[m] == "colwise" for m in s.members)]
+    return live, {m for s in live for m in s.members}
 
 
 def vocab_loss_collectives(graph: ModelGraph) -> list[Collective]:
@@ -248,6 +286,7 @@ class SolveCache:
     def __init__(self, graph: ModelGraph, cluster: Cluster):
         self.graph, self.cluster = graph, cluster
         self.sources = _sources(graph)
+        self.sums = _sum_sources(graph, self.sources)
         self.rep = representatives(graph)
         self._shapes = {f: tuple((g.batch, g.m, g.n, g.k, g.batch_scales, g.dtype_bytes, g.fused, g.inner_split,
                                  g.io_bytes)
@@ -270,17 +309,20 @@ def _readers(phase: str, kind: str, consumers: list[str], needs: list[tuple[str,
     return [c for c, (_, grad, _) in zip(consumers, needs) if grad == want]
 
 
-def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str], reader_style: str = "colwise") -> str:
+def _reason(phase: str, kind: str, src: Layer, style: str, readers: list[str], reader_style: str = "colwise",
+            members: tuple[str, ...] = ()) -> str:
     who = readers[0] + (f" and {len(readers) - 1} more" if len(readers) > 1 else "") if readers else "the loss"
+    name = f"{style} {src.fqn}" if not members else \
+        f"the sum of {style} {', '.join(members[:-1])} and {members[-1]}"
     if phase == "fwd":
         if kind == "all_gather":
-            return f"gather the feature shards of colwise {src.fqn} for {who}"
+            return f"gather the feature shards of {name} for {who}"
         what = "masked lookups of vocab-parallel" if src.kind == "embedding" else \
             "partial outputs of split-inside" if style == "inner" else "partial outputs of rowwise"
         return f"sum {what} {src.fqn}"
     if kind == "all_reduce":
-        return f"sum partial input gradients of {reader_style} {who} into {style} {src.fqn}"
-    return f"gather sharded input gradients of rowwise {who} for {style} {src.fqn}"
+        return f"sum partial input gradients of {reader_style} {who} into {name}"
+    return f"gather sharded input gradients of rowwise {who} for {name}"
 
 
 # 2. Why a layer is kept whole (or off Megatron's pattern)
@@ -402,7 +444,8 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
     for fqn, layer in graph.layers.items():
         unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + cache.compute_s(fqn, styles[fqn], tp, b)
     if tp > 1:
-        for src in cache.sources:
+        sums, merged = summed(cache.sums, styles)
+        for src in [s for s in cache.sources if s.layer not in merged] + sums:
             layer, style = graph.layers[src.layer], styles[src.layer]
             needs = [(*_needs(graph.layers[c], styles[c]), ok) for c, ok in src.consumers.items()]
             vocab = src.loss == "vocab" and style == "colwise"
@@ -417,7 +460,7 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
                 reader_style = "colwise" if inner == {False} else "split-inside" if inner == {True} else \
                     "colwise or split-inside"
                 coll = Collective(kind=kind, phase=phase, nbytes=src.nbytes, src=src.layer,
-                                  reason=_reason(phase, kind, layer, style, readers, reader_style),
+                                  reason=_reason(phase, kind, layer, style, readers, reader_style, src.members),
                                   reader_units=tuple(dict.fromkeys(graph.layers[r].unit for r in readers))
                                   if (phase, kind) == ("bwd", "all_reduce") else ())
                 collectives.setdefault(layer.unit, []).append(coll)

@@ -104,12 +104,16 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
     choices = {r: [pins[r]] if r in pins else allowed_styles(graph.layers[r], tp) for r in dict.fromkeys(rep.values())}
     cache = cache or SolveCache(graph, cluster)
     distinct = Counter()
-    for src in cache.sources:
+    # A source's sum group (`ModelGraph.sums`): ("member", its members' representatives) for a member, whose own
+    # conversions hold unless every member is colwise, ("sum", ...) for the sum, whose hold only then; None: neither.
+    group_of = {m: tuple(rep[x] for x in s.members) for s in cache.sums for m in s.members}
+    for src in cache.sources + cache.sums:
         consumers = tuple(sorted({(rep[c], ok) for c, ok in src.consumers.items()}))
-        distinct[(rep[src.layer], src.nbytes, consumers, src.loss)] += 1
+        group = ("sum" if src.members else "member", group_of[src.layer]) if src.layer in group_of else None
+        distinct[(rep[src.layer], src.nbytes, consumers, src.loss, group)] += 1
     tied = [(sa, sb, rep[a], rep[b]) for sa, sb, a, b in _tied_conflicts(graph, tp)]
-    comp = _components(choices, [[r, *(c for c, _ in cons)] for r, _, cons, _ in distinct] +
-                       [[a, b] for _, _, a, b in tied])
+    comp = _components(choices, [[r, *(c for c, _ in cons), *(group[1] if group else ())]
+                                 for r, _, cons, _, group in distinct] + [[a, b] for _, _, a, b in tied])
     members: dict[str, list[str]] = {}
     for r in choices:
         members.setdefault(comp[r], []).append(r)
@@ -120,7 +124,8 @@ def _solve_classes(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: di
 
     terms: dict[str | None, dict] = {c: {"sources": [], "tied": [], "layers": []} for c in [None, *members]}
     for key, count in distinct.items():
-        terms[owner([key[0], *(c for c, _ in key[2])])]["sources"].append((key, count))
+        terms[owner([key[0], *(c for c, _ in key[2]), *(key[4][1] if key[4] else ())])]["sources"].append(
+            (key, count))
     for t in tied:
         terms[owner(t[2:])]["tied"].append(t)
     for fqn in graph.layers:
@@ -185,7 +190,8 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
 
     indicators: list[tuple[int, object]] = []  # (cost in ns for all layers it stands for, literal)
     spans = _spans_nodes(cluster, tp)
-    for (r, nbytes, consumers, loss), count in terms["sources"]:
+    for (r, nbytes, consumers, loss, group), count in terms["sources"]:
+        all_s = _and(model, [lit(m, "colwise") for m in group[1]]) if group else False
         lits: dict[str, list] = {f: [] for f in FACTS}
         lits["need_r"].append(_neg(lit(r, "colwise")) if loss == "vocab" else loss)
         if loss == "vocab" and lit(r, "colwise") is not False:  # the vocab-parallel loss's all-reduces
@@ -198,9 +204,13 @@ def _solve_component(graph: ModelGraph, tp: int, cluster: Cluster, b: int, rep: 
                 makes = [s for s in styles if fact in _consumer_facts(*_needs(graph.layers[c], s), ok)]
                 lits[fact] += [True] if len(makes) == len(styles) else [styles[s] for s in makes]
         facts = {f: _or(model, v) for f, v in lits.items()}
-        state = {"S": lit(r, "colwise"), "P": lit(r, "rowwise"), "RP": _neg(lit(r, "colwise"))}
+        if group and group[0] == "sum":  # converted only when every member is colwise (then it is S)
+            state = {"S": all_s, "P": False, "RP": False}
+        else:
+            state = {"S": lit(r, "colwise"), "P": lit(r, "rowwise"), "RP": _neg(lit(r, "colwise"))}
         for _phase, kind, states, cond in CONVERSIONS:
-            cond = [state[states]] + [facts[f] if want else _neg(facts[f]) for f, want in cond.items()]
+            cond = [state[states], _neg(all_s) if group and group[0] == "member" else True] + \
+                   [facts[f] if want else _neg(facts[f]) for f, want in cond.items()]
             y = _and(model, cond)
             if y is not False:  # a literal, or True: a collective every choice left open pays
                 ns = round(NS * hw.collective_time(cluster, kind, nbytes * b, tp, spans_nodes=spans))
@@ -366,11 +376,12 @@ def _solve_tp(graph: ModelGraph, tp: int, cluster: Cluster, micro_batch_size: in
             fast = first.styles[fqn]
             if style != fast:
                 layer = graph.layers[fqn]
+                alone = f"{fast} is faster alone (the model by {slower:.3g} ms a micro-batch)" if slower > 1e-6 \
+                    else f"{fast} is as fast alone and splits fewer layers"
                 sol.why[fqn] = (f"memory: {style} keeps {_layer_params(layer, style, tp):,} of its parameters on "
-                                f"a GPU where {fast} keeps {_layer_params(layer, fast, tp):,}; {fast} is faster "
-                                f"alone (the model by {slower:.3g} ms a micro-batch), but the plan is faster with "
-                                f"{style}: the memory it frees lets the stages fit or balance, or the fewer "
-                                f"parameters shorten the optimizer step and gradient traffic")
+                                f"a GPU where {fast} keeps {_layer_params(layer, fast, tp):,}; {alone}, but the "
+                                f"plan is faster with {style}: the memory it frees lets the stages fit or balance, "
+                                f"or the fewer parameters shorten the optimizer step and gradient traffic")
         return sol
 
     return TPChoices(first, maps, make)

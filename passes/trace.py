@@ -25,7 +25,7 @@ from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
 from partc.precision import cast_floating, cast_parameters, compute_dtype
 from partc.passes.assign import Assignment, assign, layer_outputs, owner
-from partc.value_sized import expected_sizes
+from partc.value_sized import VALUE_SIZED, expected_sizes
 from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
 from partc.passes.experts import mark_inner, param_placeholders
 from partc.passes.export import export_on_meta, norms_on_any_batch
@@ -61,7 +61,8 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
                       cut_fixed_bytes=cuts.fixed, cut_grad_fixed_bytes=cuts.grad_fixed, cut_ok=cut_ok,
                       cut_value_sized=sized if any(sized) else [], tied=tied,
                       first_unit_required=first_req,
-                      last_unit_required=last_req, info=_model_info(layers, ordered, seq_len))
+                      last_unit_required=last_req, info=_model_info(layers, ordered, seq_len),
+                      sums=_sums(a.nodes, a.node_layer, layer_out, layers))
 
 
 def _tied(a: Assignment) -> tuple[dict[str, str], set[str]]:
@@ -191,6 +192,8 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
     for n in nodes:
         srcs: set[str] = set()
         for a in n.all_input_nodes:
+            if _is_index(a):  # integers carry no gradient and are never converted (a router's choice of experts)
+                continue
             if a in out_node_of:
                 srcs.add(out_node_of[a])
             elif a in sources and node_layer.get(a) is None:
@@ -205,16 +208,52 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
         if dst is None or n.target is aten._assert_tensor_metadata.default:  # reads no values (the program skips it)
             continue
         for a in n.all_input_nodes:
-            if node_layer.get(a) == dst:
+            if node_layer.get(a) == dst or _is_index(a):
                 continue
             srcs = {out_node_of[a]} if a in out_node_of else set(sources.get(a, ()))
+            routed = a not in out_node_of and bool(a.meta.get(VALUE_SIZED))
             for s in srcs:
                 if s == dst or (s, dst) in found:
                     continue
                 region = shard.regions.get(s)
                 ok = bool(region and region.valid and region.reaches.get(dst) and layers[dst].kind == "linear")
-                found[(s, dst)] = Edge(src=s, dst=dst, bytes=_read_bytes(layers[s].out_bytes, a, n), shard_ok=ok)
+                nbytes = _read_bytes(layers[s].out_bytes, a, n)
+                found[(s, dst)] = Edge(src=s, dst=dst, bytes=min(nbytes, val_bytes(a)) if routed else nbytes,
+                                       shard_ok=ok, routed=routed)
     return list(found.values())
+
+
+def _is_index(n: torch.fx.Node) -> bool:
+    """Whether `n` holds an integer or boolean tensor (indices, masks): data flow through it is no edge."""
+    val = n.meta.get("val")
+    return isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())
+
+
+def _sums(nodes, node_layer, layer_out, layers) -> list[tuple[str, ...]]:
+    """Groups of two or more layers whose outputs reach the rest of the model only through their sum: each output
+    read by one ``add`` (outside any layer) and nothing else, the adds chained (``a + b + c``). The TP rewrite keeps
+    an add of feature-split operands split, so colwise members are converted once, at the sum's readers. Members
+    split in fused pieces are left out (their pieces would not line up)."""
+    out_node_of = {n: m for m, n in layer_out.items()}
+    group: dict[torch.fx.Node, tuple[str, ...]] = {}
+    for n in nodes:
+        if n.target is not aten.add.Tensor or node_layer.get(n) is not None or len(n.all_input_nodes) != 2:
+            continue
+        members: list[str] = []
+        for a in n.all_input_nodes:
+            if len(a.users) != 1:
+                break
+            if a in group:
+                members += group[a]
+            elif a in out_node_of and layers[out_node_of[a]].fused <= 1:
+                members.append(out_node_of[a])
+            else:
+                break
+        else:
+            if len(set(members)) == len(members):
+                group[n] = tuple(members)
+    inner = {a for n in group for a in n.all_input_nodes if a in group}
+    return [g for n, g in group.items() if n not in inner]
 
 
 _CASTS = (aten.to.dtype, aten._to_copy.default)

@@ -68,14 +68,16 @@ def gpt_block(fqn: str, *, seq: int, dim: int, heads: int) -> tuple[Unit, list[L
 
 
 def gpt_graph(*, num_blocks: int = 2, dim: int = 256, heads: int = 8, vocab: int = 1024, seq: int = 512,
-              residual: str = "trace", shard_ok: bool = True, tied: bool = False) -> ModelGraph:
+              residual: str = "trace", shard_ok: bool = True, tied: bool = False, pos: bool = False) -> ModelGraph:
     """A GPT stack; `shard_ok` False makes qkv -> proj and fc1 -> fc2 unable to stay sharded; `tied` makes the head
-    share the token embedding's weight (counted once, on the embedding, as `passes.trace` counts it)."""
+    share the token embedding's weight (counted once, on the embedding, as `passes.trace` counts it); `pos` adds a
+    learned position embedding to the token embedding's unit, its output summed with the token embedding's
+    (`ModelGraph.sums`)."""
     act = seq * dim * ACTIVATION_BYTES
     tok = embedding("tok", "tok", seq, vocab, dim)
-    units = [Unit(fqn="tok", kind="module", layers=["tok"], num_params=tok.num_params, input_bytes=8 * seq,
-                  signature="tok")]  # int64 token ids in
-    layers: list[Layer] = [tok]
+    layers: list[Layer] = [tok] + ([embedding("pos", "tok", seq, seq, dim)] if pos else [])
+    units = [Unit(fqn="tok", kind="module", layers=[l.fqn for l in layers],
+                  num_params=sum(l.num_params for l in layers), input_bytes=8 * seq, signature="tok")]  # int64 ids in
     for i in range(num_blocks):
         unit, block = gpt_block(f"blocks.{i}", seq=seq, dim=dim, heads=heads)
         units.append(unit)
@@ -97,7 +99,7 @@ def gpt_graph(*, num_blocks: int = 2, dim: int = 256, heads: int = 8, vocab: int
     def edge(src: str, dst: str, ok: bool = False) -> None:
         edges.append(Edge(src=src, dst=dst, bytes=by_name[src].out_bytes, shard_ok=ok))
 
-    stream: list[str] = ["tok"]  # layers whose outputs were added into the residual stream so far
+    stream: list[str] = ["tok"] + (["pos"] if pos else [])  # layers whose outputs were added into the stream so far
 
     def read_stream(dst: str) -> None:
         here = unit_index[by_name[dst].unit]
@@ -121,4 +123,5 @@ def gpt_graph(*, num_blocks: int = 2, dim: int = 256, heads: int = 8, vocab: int
                       units=units, layers=by_name, edges=edges, cut_bytes=[act] * (len(units) - 1),
                       tied={"lm_head.weight": "tok.weight"} if tied else {}, first_unit_required=["tok"],
                       last_unit_required=["ln_f", "lm_head"],
-                      info={"hidden": dim, "heads": heads, "vocab": vocab, "layers": num_blocks})
+                      info={"hidden": dim, "heads": heads, "vocab": vocab, "layers": num_blocks},
+                      sums=[("tok", "pos")] if pos else [])

@@ -198,6 +198,30 @@ def test_gpt_matches_brute_force(cluster, tp, b, shard_ok):
     assert block_styles(sol, 0) == block_styles(sol, 1)
 
 
+def test_summed_colwise_embeddings_convert_once():
+    """GPT's token and position embeddings, added before anything reads them: both colwise, the program keeps
+    their sum split and gathers it once (`passes.tp_rewrite`), so the evaluator charges one all-gather of the sum
+    (it charged one per embedding), and the CP-SAT model the same: its least time equals brute force over the
+    embeddings' and the head's styles (the blocks pinned to Megatron's)."""
+    graph = gpt_graph(num_blocks=2, pos=True)
+    blocks = {f: style for f, style in megatron_styles(graph).items() if f.startswith("blocks.")}
+    free = ["tok", "pos", "lm_head"]
+    for cluster, tp, b in [(A100, 2, 1), (NO_LATENCY, 4, 8)]:
+        both = evaluate_tp(graph, tp, {f: "replicate" for f in graph.layers} | blocks | {"tok": "colwise",
+                                                                                          "pos": "colwise"},
+                           cluster, b)
+        gathers = [c for c in both.collectives["tok"] if c.kind == "all_gather"]
+        assert [(c.phase, c.nbytes, c.src) for c in gathers] == [("fwd", graph.layers["tok"].out_bytes, "pos")]
+        assert "the sum of colwise tok and pos" in gathers[0].reason
+        one = evaluate_tp(graph, tp, {f: "replicate" for f in graph.layers} | blocks | {"tok": "colwise"},
+                          cluster, b)
+        assert [c.kind for c in one.collectives["tok"]] == ["all_gather"]  # the split tok alone: gathered too
+        best = min(evaluate_tp(graph, tp, {f: "replicate" for f in graph.layers} | blocks | dict(zip(free, combo)),
+                               cluster, b).time_s
+                   for combo in itertools.product(*(allowed_styles(graph.layers[f], tp) for f in free)))
+        assert solve_tp(graph, tp, cluster, b, pinned=blocks).time_s == pytest.approx(best, rel=1e-9, abs=1e-7)
+
+
 def random_graph(rng: random.Random, size: int) -> ModelGraph:
     """A random DAG: an embedding, then linears with a norm at a random place, each its own unit; every layer reads
     the one before and some earlier ones (so outputs fan out to several consumers), shard_ok flags at random."""
@@ -239,7 +263,8 @@ def test_model_time_equals_evaluation():
     rng = random.Random(5)
     kinds = Counter()
     graphs = [random_graph(rng, 9) for _ in range(25)] + [gpt_graph(num_blocks=3, residual=r, shard_ok=ok)
-                                                          for r in ("trace", "all") for ok in (True, False)]
+                                                          for r in ("trace", "all") for ok in (True, False)] + \
+        [gpt_graph(num_blocks=2, pos=True, residual=r) for r in ("trace", "all")]
     for graph in graphs:
         rep = representatives(graph)
         reps = sorted(set(rep.values()))

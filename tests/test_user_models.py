@@ -176,8 +176,10 @@ def test_copied_value_all_reduce_is_priced_to_the_byte(tmp_path):
 @pytest.mark.slow  # partc check spawns a process per pipeline rank: 30-60 s on 2 shared cores
 def test_routed_moe_checks_at_expected_sizes(tmp_path):
     """partc check runs nonzero on fake tensors (no values) at the plan's expected size per expert: the traffic of
-    every axis, tp's collectives on the routed tokens included, is the plan's (within the default slack: the last
-    stage's tp bytes differ by 256 of 15,104, as do a tiny model's memory rows by a few KiB at no slack)."""
+    every axis, tp's collectives on the routed tokens included, is the plan's to the byte. Each expert's colwise
+    fc1 reads its own routed rows, whose gradient the program all-reduces per expert (`Edge.routed`), and the
+    router reaches fc1 only through integer indices, which carry no gradient (the last stage's tp bytes were 256 of
+    15,104 off). Memory rows agree within the default slack (a tiny model's differ by a few KiB)."""
     from partc.runtime.check import check_program
 
     tp_pp = Pins(tp=2, pp=2, dp=1, zero=0, micro_batch_size=2, schedule="1f1b", recompute="none", precision="fp32")
@@ -187,7 +189,7 @@ def test_routed_moe_checks_at_expected_sizes(tmp_path):
     assert len(results) == 2
     for r in results:
         assert all(row.agrees for row in r.rows()), r
-        assert r.comm_bytes["pp"] == r.predicted_comm_bytes["pp"] and r.comm_bytes["tp"] > 0
+        assert r.comm_bytes["tp"] > 0 and r.comm_bytes == {k: int(v) for k, v in r.predicted_comm_bytes.items()}
 
 
 def test_wording():
