@@ -738,3 +738,17 @@ def shared_time(cluster: Cluster, par: Parallel, nbytes: float) -> float:
     """The all-reduce of shared weights' gradients over pipeline ranks (two of them; across nodes when the
     pipeline spans nodes)."""
     return hw.collective_time(cluster, "all_reduce", nbytes, 2, spans_nodes=par.spans_nodes("pp", cluster.gpus_per_node))
+
+
+def ep_alltoall_bytes(tokens: int, k: int, hidden: int, nbytes: int, ep: int, num_experts: int,
+                      *, backward: bool = True) -> float:
+    """Bytes one rank passes to the ``ep`` all-to-alls of one layer of routed experts for one micro-batch of
+    `tokens` tokens (`partc.collectives.expert_parallel`), under uniform routing: the share ``(ep - 1) / ep`` of its
+    ``tokens x k`` (token, expert) rows of `hidden` elements of `nbytes` bytes leaves the rank, once to the experts
+    and once back; the backward sends their gradients the same two ways. The split counts (`num_experts` int64, the
+    same share leaving) are exchanged once, in the forward. Nothing when ``ep`` is 1."""
+    if ep == 1:
+        return 0.0
+    leaving = (ep - 1) / ep
+    rows = tokens * k * leaving * hidden * nbytes * 2 * (2 if backward else 1)
+    return rows + num_experts * leaving * 8

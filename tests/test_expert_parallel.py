@@ -1,0 +1,162 @@
+"""Expert parallelism (issue #25), the layer: Hugging Face's packed experts divided by experts among ep ranks.
+
+`passes.experts.expert_split` finds the experts' own computation and the routing around it (or says why not);
+`partc.collectives.expert_parallel` sends each (token, expert) pair to its expert's rank with an uneven
+``all_to_all_single`` and its result back. On 2 gloo ranks each holding 2 of 4 experts, the layer's output and every
+gradient equal one process's, and with a uniform routing the bytes counted equal the cost model's."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+from helpers import torchrun
+from partc.collectives import expert_parallel
+from partc.passes.cost import ep_alltoall_bytes
+from partc.passes.experts import expert_split, local_experts, param_placeholders
+from partc.passes.export import export_on_meta
+
+T, H, I, E, K = 8, 16, 24, 4, 2
+
+
+def config(**kw) -> MixtralConfig:
+    return MixtralConfig(vocab_size=64, hidden_size=H, intermediate_size=I, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=E, num_experts_per_tok=K,
+                         **kw)
+
+
+def split_of(precision: str = "fp32", **kw):
+    """(the `expert_split` of a Mixtral MoE block's experts layer, its parameter placeholders)."""
+    with torch.device("meta"):
+        block = MixtralForCausalLM(config(**kw)).model.layers[0].mlp
+    ep = export_on_meta(block, (torch.empty(1, T, H, device="meta"),), {}, precision=precision)
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function"
+             and list(n.meta.get("nn_module_stack", {}).values())[-1][0].startswith("experts")]
+    params = {ph: fqn for ph, fqn in param_placeholders(ep).items() if fqn.startswith("experts.")}
+    return expert_split(nodes, params), params
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_split_finds_the_experts_and_their_routing(precision):
+    """fp32 runs Hugging Face's `grouped_mm_fallback`, bf16 `aten._grouped_mm`: both are followed."""
+    split, _ = split_of(precision)
+    assert not isinstance(split, str), split
+    assert split.num_experts == E and split.params == ["experts.gate_up_proj", "experts.down_proj"]
+    products = [n for n in split.local if "grouped_mm" in str(n.target)]
+    assert len(products) == 2 and split.last is products[-1]
+    assert (split.hidden.meta["val"].shape, split.index.meta["val"].shape) == ((T, H), (T, K))
+
+
+def test_a_routing_it_cannot_follow_is_refused(monkeypatch):
+    """Experts whose output adds the token itself back: not a weighted sum of the experts' results, so the layer
+    cannot be computed where the experts live; refused in one line."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    forward = modeling_mixtral.MixtralExperts.forward
+    monkeypatch.setattr(modeling_mixtral.MixtralExperts, "forward",
+                        lambda self, h, idx, w: forward(self, h, idx, w) + h)
+    split, _ = split_of()
+    assert split == "aten.add.Tensor after the experts: not a weighted sum of each token's k results"
+
+
+def test_one_rank_computes_the_layer():
+    torch.manual_seed(0)
+    experts = MixtralForCausalLM(config()).model.layers[0].mlp.experts
+    split, params = split_of()
+    fn = local_experts(split, params)
+    weights = [dict(experts.named_parameters())[f.removeprefix("experts.")] for f in split.params]
+    h, w = torch.randn(T, H), torch.rand(T, K)
+    idx = torch.randint(0, E, (T, K))
+    got = expert_parallel(h, idx, w, lambda rows, offs: fn(rows, offs, *weights), num_experts=E, group=None)
+    torch.testing.assert_close(got, experts(h, idx, w), rtol=0, atol=0)
+
+
+WORKER = """
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from test_expert_parallel import E, H, K, T, config, split_of, routing
+    from transformers import MixtralForCausalLM
+    from partc.collectives import expert_parallel
+    from partc.passes.experts import local_experts
+    from partc.runtime.comm import CommCounter
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    experts = MixtralForCausalLM(config()).model.layers[0].mlp.experts
+    split, params = split_of()
+    fn = local_experts(split, params)
+    mine = slice(rank * E // ep, (rank + 1) * E // ep)
+    local = [torch.nn.Parameter(dict(experts.named_parameters())[f.removeprefix("experts.")][mine].clone())
+             for f in split.params]
+    out = {{}}
+    for name in ("uniform", "skewed"):
+        h, idx, w, g = routing(name, rank)
+        h.requires_grad_(), w.requires_grad_()
+        counter = CommCounter({{"ep": [dist.group.WORLD]}})
+        with counter.counting() as counted:
+            y = expert_parallel(h, idx, w, lambda rows, offs: fn(rows, offs, *local), num_experts=E,
+                                group=dist.group.WORLD)
+            (y * g).sum().backward()
+        out[name] = {{"y": y.tolist(), "h": h.grad.tolist(), "w": w.grad.tolist(), "bytes": dict(counted),
+                      "params": [p.grad.tolist() for p in local]}}
+        for p in local:
+            p.grad = None
+    json.dump(out, open({result!r} + f".{{rank}}.json", "w"))
+    dist.destroy_process_group()
+"""
+
+
+def routing(name: str, rank: int):
+    """Rank `rank`'s tokens, the experts they chose, their weights and the gradient of the output. ``uniform``:
+    every token picks one expert of each rank's two (so half of each rank's pairs stay and half leave);
+    ``skewed``: random, uneven splits."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    h, w, g = torch.randn(T, H, generator=gen), torch.rand(T, K, generator=gen), torch.randn(T, H, generator=gen)
+    if name == "uniform":
+        idx = torch.stack([torch.arange(T) % 2, 2 + (torch.arange(T) + rank) % 2], dim=1)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+        idx[: T // 2] = torch.tensor([0, 1])  # most pairs go to rank 0's experts
+    return h, idx, w, g
+
+
+@pytest.mark.slow  # one torchrun launch of 2 gloo ranks
+def test_two_ranks_compute_the_layer_like_one(tmp_path):
+    """ep = 2, each rank holding 2 of the 4 experts: the output, the tokens' and routing weights' gradients and the
+    experts' gradients (summed over the ranks' tokens) equal one process's within 1e-5; the uniform routing's bytes
+    equal `ep_alltoall_bytes`, the skewed one's differ from it."""
+    from pathlib import Path
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(WORKER.format(tests=str(Path(__file__).parent), result=str(tmp_path / "out"))))
+    torchrun(2, [str(worker)])
+    got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    torch.manual_seed(0)
+    experts = MixtralForCausalLM(config()).model.layers[0].mlp.experts
+    names = [f.removeprefix("experts.") for f in split_of()[0].params]
+    for name in ("uniform", "skewed"):
+        experts.zero_grad()
+        for rank in range(2):
+            h, idx, w, g = routing(name, rank)
+            h.requires_grad_(), w.requires_grad_()
+            y = experts(h, idx, w)
+            (y * g).sum().backward()
+            mine = got[rank][name]
+            torch.testing.assert_close(torch.tensor(mine["y"]), y, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(mine["h"]), h.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(mine["w"]), w.grad, rtol=1e-5, atol=1e-6)
+        full = dict(experts.named_parameters())
+        for i, n in enumerate(names):  # each rank holds the gradient of its experts from both ranks' tokens
+            whole = torch.cat([torch.tensor(got[r][name]["params"][i]) for r in range(2)])
+            torch.testing.assert_close(whole, full[n].grad, rtol=1e-5, atol=1e-6)
+    want = ep_alltoall_bytes(T, K, H, 4, 2, E)
+    assert [got[r]["uniform"]["bytes"] for r in range(2)] == [{"ep": want}] * 2
+    assert got[0]["skewed"]["bytes"]["ep"] != want
