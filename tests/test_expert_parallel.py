@@ -160,3 +160,61 @@ def test_two_ranks_compute_the_layer_like_one(tmp_path):
     want = ep_alltoall_bytes(T, K, H, 4, 2, E)
     assert [got[r]["uniform"]["bytes"] for r in range(2)] == [{"ep": want}] * 2
     assert got[0]["skewed"]["bytes"]["ep"] != want
+
+
+FAMILIES = {
+    # DeepSeek-V3: group-limited routing (8 routed experts in 2 groups, the top group kept), a shared expert and a
+    # dense first layer; the routed experts of its second layer are divided
+    "deepseek_v3": ("DeepseekV3", dict(intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+                                       first_k_dense_replace=1, num_key_value_heads=2, n_routed_experts=8,
+                                       n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=8, kv_lora_rank=8,
+                                       qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)),
+    "qwen3_moe": ("Qwen3Moe", dict(intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+                                   num_key_value_heads=1, num_experts=8)),
+    "olmoe": ("Olmoe", dict(intermediate_size=8, num_hidden_layers=1, num_key_value_heads=1, num_experts=8,
+                            eos_token_id=None, pad_token_id=None)),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_families_are_followed(family):
+    """Hugging Face's other packed experts (8 experts, top 2): the split is found and computes the layer."""
+    import transformers
+
+    prefix, kw = FAMILIES[family]
+    make = lambda: getattr(transformers, f"{prefix}ForCausalLM")(getattr(transformers, f"{prefix}Config")(
+        vocab_size=64, hidden_size=H, num_attention_heads=2, num_experts_per_tok=K, **kw))
+    torch.manual_seed(0)
+    experts = make().model.layers[-1].mlp.experts
+    with torch.device("meta"):
+        block = make().model.layers[-1].mlp
+    ep = export_on_meta(block, (torch.empty(1, T, H, device="meta"),), {}, precision="fp32")
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function"
+             and list(n.meta.get("nn_module_stack", {}).values())[-1][0].startswith("experts")]
+    params = {ph: fqn for ph, fqn in param_placeholders(ep).items() if fqn.startswith("experts.")}
+    split = expert_split(nodes, params)
+    assert not isinstance(split, str), split
+    assert split.num_experts == 8
+    fn = local_experts(split, params)
+    weights = [dict(experts.named_parameters())[f.removeprefix("experts.")] for f in split.params]
+    h, w = torch.randn(T, H), torch.rand(T, K)
+    idx = torch.stack([torch.randperm(8)[:K] for _ in range(T)])
+    got = expert_parallel(h, idx, w, lambda rows, offs: fn(rows, offs, *weights), num_experts=8, group=None)
+    torch.testing.assert_close(got, experts(h, idx, w), rtol=0, atol=0)
+
+
+def test_gpt_oss_expert_biases_are_refused():
+    """gpt-oss adds a bias per expert, looked up by each row's expert id: the ids of the rows an ep rank receives
+    are not followed yet, so the layer is refused in one line rather than divided wrongly."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    with torch.device("meta"):
+        block = GptOssForCausalLM(GptOssConfig(vocab_size=64, hidden_size=H, intermediate_size=8, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
+                                               num_experts_per_tok=K, head_dim=8)).model.layers[0].mlp
+    ep = export_on_meta(block, (torch.empty(1, T, H, device="meta"),), {}, precision="fp32")
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function"
+             and list(n.meta.get("nn_module_stack", {}).values())[-1][0].startswith("experts")]
+    params = {ph: fqn for ph, fqn in param_placeholders(ep).items() if fqn.startswith("experts.")}
+    split = expert_split(nodes, params)
+    assert isinstance(split, str) and split.startswith("the experts' computation reads "), split
