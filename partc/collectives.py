@@ -263,16 +263,32 @@ def _inverse(perm: Tensor) -> Tensor:
     return inv
 
 
-def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *, num_experts: int,
-                    group: dist.ProcessGroup | None) -> Tensor:
+_EP_GROUP: dist.ProcessGroup | None = None
+
+
+def set_ep_group(group: dist.ProcessGroup | None) -> None:
+    """The default ``ep`` group (the runtime sets it once the mesh exists; None: one rank holds every expert)."""
+    global _EP_GROUP
+    _EP_GROUP = group
+
+
+def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *params: Tensor, num_experts: int,
+                    group: dist.ProcessGroup | None = None) -> Tensor:
     """A routed mixture of experts over an ``ep`` group: ``out[t] = sum_j weights[t, j] · expert_{index[t, j]}(
     hidden[t])``, as Hugging Face's packed experts compute it (pairs sorted by expert, one grouped GEMM per weight,
     each pair's result scaled by its routing weight, the k results of a token summed).
 
     `hidden` (T, H), `index` (T, k) the experts each token chose (global ids), `weights` (T, k) their routing
-    weights. `experts(rows, offsets)` runs this rank's E/ep experts on `rows` sorted by local expert, `offsets`
-    the int32 cumulative count of rows per local expert (the grouped GEMMs' offsets). The routing weights never
-    leave the rank: the results come back unscaled and are scaled where the token lives."""
+    weights. `experts(rows, offsets, *params)` runs this rank's E/ep experts (`params`: its part of the packed
+    parameters) on `rows` sorted by local expert, `offsets` the int32 cumulative count of rows per local expert (the
+    grouped GEMMs' offsets). The routing weights never leave the rank: the results come back unscaled and are
+    scaled where the token lives. `group`: the ``ep`` group (default: the one `set_ep_group` set)."""
+    group = group or _EP_GROUP
+    # Packed experts are this rank's own fp32 master weights under ep (FSDP leaves them alone): cast for compute
+    # (a differentiable cast, the gradient comes back in fp32), as FSDP's mixed precision casts the others.
+    params = tuple(p.to(hidden.dtype) if p.is_floating_point() else p for p in params)
+    run = experts
+    experts = lambda rows, offsets: run(rows, offsets, *params)  # noqa: E731
     ep = _size(group)
     tokens, k = index.shape
     if hidden.is_meta:  # shapes only (the runtime learns a stage's shapes on meta): every pair at home

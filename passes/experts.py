@@ -25,6 +25,8 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
+from partc import collectives
+from partc.errors import PartcError
 from partc.ir import Layer
 from partc.passes.measure import GROUPED_GEMM_OPS, NodeStats, grouped_gemm
 from partc.passes.shard import shard_rule
@@ -413,3 +415,48 @@ def local_experts(split: ExpertSplit, params: dict[Node, str]) -> torch.fx.Graph
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(env[split.last])
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+EP_LOCAL = "partc_ep_local"
+"""Node meta key: on the `collectives.expert_parallel` node that replaces a layer of packed experts under ep, the
+experts' own computation (`local_experts`), which the stage file defines as a function beside the call."""
+
+
+def rewrite_for_ep(ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
+                   degree: int) -> dict[str, list[str]]:
+    """Replace every layer of packed experts of the exported graph (in place) by one `collectives.expert_parallel`
+    call over its tokens, choices and routing weights, reading its packed parameters (`EP_LOCAL`: the experts'
+    computation it runs on this rank's experts). Returns layer FQN -> its packed parameters; PartcError (one line)
+    where a layer's routing cannot be followed, its experts do not divide by `degree`, or there is none."""
+    params = param_placeholders(ep)
+    by_layer: dict[str, list[Node]] = {}
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and n in node_layer:
+            by_layer.setdefault(node_layer[n], []).append(n)
+    done = {}
+    for fqn, nodes in by_layer.items():
+        layer = layers.get(fqn)
+        if layer is None or layer.kind != "other" or not any(is_product(n) for n in nodes):
+            continue
+        mine = {ph: p for ph, p in params.items() if p in layer.params}
+        split = expert_split(nodes, mine)
+        if isinstance(split, str):
+            raise PartcError(f"--ep {degree}: the experts of {fqn} cannot be divided: {split}")
+        if split.num_experts % degree:
+            raise PartcError(f"--ep {degree}: {fqn} has {split.num_experts} experts, which do not divide among "
+                             f"{degree} ranks")
+        placeholders = [next(ph for ph, f in mine.items() if f == name) for name in split.params]
+        graph = ep.graph
+        with graph.inserting_before(split.output):
+            call = graph.call_function(collectives.expert_parallel,
+                                       (split.hidden, split.index, split.weights, *placeholders),
+                                       {"num_experts": split.num_experts})
+        call.meta = {**split.output.meta, EP_LOCAL: local_experts(split, mine)}
+        split.output.replace_all_uses_with(call)
+        for n in reversed(nodes):
+            if not n.users:
+                graph.erase_node(n)
+        done[fqn] = split.params
+    if not done:
+        raise PartcError(f"--ep {degree}: the model has no layer of packed experts to divide among ep ranks")
+    return done

@@ -91,15 +91,16 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
     pinned = pins.pinned().items()
     precision = pins.precision or "bf16"
     sequence_parallel = bool(pins.sequence_parallel)  # only where pinned: see docs/sequence-parallel.md
+    ep = pins.ep or 1  # only where pinned
     for dp, tp, pp in _degrees(cluster, gpus, global_batch, pins, n_units):
-        if sequence_parallel and tp < 2:
+        if sequence_parallel and tp < 2 or dp % ep:
             continue
         per_replica = global_batch // dp
         for b in divisors(per_replica):
             for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
                 values = dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
                               schedule=schedule, virtual_stages=v, recompute=recompute, precision=precision,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, ep=ep)
                 if all(values[name] == value for name, value in pinned):
                     yield values
 

@@ -72,7 +72,7 @@ def test_one_rank_computes_the_layer():
     weights = [dict(experts.named_parameters())[f.removeprefix("experts.")] for f in split.params]
     h, w = torch.randn(T, H), torch.rand(T, K)
     idx = torch.randint(0, E, (T, K))
-    got = expert_parallel(h, idx, w, lambda rows, offs: fn(rows, offs, *weights), num_experts=E, group=None)
+    got = expert_parallel(h, idx, w, fn, *weights, num_experts=E)
     torch.testing.assert_close(got, experts(h, idx, w), rtol=0, atol=0)
 
 
@@ -103,8 +103,7 @@ WORKER = """
         h.requires_grad_(), w.requires_grad_()
         counter = CommCounter({{"ep": [dist.group.WORLD]}})
         with counter.counting() as counted:
-            y = expert_parallel(h, idx, w, lambda rows, offs: fn(rows, offs, *local), num_experts=E,
-                                group=dist.group.WORLD)
+            y = expert_parallel(h, idx, w, fn, *local, num_experts=E, group=dist.group.WORLD)
             (y * g).sum().backward()
         out[name] = {{"y": y.tolist(), "h": h.grad.tolist(), "w": w.grad.tolist(), "bytes": dict(counted),
                       "params": [p.grad.tolist() for p in local]}}
@@ -199,7 +198,7 @@ def test_other_families_are_followed(family):
     weights = [dict(experts.named_parameters())[f.removeprefix("experts.")] for f in split.params]
     h, w = torch.randn(T, H), torch.rand(T, K)
     idx = torch.stack([torch.randperm(8)[:K] for _ in range(T)])
-    got = expert_parallel(h, idx, w, lambda rows, offs: fn(rows, offs, *weights), num_experts=8, group=None)
+    got = expert_parallel(h, idx, w, fn, *weights, num_experts=8)
     torch.testing.assert_close(got, experts(h, idx, w), rtol=0, atol=0)
 
 
