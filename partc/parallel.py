@@ -413,6 +413,10 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
         raise PartcError(f"{' x '.join(fixed)} = {math.prod(fixed.values())} but --gpus is {gpus}")
     if pins.sequence_parallel and pins.tp == 1:
         raise PartcError("--sequence-parallel needs tensor parallelism (--tp 2 or more)")
+    if pins.ep is not None and pins.ep > 1 and (pins.dp or gpus) % pins.ep:
+        dp = f"--dp {pins.dp}" if pins.dp else f"the GPU count {gpus}"
+        raise PartcError(f"--ep {pins.ep} does not divide {dp} (the expert-parallel ranks are carved from the "
+                         f"data-parallel ones)")
     if pins.pp is not None and pins.pp > num_units:
         raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model has units ({num_units})")
     if pins.pp is not None and max_stages is not None and pins.pp > max_stages:

@@ -217,3 +217,119 @@ def test_gpt_oss_expert_biases_are_refused():
     params = {ph: fqn for ph, fqn in param_placeholders(ep).items() if fqn.startswith("experts.")}
     split = expert_split(nodes, params)
     assert isinstance(split, str) and split.startswith("the experts' computation reads "), split
+
+
+# -- the whole model, trained under ep ----------------------------------------------------------------------------
+
+MODELS = {
+    "mixtral": """
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        def model():
+            return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2, num_local_experts=4,
+                                                    num_experts_per_tok=2, max_position_embeddings=128))
+    """,
+    # DeepSeek-V3's layout: a dense first layer, then 8 fine-grained routed experts in 2 groups (group-limited
+    # routing: the top group's experts only) beside a shared expert
+    "deepseek_v3": """
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        def model():
+            return DeepseekV3ForCausalLM(DeepseekV3Config(
+                vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                max_position_embeddings=128))
+    """,
+}
+S, GBS, STEPS = 16, 4, 3
+RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks)
+    "ep2": (2, dict(dp=2, pp=1, zero=1)),
+    "ep2_dp2_z1": (4, dict(dp=4, pp=1, zero=1)),
+    "ep2_dp2_z3": (4, dict(dp=4, pp=1, zero=3)),
+    "ep2_pp2": (4, dict(dp=2, pp=2, zero=1)),
+}
+SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep_models")
+    for name, text in MODELS.items():
+        (tmp / f"{name}.py").write_text(textwrap.dedent(text))
+    return {name: str(tmp / f"{name}.py") for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def runs(model_files, tmp_path_factory):
+    """Every (model, configuration) trained in two torchrun launches: 2 ranks, then 4."""
+    from helpers import compile_program, run_jobs
+    from partc.model_file import load_model_file
+
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("ep_runs")
+    jobs: dict[int, list[dict]] = {}
+    for model, path in model_files.items():
+        torch.manual_seed(1234)
+        torch.save(load_model_file(path, seq_len=S).build().state_dict(), tmp / f"{model}.init.pt")
+        for name, (ranks, pins) in RUNS.items():
+            out = tmp / f"{model}_{name}"
+            compile_program(path, out, global_batch_size=GBS, seq_len=S, tp=1, ep=2, micro_batch_size=1,
+                            schedule="1f1b", recompute="none", precision="fp32", **pins)
+            jobs.setdefault(ranks, []).append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{model}.init.pt"),
+                                               "result": str(tmp / f"{model}_{name}.pt"), **SGD})
+    for ranks, batch in sorted(jobs.items()):
+        run_jobs(ranks, batch, tmp)
+    return tmp
+
+
+@pytest.mark.slow  # two torchrun launches (2 and 4 gloo ranks)
+@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_trains_like_one_process(runs, model_files, model, name):
+    """Each rank holds 2 of Mixtral's 4 experts (4 of DeepSeek-V3's 8 routed ones) of every MoE layer; losses and
+    the gathered weights after 3 SGD steps equal one process's within 1e-5 (fp32)."""
+    from helpers import assert_close_losses, assert_close_states
+    from partc.runtime.testing import reference_run
+
+    init = torch.load(runs / f"{model}.init.pt", weights_only=True)
+    got = torch.load(runs / f"{model}_{name}.pt", weights_only=True)
+    losses, state = reference_run(model_files[model], init, steps=STEPS, seed=0, global_batch_size=GBS, seq_len=S,
+                                  **SGD)
+    assert_close_losses(got["losses"], losses)
+    assert_close_states(got["state"], state)
+    assert any(not torch.equal(state[k], init[k]) for k in state if "experts.gate_up_proj" in k), "experts train"
+    manifest = json.loads((runs / f"{model}_{name}" / "program" / "manifest.json").read_text())
+    moe_layers = {"mixtral": [0, 1], "deepseek_v3": [1]}[model]  # DeepSeek-V3's first layer is dense
+    assert manifest["ep"] == {"degree": 2, "experts": sorted(f"model.layers.{i}.mlp.experts.{p}" for i in moe_layers
+                                                              for p in ("down_proj", "gate_up_proj"))}
+    # every rank sends tokens to the other's experts; under pp 2 the ranks of the stages holding an MoE layer
+    senders = [step[r].get("ep", 0) > 0 for step in got["comm"] for r in range(len(step))]
+    assert all(senders) if RUNS[name][1]["pp"] == 1 else any(senders), got["comm"]
+
+
+@pytest.mark.slow  # three compiles
+def test_ep_is_refused_where_it_cannot_apply(tmp_path, model_files):
+    """One line each: a model without packed experts, experts that do not divide among the ep ranks, an ep that
+    does not divide dp."""
+    from click.testing import CliRunner
+
+    from partc.cli.main import main
+
+    llama = tmp_path / "llama.py"
+    from helpers import HF_MODELS
+    llama.write_text(textwrap.dedent(HF_MODELS["llama"]))
+    cases = [
+        ([str(llama), "--gpus", "2", "--dp", "2", "--ep", "2"], "the model has no layer of packed experts"),
+        ([model_files["mixtral"], "--gpus", "8", "--dp", "8", "--ep", "8"], "has 4 experts, which do not divide"),
+        ([model_files["mixtral"], "--gpus", "4", "--dp", "2", "--tp", "2", "--ep", "4"], "--ep 4 does not divide --dp 2"),
+    ]
+    for args, why in cases:
+        result = CliRunner().invoke(main, ["compile", *args, "--seq-len", str(S), "--precision", "fp32",
+                                           "--global-batch-size", "8", "--micro-batch-size", "1", "-o",
+                                           str(tmp_path / "out")])
+        assert result.exit_code == 2 and why in result.output, result.output
+        assert "Traceback" not in result.output
