@@ -17,7 +17,7 @@ from partc.ir import ModelGraph
 from partc.parallel import MESH_AXES, Parallel, Reads
 from partc import timeline
 from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes,
-                               _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves,
+                               _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves, ep_bytes,
                                dp_comm_time, fits, fsdp_groups, gather_bytes, in_flight, mesh_spans, model_state_bytes,
                                optimizer_time, p2p_round_trip, pp_bytes, shared_time, shared_weights, stage_param_count,
                                tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_local_shapes,
@@ -210,6 +210,8 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                 "dp": sum(zero.dp_bytes(par, params, *padded).values()),
                 "tp": tp_payload + gather_bytes(graph, par, chunks)}
         assert tuple(comm) == MESH_AXES, (tuple(comm), MESH_AXES)
+        if par.ep > 1:  # the experts' all-to-alls over the ep groups carved from dp (`Parallel.ep`)
+            comm["ep"] = ep_bytes(graph, par, idx)
         comps.append((compute, tp_comm, pp_comm))
         dp_time = keep(DP_TIME.key(par, spans["dp"], params, padded, groups_n),
                        lambda: dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n))

@@ -752,3 +752,22 @@ def ep_alltoall_bytes(tokens: int, k: int, hidden: int, nbytes: int, ep: int, nu
     leaving = (ep - 1) / ep
     rows = tokens * k * leaving * hidden * nbytes * 2 * (2 if backward else 1)
     return rows + num_experts * leaving * 8
+
+
+def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
+    """What one GPU passes to the ``ep`` all-to-alls in a step, for its `units`: `ep_alltoall_bytes` of each layer of
+    packed experts (`Layer.inner`: its first grouped product holds E experts of ``m`` rows each per sample, ``m·E``
+    = s·k at uniform routing, and multiplies the tokens' hidden size ``k``), per micro-batch, times the
+    micro-batches. Under uniform routing the runtime measures exactly this; otherwise its per-step record shows it
+    next to this."""
+    if par.ep == 1:
+        return 0.0
+    total = 0.0
+    for i in units:
+        for fqn in graph.units[i].layers:
+            layer = graph.layers[fqn]
+            first = next((g for g in layer.gemms if g.inner_split == "n"), None) if layer.inner else None
+            if first is not None:
+                total += ep_alltoall_bytes(par.micro_batch_size * first.batch * first.m, 1, first.k,
+                                           compute_bytes(par.precision), par.ep, first.batch)
+    return total * par.num_microbatches

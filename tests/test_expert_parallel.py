@@ -245,6 +245,35 @@ MODELS = {
                 max_position_embeddings=128))
     """,
 }
+UNIFORM = """
+    import torch
+    from torch import nn
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+
+    class UniformRouter(nn.Module):
+        \"\"\"Token t picks experts t % E and (t + 1) % E: every expert gets the same share of every rank's tokens.\"\"\"
+
+        def __init__(self, hidden, num_experts, top_k):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+            self.num_experts, self.top_k = num_experts, top_k
+
+        def forward(self, h):
+            logits = nn.functional.linear(h, self.weight)
+            t = torch.arange(h.shape[0], device=h.device)
+            index = torch.stack([(t + j) % self.num_experts for j in range(self.top_k)], dim=-1)
+            return logits, torch.softmax(logits.gather(1, index), dim=-1), index
+
+
+    def model():
+        m = MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128))
+        for layer in m.model.layers:
+            layer.mlp.gate = UniformRouter(64, 4, 2)
+        return m
+"""
 S, GBS, STEPS = 16, 4, 3
 RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks)
     "ep2": (2, dict(dp=2, pp=1, zero=1)),
@@ -281,6 +310,11 @@ def runs(model_files, tmp_path_factory):
                             schedule="1f1b", recompute="none", precision="fp32", **pins)
             jobs.setdefault(ranks, []).append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{model}.init.pt"),
                                                "result": str(tmp / f"{model}_{name}.pt"), **SGD})
+    uniform = tmp / "uniform.py"  # the router made uniform: the all-to-all bytes are the plan's exactly
+    uniform.write_text(textwrap.dedent(UNIFORM))
+    compile_program(str(uniform), tmp / "uniform_ep2", global_batch_size=GBS, seq_len=S, tp=1, ep=2, dp=2, pp=1,
+                    zero=1, micro_batch_size=1, schedule="1f1b", recompute="none", precision="fp32")
+    jobs[2].append({"out": str(tmp / "uniform_ep2"), "steps": 2, "result": str(tmp / "uniform_ep2.pt"), **SGD})
     for ranks, batch in sorted(jobs.items()):
         run_jobs(ranks, batch, tmp)
     return tmp
@@ -309,6 +343,19 @@ def test_trains_like_one_process(runs, model_files, model, name):
     # every rank sends tokens to the other's experts; under pp 2 the ranks of the stages holding an MoE layer
     senders = [step[r].get("ep", 0) > 0 for step in got["comm"] for r in range(len(step))]
     assert all(senders) if RUNS[name][1]["pp"] == 1 else any(senders), got["comm"]
+
+
+@pytest.mark.slow  # uses the runs above
+def test_uniform_routing_sends_the_planned_bytes(runs):
+    """With every expert getting the same share of every rank's tokens, each rank's measured all-to-all bytes in
+    every step equal the plan's ``predicted.ranks[].comm_bytes.ep`` (`passes.cost.ep_bytes`): per MoE layer and
+    micro-batch, half of the 16 x 2 (token, expert) rows of 64 fp32 leave, there and back, forward and backward, and
+    half of the 4 split counts."""
+    plan = json.loads((runs / "uniform_ep2" / "plan.json").read_text())
+    want = plan["predicted"]["ranks"][0]["comm_bytes"]["ep"]
+    assert want == 2 * 2 * (16 * 64 * 4 * 2 * 2 + 2 * 8)  # 2 layers x 2 micro-batches
+    got = torch.load(runs / "uniform_ep2.pt", weights_only=True)
+    assert [r["ep"] for step in got["comm"] for r in step] == [want] * 4
 
 
 @pytest.mark.slow  # three compiles
