@@ -296,6 +296,8 @@ def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *pa
         counts = torch.full((local,), tokens * k // local, dtype=torch.int32, device=hidden.device)
         y = experts(hidden.new_empty((tokens * k, hidden.shape[-1])), counts.cumsum(0, dtype=torch.int32))
         return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
+    if _is_fake(hidden):  # `partc check`: no values to route by; routing taken uniform, as the plan prices it
+        return _uniform(hidden, weights, experts, num_experts, group, ep)
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = hidden[order // k]
@@ -318,3 +320,34 @@ def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *pa
         y = _AllToAll.apply(y[_inverse(perm)], send, recv, group)
     y = y * weights.reshape(-1)[order].unsqueeze(-1)
     return y[_inverse(order)].view(tokens, k, -1).sum(1)
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _uniform(hidden: Tensor, weights: Tensor, experts, num_experts: int, group, ep: int) -> Tensor:
+    """`expert_parallel` without tensor values (fake tensors): every expert gets an equal share of every rank's
+    (token, expert) pairs, the same collectives with the splits that gives."""
+    tokens, k = weights.shape
+    pairs, device = tokens * k, hidden.device
+    per = [pairs // num_experts + (e < pairs % num_experts) for e in range(num_experts)]
+    rows = hidden[torch.arange(pairs, device=device) // k]
+    if ep == 1:
+        y = experts(rows, torch.tensor(per, device=device).cumsum(0, dtype=torch.int32))
+    else:
+        local = num_experts // ep
+        counts = torch.tensor(per, device=device)
+        dist.all_to_all_single(torch.empty_like(counts), counts, group=group)
+        send = [sum(per[r * local:(r + 1) * local]) for r in range(ep)]
+        mine = per[dist.get_rank(group) * local:(dist.get_rank(group) + 1) * local]  # from each rank alike
+        recv = [sum(mine)] * ep
+        x = _AllToAll.apply(rows, recv, send, group)
+        ids = [e for _ in range(ep) for e, n in enumerate(mine) for _ in range(n)]
+        perm = torch.tensor(sorted(range(len(ids)), key=ids.__getitem__), device=device)
+        offsets = torch.tensor([n * ep for n in mine], device=device).cumsum(0, dtype=torch.int32)
+        y = experts(x[perm], offsets)
+        y = _AllToAll.apply(y[_inverse(perm)], send, recv, group)
+    return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)

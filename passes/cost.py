@@ -23,6 +23,7 @@ the runtime's (the multi-process tests).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from typing import Sequence
 
@@ -267,6 +268,8 @@ def _param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Uni
             n = math.prod(shape)
             if t > 1 and style != "replicate" and (len(shape) >= 2 or style == "colwise"):
                 n = -(-n // t)
+            if par.ep > 1 and name in layer.inner:  # packed experts: E/ep of them a rank (`Parallel.ep`)
+                n //= par.ep
             key = graph.tied.get(name, name)
             out[key] = max(out.get(key, 0), n)
     if unit.num_params > in_layers:  # parameters owned by the unit outside any layer: replicated
@@ -319,6 +322,8 @@ def _param_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, uni
             sh = param_shard(layer, name, style) if par.tp > 1 else None
             if sh is not None:
                 shape[sh.dim] = -(-shape[sh.dim] // par.tp)
+            if par.ep > 1 and name in layer.inner:
+                shape[0] //= par.ep
             out[graph.tied.get(name, name)] = tuple(shape)
     if unit.num_params > in_layers:
         out[f"{unit.fqn}:<direct>"] = (unit.num_params - in_layers,)
@@ -771,3 +776,27 @@ def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
                 total += ep_alltoall_bytes(par.micro_batch_size * first.batch * first.m, 1, first.k,
                                            compute_bytes(par.precision), par.ep, first.batch)
     return total * par.num_microbatches
+
+
+def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
+    """The packed expert parameters divided among the ep ranks (none when ``ep`` is 1). FSDP leaves them alone
+    (`partc.runtime.parallelize.apply_zero`): each rank keeps their fp32 weights, gradients and optimizer states
+    whole, their gradients all-reduced over the ``dp / ep`` ranks holding the same experts."""
+    if par.ep == 1:
+        return frozenset()
+    return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner)
+
+
+def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
+    """Model states of `num_params` packed expert parameters on one GPU under ep: as ZeRO-0 keeps them (fp32
+    weights, gradients and Adam moments, and the compute-dtype copy the forward casts), whatever the plan's stage."""
+    params, grads, optimizer = zero.model_state_bytes(num_params, dataclasses.replace(par, zero=0))
+    if compute_bytes(par.precision) == zero.MASTER_BYTES:  # fp32: the cast is the weight itself, no copy
+        params = num_params * zero.MASTER_BYTES
+    return Memory(params=params, grads=grads, optimizer=optimizer)
+
+
+def expert_dp_bytes(num_params: float, par: Parallel) -> float:
+    """Bytes one GPU passes to the all-reduce of its experts' fp32 gradients over the ``dp / ep`` ranks holding
+    the same experts, once a step (nothing in a group of one)."""
+    return zero.MASTER_BYTES * num_params if par.dp // par.ep > 1 else 0.0

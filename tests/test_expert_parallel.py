@@ -356,6 +356,24 @@ def test_uniform_routing_sends_the_planned_bytes(runs):
     assert want == 2 * 2 * (16 * 64 * 4 * 2 * 2 + 2 * 8)  # 2 layers x 2 micro-batches
     got = torch.load(runs / "uniform_ep2.pt", weights_only=True)
     assert [r["ep"] for step in got["comm"] for r in step] == [want] * 4
+    # dp: FSDP's traffic of everything else; the experts' gradients are reduced over dp / ep = 1 rank: nothing
+    dp = plan["predicted"]["ranks"][0]["comm_bytes"]["dp"]
+    assert [r["dp"] for step in got["comm"] for r in step] == [dp] * 4
+
+
+@pytest.mark.slow  # `partc check` of the plan above (one process, fake tensors)
+def test_check_agrees_on_an_ep_plan(runs):
+    from click.testing import CliRunner
+
+    from partc.cli.main import main
+
+    result = CliRunner().invoke(main, ["check", str(runs / "uniform_ep2"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["agrees"], result.output
+    rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+    assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] > 0
+    assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"]
 
 
 @pytest.mark.slow  # three compiles
