@@ -17,7 +17,7 @@ from partc.ir import ModelGraph
 from partc.parallel import MESH_AXES, Parallel, Reads
 from partc import timeline
 from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes,
-                               _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves, ep_bytes, expert_dp_bytes, expert_keys, expert_state_bytes,
+                               _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves, ep_bytes, ep_time, expert_dp_bytes, expert_keys, expert_state_bytes,
                                dp_comm_time, fits, fsdp_groups, gather_bytes, in_flight, mesh_spans, model_state_bytes,
                                optimizer_time, p2p_round_trip, pp_bytes, shared_time, shared_weights, stage_param_count,
                                tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_local_shapes,
@@ -33,6 +33,7 @@ COPIES = Reads("copies", (*_PER_MICRO_BATCH, "recompute"))  # the TP copies' rea
 UNITS = Reads("units", (*_PER_MICRO_BATCH, "recompute"))  # parameters a unit holds on one GPU: (tp, b)
 PADDED = Reads("padded", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # + dp
 EXPERTS = Reads("experts", (*_PER_MICRO_BATCH, "recompute"))  # packed expert parameters on one GPU: (tp, ep)
+EP_TIME = Reads("ep_time", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))
 REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp, b, recompute)
 BACKWARD = Reads("backward", (*_PER_MICRO_BATCH, "recompute"))  # what a unit's backward holds: (tp, b)
 EXTRA = Reads("extra", ("dp", "pp", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks
@@ -213,6 +214,9 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                                           ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
                 tp_comm += count * once
                 tp_payload += count * nbytes * b * m
+        if par.ep > 1:  # the experts' all-to-alls, per micro-batch, with the in-layer communication
+            ep_fwd, ep_bwd = keep(EP_TIME.key(par, ck), lambda: ep_time(graph, cluster, par, idx))
+            tp_comm, fwd_tp = tp_comm + ep_fwd + ep_bwd, fwd_tp + ep_fwd
         # What one GPU of the rank passes to collectives in a step, on each mesh axis (`MeshAxis.traffic`; the
         # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
         comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),

@@ -29,7 +29,7 @@ from typing import Sequence
 
 from partc.cluster import Cluster
 from partc.ir import ModelGraph, Unit
-from partc.parallel import MESH_AXES, TP_STYLES, Parallel, Reads
+from partc.parallel import MESH_AXES, TP_STYLES, Parallel, Reads, group_spans_nodes
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT, param_shard
 from partc.vocab_loss import VOCAB_PARALLEL
@@ -759,6 +759,36 @@ def ep_alltoall_bytes(tokens: int, k: int, hidden: int, nbytes: int, ep: int, nu
     return rows + num_experts * leaving * 8
 
 
+def _expert_layers(graph: ModelGraph, units: Sequence[int]):
+    """(rows per sample, hidden size, experts) of each layer of packed experts of `units` (`Layer.inner`: its
+    first grouped product holds E experts of ``m`` rows each per sample, ``m·E`` = s·k at uniform routing, and
+    multiplies the tokens' hidden size ``k``)."""
+    for i in units:
+        for fqn in graph.units[i].layers:
+            layer = graph.layers[fqn]
+            first = next((g for g in layer.gemms if g.inner_split == "n"), None) if layer.inner else None
+            if first is not None:
+                yield first.batch * first.m, first.k, first.batch
+
+
+def ep_time(graph: ModelGraph, cluster: Cluster, par: Parallel, units: Sequence[int]) -> tuple[float, float]:
+    """(forward, backward) seconds of the ep all-to-alls of one micro-batch on one GPU of `units`: per layer of
+    packed experts two all-to-alls each way (to the experts and back), each moving the share of the (token,
+    expert) rows that leaves the rank, over NVLink or InfiniBand by where the ep group sits (neighbouring dp
+    ranks, ``tp`` apart). Not overlapped with compute."""
+    if par.ep == 1:
+        return 0.0, 0.0
+    stride = par.tp  # dp's neighbours are tp ranks apart (`Parallel.coords`)
+    spans = group_spans_nodes(par.ep, stride, cluster.gpus_per_node)
+    per_node = max(1, min(par.ep, cluster.gpus_per_node // stride))
+    c, total = compute_bytes(par.precision), 0.0
+    for rows, hidden, _ in _expert_layers(graph, units):
+        leaving = par.micro_batch_size * rows * (par.ep - 1) / par.ep * hidden * c
+        total += 2 * hw.collective_time(cluster, "all_to_all", leaving, par.ep, spans_nodes=spans,
+                                        ranks_per_node=per_node)
+    return total, total
+
+
 def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
     """What one GPU passes to the ``ep`` all-to-alls in a step, for its `units`: `ep_alltoall_bytes` of each layer of
     packed experts (`Layer.inner`: its first grouped product holds E experts of ``m`` rows each per sample, ``m·E``
@@ -767,14 +797,8 @@ def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
     next to this."""
     if par.ep == 1:
         return 0.0
-    total = 0.0
-    for i in units:
-        for fqn in graph.units[i].layers:
-            layer = graph.layers[fqn]
-            first = next((g for g in layer.gemms if g.inner_split == "n"), None) if layer.inner else None
-            if first is not None:
-                total += ep_alltoall_bytes(par.micro_batch_size * first.batch * first.m, 1, first.k,
-                                           compute_bytes(par.precision), par.ep, first.batch)
+    total = sum(ep_alltoall_bytes(par.micro_batch_size * rows, 1, hidden, compute_bytes(par.precision), par.ep,
+                                  experts) for rows, hidden, experts in _expert_layers(graph, units))
     return total * par.num_microbatches
 
 

@@ -398,3 +398,17 @@ def test_ep_is_refused_where_it_cannot_apply(tmp_path, model_files):
                                            str(tmp_path / "out")])
         assert result.exit_code == 2 and why in result.output, result.output
         assert "Traceback" not in result.output
+
+
+def test_search_tries_ep_where_the_experts_divide(model_files):
+    """Unpinned, the search tries every ep dividing dp and each layer's expert count (Mixtral's 4); pinned, only
+    that one; a model without packed experts only ep 1."""
+    from helpers import trace_file
+    from partc.parallel import Pins
+    from partc.passes.search import _ep_degrees, _expert_counts
+
+    graph = trace_file(model_files["mixtral"], seq_len=S)[1].graph
+    assert _expert_counts(graph) == [4, 4]
+    assert _ep_degrees(Pins(), 8, _expert_counts(graph)) == [1, 2, 4]
+    assert _ep_degrees(Pins(ep=2), 8, [4, 4]) == [2] and _ep_degrees(Pins(ep=2), 3, [4]) == []
+    assert _ep_degrees(Pins(), 8, []) == [1]
