@@ -186,6 +186,7 @@ class Program:
     def save(self, directory: str | Path, step: int = 0) -> Path:
         """A sharded checkpoint (model and optimizer) in ``DIR/step-K``, with the learning-rate schedule and, if a
         `data_loader` was made, the data position of step K (what `load` restores). Collective."""
+        _no_ep_checkpoints(self.plan.parallel)
         info = {"model": self.plan.model.get("name"), "parallel": self.plan.to_dict()["parallel"],
                 "plan": checkpoint_dir.plan_fingerprint(self.plan)}
         if self.runner.schedule_lr is not None:
@@ -197,6 +198,7 @@ class Program:
     def load(self, path: str | Path) -> int:
         """Load a checkpoint written under any plan of this model: ``DIR/step-K``, or DIR for its newest one, with
         the schedule and the data position it recorded (for the next `data_loader`). Returns its step. Collective."""
+        _no_ep_checkpoints(self.plan.parallel)
         path = Path(path)
         if not (path / checkpoint_dir.MANIFEST).exists():
             newest = checkpoint_dir.latest(path)
@@ -364,3 +366,11 @@ def _as_args(inputs: Any) -> tuple[tuple, dict]:
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}
     raise TypeError(f"inputs must be a tensor, a tuple, a dict or (args, kwargs); got {type(inputs).__name__}")
+
+
+def _no_ep_checkpoints(par) -> None:
+    """Sharded checkpoints do not store packed experts divided among ep ranks yet (each rank's part would be saved
+    under the whole parameter's name); the full state dict (``--save-full-state-dict``) gathers them."""
+    if par.ep > 1:
+        raise PartcError("checkpoints of a plan with ep > 1 are not written or read yet; save the full state dict "
+                         "(--save-full-state-dict) or compile with --ep 1")
