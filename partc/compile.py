@@ -479,6 +479,9 @@ def _predicted(pred: cost.Prediction, global_batch_size: int) -> dict:
                                   for axis in (*MESH_AXES, *(("ep",) if "ep" in r.comm_bytes else ()))},
                    "timeline_s": r.timeline_s}  # what the step's walk takes (`partc.timeline`, report.html)
                   for r in pred.ranks],
+        # Under ep, the routing the all-to-alls and the experts' GEMMs are priced at (docs/expert-parallel.md).
+        **({"expert_routing": "uniform: every expert gets an equal share of every rank's (token, expert) pairs"}
+           if any("ep" in r.comm_bytes for r in pred.ranks) else {}),
     }
 
 

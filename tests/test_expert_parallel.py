@@ -353,6 +353,7 @@ def test_uniform_routing_sends_the_planned_bytes(runs):
     half of the 4 split counts."""
     plan = json.loads((runs / "uniform_ep2" / "plan.json").read_text())
     want = plan["predicted"]["ranks"][0]["comm_bytes"]["ep"]
+    assert plan["predicted"]["expert_routing"].startswith("uniform")
     assert want == 2 * 2 * (16 * 64 * 4 * 2 * 2 + 2 * 8)  # 2 layers x 2 micro-batches
     got = torch.load(runs / "uniform_ep2.pt", weights_only=True)
     assert [r["ep"] for step in got["comm"] for r in step] == [want] * 4
