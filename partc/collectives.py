@@ -226,3 +226,128 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, ignore_index: i
     if _size(group) == 1:
         return torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, ignore_index, group)
+
+
+# -- expert parallelism ----------------------------------------------------------------------------------------------
+#
+# The routed experts of a mixture of experts divided among the ranks of an ``ep`` group, rank r holding experts
+# [r·E/ep, (r+1)·E/ep) (torchtitan's and Megatron-Core's layout). After the router each (token, expert) pair goes to
+# its expert's rank with one uneven ``all_to_all_single`` and its result comes back with another (dropless: every
+# pair is computed; the splits are exchanged first, E integers). The backward sends the gradients the other way
+# over the same splits.
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` sent in `send` counts to the group's ranks in order, `recv` counts received from each; the
+    gradient goes back over the same splits."""
+
+    @staticmethod
+    def forward(ctx, x, recv, send, group):
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        return _all_to_all(x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+def _all_to_all(x: Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def _inverse(perm: Tensor) -> Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+_EP_GROUP: dist.ProcessGroup | None = None
+
+
+def set_ep_group(group: dist.ProcessGroup | None) -> None:
+    """The default ``ep`` group (the runtime sets it once the mesh exists; None: one rank holds every expert)."""
+    global _EP_GROUP
+    _EP_GROUP = group
+
+
+def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *params: Tensor, num_experts: int,
+                    group: dist.ProcessGroup | None = None) -> Tensor:
+    """A routed mixture of experts over an ``ep`` group: ``out[t] = sum_j weights[t, j] · expert_{index[t, j]}(
+    hidden[t])``, as Hugging Face's packed experts compute it (pairs sorted by expert, one grouped GEMM per weight,
+    each pair's result scaled by its routing weight, the k results of a token summed).
+
+    `hidden` (T, H), `index` (T, k) the experts each token chose (global ids), `weights` (T, k) their routing
+    weights. `experts(rows, offsets, *params)` runs this rank's E/ep experts (`params`: its part of the packed
+    parameters) on `rows` sorted by local expert, `offsets` the int32 cumulative count of rows per local expert (the
+    grouped GEMMs' offsets). The routing weights never leave the rank: the results come back unscaled and are
+    scaled where the token lives. `group`: the ``ep`` group (default: the one `set_ep_group` set)."""
+    group = group or _EP_GROUP
+    # Packed experts are this rank's own fp32 master weights under ep (FSDP leaves them alone): cast for compute
+    # (a differentiable cast, the gradient comes back in fp32), as FSDP's mixed precision casts the others.
+    params = tuple(p.to(hidden.dtype) if p.is_floating_point() else p for p in params)
+    run = experts
+    experts = lambda rows, offsets: run(rows, offsets, *params)  # noqa: E731
+    ep = _size(group)
+    tokens, k = index.shape
+    if hidden.is_meta:  # shapes only (the runtime learns a stage's shapes on meta): every pair at home
+        local = num_experts // ep
+        counts = torch.full((local,), tokens * k // local, dtype=torch.int32, device=hidden.device)
+        y = experts(hidden.new_empty((tokens * k, hidden.shape[-1])), counts.cumsum(0, dtype=torch.int32))
+        return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
+    if _is_fake(hidden):  # `partc check`: no values to route by; routing taken uniform, as the plan prices it
+        return _uniform(hidden, weights, experts, num_experts, group, ep)
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = hidden[order // k]
+    counts = torch.bincount(flat, minlength=num_experts)
+    if ep == 1:
+        y = experts(rows, counts.cumsum(0, dtype=torch.int32))
+    else:
+        local = num_experts // ep
+        assert local * ep == num_experts, (num_experts, ep)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] counts
+        received = received.view(ep, local)
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = received.sum(1).tolist()
+        x = _AllToAll.apply(rows, recv, send, group)
+        # The rows came grouped by source rank, each group sorted by local expert: sort them by local expert.
+        ids = torch.arange(local, device=flat.device).repeat(ep)
+        perm = torch.argsort(torch.repeat_interleave(ids, received.reshape(-1)), stable=True)
+        y = experts(x[perm], received.sum(0).cumsum(0, dtype=torch.int32))
+        y = _AllToAll.apply(y[_inverse(perm)], send, recv, group)
+    y = y * weights.reshape(-1)[order].unsqueeze(-1)
+    return y[_inverse(order)].view(tokens, k, -1).sum(1)
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _uniform(hidden: Tensor, weights: Tensor, experts, num_experts: int, group, ep: int) -> Tensor:
+    """`expert_parallel` without tensor values (fake tensors): every expert gets an equal share of every rank's
+    (token, expert) pairs, the same collectives with the splits that gives."""
+    tokens, k = weights.shape
+    pairs, device = tokens * k, hidden.device
+    per = [pairs // num_experts + (e < pairs % num_experts) for e in range(num_experts)]
+    rows = hidden[torch.arange(pairs, device=device) // k]
+    if ep == 1:
+        y = experts(rows, torch.tensor(per, device=device).cumsum(0, dtype=torch.int32))
+    else:
+        local = num_experts // ep
+        counts = torch.tensor(per, device=device)
+        dist.all_to_all_single(torch.empty_like(counts), counts, group=group)
+        send = [sum(per[r * local:(r + 1) * local]) for r in range(ep)]
+        mine = per[dist.get_rank(group) * local:(dist.get_rank(group) + 1) * local]  # from each rank alike
+        recv = [sum(mine)] * ep
+        x = _AllToAll.apply(rows, recv, send, group)
+        ids = [e for _ in range(ep) for e, n in enumerate(mine) for _ in range(n)]
+        perm = torch.tensor(sorted(range(len(ids)), key=ids.__getitem__), device=device)
+        offsets = torch.tensor([n * ep for n in mine], device=device).cumsum(0, dtype=torch.int32)
+        y = experts(x[perm], offsets)
+        y = _AllToAll.apply(y[_inverse(perm)], send, recv, group)
+    return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)

@@ -475,9 +475,13 @@ def _predicted(pred: cost.Prediction, global_batch_size: int) -> dict:
         # One entry per pipeline rank, in rank order: what one GPU of it needs and moves in a step (the runtime
         # measures the same: partc.runtime.comm, `--log-jsonl`).
         "ranks": [{"time_s": r.time_s, "memory_bytes": r.memory.to_dict(),
-                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0))) for axis in MESH_AXES},
+                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0)))
+                                  for axis in (*MESH_AXES, *(("ep",) if "ep" in r.comm_bytes else ()))},
                    "timeline_s": r.timeline_s}  # what the step's walk takes (`partc.timeline`, report.html)
                   for r in pred.ranks],
+        # Under ep, the routing the all-to-alls and the experts' GEMMs are priced at (docs/expert-parallel.md).
+        **({"expert_routing": "uniform: every expert gets an equal share of every rank's (token, expert) pairs"}
+           if any("ep" in r.comm_bytes for r in pred.ranks) else {}),
     }
 
 

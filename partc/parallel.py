@@ -135,6 +135,15 @@ class Parallel:
     """Under tp > 1, the activations between tensor-parallel regions (norms, dropout, residual adds) are split along
     the sequence over tp: an all-gather before each colwise layer and a reduce-scatter after each rowwise one
     replace Megatron's all-reduces (docs/sequence-parallel.md). Not a mesh axis: it reuses the ``tp`` groups."""
+    ep: int = field(default=1, metadata=_choice("Pin the expert-parallel degree: the routed experts divided among "
+                                                "this many data-parallel ranks (it divides dp).", minimum=1,
+                                                maximum=MAX_GPUS))
+    """Expert-parallel degree, carved from the data-parallel ranks as torchtitan and Megatron-Core carve it: ``dp``
+    ranks ``dp_rank // ep`` hold the same experts in groups of ``ep`` neighbours, each rank ``E/ep`` of every layer
+    of packed experts (``dp_rank % ep`` its share); tokens travel to their experts' ranks and back with an
+    all-to-all (`partc.collectives.expert_parallel`). Not a mesh axis: its groups split the ``dp`` groups. Expert
+    gradients are reduced (and, with ZeRO, sharded) over the ``dp / ep`` ranks holding the same experts,
+    everything else over ``dp`` as without it (docs/expert-parallel.md)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -161,6 +170,9 @@ class Parallel:
             raise PartcError(f"virtual_stages must be 1 for schedule {self.schedule}")
         if self.sequence_parallel and self.tp < 2:
             raise PartcError("sequence_parallel needs tp >= 2 (it splits the activations over the tp ranks)")
+        if self.dp % self.ep:
+            raise PartcError(f"ep {self.ep} does not divide dp {self.dp} (the expert-parallel ranks are carved from "
+                             f"the data-parallel ones)")
 
     # -- derived quantities --------------------------------------------------------------------------------------
 
@@ -258,6 +270,7 @@ class Parallel:
         text += f" zero={self.zero} mb={self.micro_batch_size} recompute={self.recompute} {self.schedule}"
         text += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         text += " sp" if self.sequence_parallel else ""
+        text += f" ep={self.ep}" if self.ep > 1 else ""
         return text + (f" {self.precision}" if self.precision != "bf16" else "")
 
 
@@ -400,6 +413,10 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
         raise PartcError(f"{' x '.join(fixed)} = {math.prod(fixed.values())} but --gpus is {gpus}")
     if pins.sequence_parallel and pins.tp == 1:
         raise PartcError("--sequence-parallel needs tensor parallelism (--tp 2 or more)")
+    if pins.ep is not None and pins.ep > 1 and (pins.dp or gpus) % pins.ep:
+        dp = f"--dp {pins.dp}" if pins.dp else f"the GPU count {gpus}"
+        raise PartcError(f"--ep {pins.ep} does not divide {dp} (the expert-parallel ranks are carved from the "
+                         f"data-parallel ones)")
     if pins.pp is not None and pins.pp > num_units:
         raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model has units ({num_units})")
     if pins.pp is not None and max_stages is not None and pins.pp > max_stages:

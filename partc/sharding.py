@@ -95,6 +95,13 @@ class TPLayout:
     """Parameter FQN (every alias) -> its split; parameters not listed are whole on every tp rank."""
     fused_params: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Parameter FQN (every alias) -> (dim, pieces) of a fused projection's parameter."""
+    ep_degree: int = 1
+    """Expert-parallel ranks (`partc.parallel.Parallel.ep`)."""
+    ep_rank: int = 0
+    """This process's place in its ep group: it holds experts [ep_rank·E/ep, (ep_rank+1)·E/ep)."""
+    experts: frozenset[str] = frozenset()
+    """Packed expert parameters (every alias), divided among the ep ranks along dim 0 (before any tp split, which
+    is along another dim)."""
 
     @classmethod
     def from_manifest(cls, tp: dict, rank: int, canon: dict[str, str]) -> TPLayout:
@@ -117,6 +124,18 @@ class TPLayout:
     def shard(self, fqn: str) -> Shard | None:
         return self.shards.get(fqn)
 
+    def with_experts(self, ep: dict, rank: int, canon: dict[str, str]) -> TPLayout:
+        """This layout with the manifest's ``ep`` section: `rank` is this process's place in its ep group."""
+        aliases = aliases_of(canon)
+        names = {a for n in ep.get("experts", []) for a in aliases.get(canon.get(n, n), [n])}
+        self.ep_degree, self.ep_rank = ep.get("degree", 1), rank
+        self.experts = frozenset(names if self.ep_degree > 1 else ())
+        return self
+
+    def splits(self, fqn: str) -> bool:
+        """Whether this rank holds only a part of the parameter (over tp, or its experts over ep)."""
+        return fqn in self.shards or fqn in self.experts
+
     def fused(self, fqn: str) -> tuple[int, int] | None:
         return self.fused_params.get(fqn)
 
@@ -126,6 +145,9 @@ class TPLayout:
         if sh is not None:
             assert shape[sh.dim] % (sh.fused * self.degree) == 0, (fqn, shape, sh)
             shape[sh.dim] //= self.degree
+        if fqn in self.experts:
+            assert shape[0] % self.ep_degree == 0, (fqn, shape, self.ep_degree)
+            shape[0] //= self.ep_degree
         return tuple(shape)
 
     def full_shape(self, fqn: str, local: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
@@ -133,10 +155,14 @@ class TPLayout:
         sh = self.shards.get(fqn)
         if sh is not None:
             shape[sh.dim] *= self.degree
+        if fqn in self.experts:
+            shape[0] *= self.ep_degree
         return tuple(shape)
 
     def take(self, fqn: str, full: Tensor) -> Tensor:
         """This rank's part of the whole tensor `full` (a view where possible, else a copy)."""
+        if fqn in self.experts:
+            full = full.chunk(self.ep_degree, dim=0)[self.ep_rank]
         sh = self.shards.get(fqn)
         if sh is None:
             return full
@@ -153,3 +179,12 @@ class TPLayout:
         parts = [torch.empty_like(local) for _ in range(self.degree)]
         dist.all_gather(parts, local.contiguous(), group=group)
         return unshard_tensor(parts, sh)
+
+    def gather_experts(self, fqn: str, local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        """Every expert of a packed parameter from the ep group's parts (a collective over `group`, the ``ep``
+        group, for a packed expert parameter; every rank of the group gets it)."""
+        if fqn not in self.experts:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.ep_degree)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=0)

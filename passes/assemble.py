@@ -17,7 +17,7 @@ from partc.ir import ModelGraph
 from partc.parallel import MESH_AXES, Parallel, Reads
 from partc import timeline
 from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes,
-                               _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves,
+                               _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves, ep_bytes, ep_time, expert_dp_bytes, expert_keys, expert_state_bytes,
                                dp_comm_time, fits, fsdp_groups, gather_bytes, in_flight, mesh_spans, model_state_bytes,
                                optimizer_time, p2p_round_trip, pp_bytes, shared_time, shared_weights, stage_param_count,
                                tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_local_shapes,
@@ -32,6 +32,8 @@ TIED = Reads("tied", (*_PER_MICRO_BATCH, "recompute"))  # parameters held by two
 COPIES = Reads("copies", (*_PER_MICRO_BATCH, "recompute"))  # the TP copies' readers (`copy_all_reduces`): (tp, b)
 UNITS = Reads("units", (*_PER_MICRO_BATCH, "recompute"))  # parameters a unit holds on one GPU: (tp, b)
 PADDED = Reads("padded", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # + dp
+EXPERTS = Reads("experts", (*_PER_MICRO_BATCH, "recompute"))  # packed expert parameters on one GPU: (tp, ep)
+EP_TIME = Reads("ep_time", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))
 REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp, b, recompute)
 BACKWARD = Reads("backward", (*_PER_MICRO_BATCH, "recompute"))  # what a unit's backward holds: (tp, b)
 EXTRA = Reads("extra", ("dp", "pp", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks
@@ -104,8 +106,11 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
     p, v = par.pp, par.chunks_per_rank
     tied = keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes))
     units = keep(UNITS.key(par), lambda: _UnitSizes.of(shards, local_shapes))
+    experts = expert_keys(graph, par)  # FSDP leaves them out of its groups
     padded_sums = keep(PADDED.key(par), lambda: [0, *itertools.accumulate(
-        sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
+        sum(zero.padded_numel(x, par.dp) for k, x in shapes.items() if k not in experts) for shapes in local_shapes)])
+    expert_sums = keep(EXPERTS.key(par), lambda: [0, *itertools.accumulate(
+        sum(n for k, n in s.items() if k in experts) for s in shards)])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
     backward = keep(BACKWARD.key(par), lambda: unit_backward_bytes(graph, par, tp))
     for r in range(p):
@@ -120,7 +125,12 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             params = sum(units.params[hi] - units.params[lo] for lo, hi in chunks)
             padded = (float(sum(padded_sums[hi] - padded_sums[lo] for lo, hi in chunks)), 0.0)
             groups_n = len(idx)
-        mem = model_state_bytes(params, par)
+        held = sum(expert_sums[hi] - expert_sums[lo] for lo, hi in chunks)  # packed experts (ep), not in FSDP
+        mem = model_state_bytes(params - held, par)
+        if held:
+            own = expert_state_bytes(held, par)
+            mem.params, mem.grads, mem.optimizer = (mem.params + own.params, mem.grads + own.grads,
+                                                    mem.optimizer + own.optimizer)
         def extra(last: bool = True) -> float:
             return keep(EXTRA.key(par, tuple(chunks), last),
                         lambda: _extra_bytes(graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx],
@@ -134,7 +144,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             mem.activations = max(_in_flight_bytes(graph, par, r, chunks, acts) + extra(last=False),
                                   _held_bytes(graph, par, chunks, acts)[0] + extra())
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
-        yield r, chunks, idx, params, padded, groups_n, mem
+        yield r, chunks, idx, params, padded, groups_n, mem, held
 
 
 def fits_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
@@ -146,7 +156,7 @@ def fits_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan |
     keep = _Memo(memo)
     shared = shared_weights(graph, par, tp, bounds, local_shapes,
                             tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
-    return all(fits(cluster, mem) for *_, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
+    return all(fits(cluster, mem) for *_, mem, _ in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
                                                               local_shapes, shared, keep))
 
 
@@ -181,7 +191,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     keep = _Memo(memo)
     shared = shared_weights(graph, par, tp, bounds, local_shapes,
                             tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
-    for r, chunks, idx, params, padded, groups_n, mem in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
+    for r, chunks, idx, params, padded, groups_n, mem, held in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
                                                                       local_shapes, shared, keep):
         ck = tuple(chunks)  # the memo's key of the rank's units
         compute, tp_comm = keep(TIME.key(par, ck), lambda: (
@@ -204,12 +214,17 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                                           ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
                 tp_comm += count * once
                 tp_payload += count * nbytes * b * m
+        if par.ep > 1:  # the experts' all-to-alls, per micro-batch, with the in-layer communication
+            ep_fwd, ep_bwd = keep(EP_TIME.key(par, ck), lambda: ep_time(graph, cluster, par, idx))
+            tp_comm, fwd_tp = tp_comm + ep_fwd + ep_bwd, fwd_tp + ep_fwd
         # What one GPU of the rank passes to collectives in a step, on each mesh axis (`MeshAxis.traffic`; the
         # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
         comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
-                "dp": sum(zero.dp_bytes(par, params, *padded).values()),
+                "dp": sum(zero.dp_bytes(par, params - held, *padded).values()) + expert_dp_bytes(held, par),
                 "tp": tp_payload + gather_bytes(graph, par, chunks)}
         assert tuple(comm) == MESH_AXES, (tuple(comm), MESH_AXES)
+        if par.ep > 1:  # the experts' all-to-alls over the ep groups carved from dp (`Parallel.ep`)
+            comm["ep"] = ep_bytes(graph, par, idx)
         comps.append((compute, tp_comm, pp_comm))
         dp_time = keep(DP_TIME.key(par, spans["dp"], params, padded, groups_n),
                        lambda: dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n))

@@ -43,6 +43,7 @@ from partc.ir import Layer
 from partc.plan import Plan
 from partc.passes import tp_rewrite
 from partc.passes.constants import constant_values, literal
+from partc.passes.experts import EP_LOCAL, rewrite_for_ep
 from partc.passes.export import GRAD_ENABLED
 from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
 from partc.passes.measure import CORE_OPS, stack_fqns
@@ -127,7 +128,10 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases,
                                 sequence_parallel=plan.parallel.sequence_parallel,
                                 keep_split=None if vocab_loss is None else int(vocab_loss["output"]))
-    if plan.parallel.tp > 1:
+    experts = {}
+    if plan.parallel.ep > 1:
+        experts = rewrite_for_ep(ep, a.node_layer, layers, plan.parallel.ep)
+    if plan.parallel.tp > 1 or experts:
         a = assign(ep, model)  # the rewrite added nodes
     io = _graph_io(ep)
     nodes = [n for n in a.nodes if n.target not in SKIPPED]
@@ -156,6 +160,9 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
                               else None)
         stages.append(code)
     manifest = _manifest(ep, a, io, rw, layers, plan, stages, names, aliases, model_path=model_path, entry=entry)
+    if experts:  # the packed parameters each ep rank holds E/ep experts of (dim 0)
+        manifest["ep"] = {"degree": plan.parallel.ep, "experts": sorted(
+            alias for fqns in experts.values() for fqn in fqns for alias in aliases.get(fqn, [fqn]))}
     if vocab_loss is not None and plan.parallel.tp > 1:
         manifest["tp"]["vocab_loss"] = {"output": int(vocab_loss["output"])}
     files = {f"stage_{s.index}.py": s.source for s in stages}
@@ -437,11 +444,35 @@ def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], se
                          "its activations")
             lines.append(pad + f"{names[n]} = checkpoint({em.function(n)}, {em.args(n)}, use_reentrant=False)")
             em.needs.add("checkpoint")
+        elif EP_LOCAL in n.meta:
+            lines += [pad + line for line in _expert_lines(n, em, names)]
         else:
             lines.append(pad + f"{names[n]} = {em.call(n)}")
         if gone:
             lines.append(pad + f"del {', '.join(names[x] for x in gone)}")
     lines.append(f"return {tuple_expr([names[x] for x in unit.outputs])}" if unit.outputs else "return ()")
+    return lines
+
+
+def _expert_lines(node: torch.fx.Node, em: Emitter, names: dict[torch.fx.Node, str]) -> list[str]:
+    """A layer of packed experts under ep (`partc.passes.experts.rewrite_for_ep`): its experts' own computation as
+    a function of the rows sent to this rank, their offsets and this rank's part of the packed parameters, and the
+    call that sends each token's rows to its experts' ranks and brings the results back."""
+    local = node.meta[EP_LOCAL]
+    fn = f"{names[node]}_experts"
+    inner = Emitter({n: n.name for n in local.graph.nodes})
+    args = [n.name for n in local.graph.nodes if n.op == "placeholder"]
+    lines = ["# ep: each (token, expert) pair computed on its expert's rank (all-to-all there and back)",
+             f"def {fn}({', '.join(args)}):"]
+    for n in local.graph.nodes:
+        if n.op == "call_function":
+            lines.append(f"    {n.name} = {inner.call(n)}")
+        elif n.op == "output":
+            lines.append(f"    return {inner.arg(n.args[0])}")
+    em.needs |= inner.needs
+    hidden, index, weights, *params = (em.arg(a) for a in node.args)
+    lines.append(f"{names[node]} = {em.function(node)}({hidden}, {index}, {weights}, {fn}, {', '.join(params)}, "
+                 f"num_experts={node.kwargs['num_experts']})")
     return lines
 
 

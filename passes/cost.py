@@ -23,12 +23,13 @@ the runtime's (the multi-process tests).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from typing import Sequence
 
 from partc.cluster import Cluster
 from partc.ir import ModelGraph, Unit
-from partc.parallel import MESH_AXES, TP_STYLES, Parallel, Reads
+from partc.parallel import MESH_AXES, TP_STYLES, Parallel, Reads, group_spans_nodes
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT, param_shard
 from partc.vocab_loss import VOCAB_PARALLEL
@@ -267,6 +268,8 @@ def _param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Uni
             n = math.prod(shape)
             if t > 1 and style != "replicate" and (len(shape) >= 2 or style == "colwise"):
                 n = -(-n // t)
+            if par.ep > 1 and name in layer.inner:  # packed experts: E/ep of them a rank (`Parallel.ep`)
+                n //= par.ep
             key = graph.tied.get(name, name)
             out[key] = max(out.get(key, 0), n)
     if unit.num_params > in_layers:  # parameters owned by the unit outside any layer: replicated
@@ -319,6 +322,8 @@ def _param_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, uni
             sh = param_shard(layer, name, style) if par.tp > 1 else None
             if sh is not None:
                 shape[sh.dim] = -(-shape[sh.dim] // par.tp)
+            if par.ep > 1 and name in layer.inner:
+                shape[0] //= par.ep
             out[graph.tied.get(name, name)] = tuple(shape)
     if unit.num_params > in_layers:
         out[f"{unit.fqn}:<direct>"] = (unit.num_params - in_layers,)
@@ -738,3 +743,84 @@ def shared_time(cluster: Cluster, par: Parallel, nbytes: float) -> float:
     """The all-reduce of shared weights' gradients over pipeline ranks (two of them; across nodes when the
     pipeline spans nodes)."""
     return hw.collective_time(cluster, "all_reduce", nbytes, 2, spans_nodes=par.spans_nodes("pp", cluster.gpus_per_node))
+
+
+def ep_alltoall_bytes(tokens: int, k: int, hidden: int, nbytes: int, ep: int, num_experts: int,
+                      *, backward: bool = True) -> float:
+    """Bytes one rank passes to the ``ep`` all-to-alls of one layer of routed experts for one micro-batch of
+    `tokens` tokens (`partc.collectives.expert_parallel`), under uniform routing: the share ``(ep - 1) / ep`` of its
+    ``tokens x k`` (token, expert) rows of `hidden` elements of `nbytes` bytes leaves the rank, once to the experts
+    and once back; the backward sends their gradients the same two ways. The split counts (`num_experts` int64, the
+    same share leaving) are exchanged once, in the forward. Nothing when ``ep`` is 1."""
+    if ep == 1:
+        return 0.0
+    leaving = (ep - 1) / ep
+    rows = tokens * k * leaving * hidden * nbytes * 2 * (2 if backward else 1)
+    return rows + num_experts * leaving * 8
+
+
+def _expert_layers(graph: ModelGraph, units: Sequence[int]):
+    """(rows per sample, hidden size, experts) of each layer of packed experts of `units` (`Layer.inner`: its
+    first grouped product holds E experts of ``m`` rows each per sample, ``m·E`` = s·k at uniform routing, and
+    multiplies the tokens' hidden size ``k``)."""
+    for i in units:
+        for fqn in graph.units[i].layers:
+            layer = graph.layers[fqn]
+            first = next((g for g in layer.gemms if g.inner_split == "n"), None) if layer.inner else None
+            if first is not None:
+                yield first.batch * first.m, first.k, first.batch
+
+
+def ep_time(graph: ModelGraph, cluster: Cluster, par: Parallel, units: Sequence[int]) -> tuple[float, float]:
+    """(forward, backward) seconds of the ep all-to-alls of one micro-batch on one GPU of `units`: per layer of
+    packed experts two all-to-alls each way (to the experts and back), each moving the share of the (token,
+    expert) rows that leaves the rank, over NVLink or InfiniBand by where the ep group sits (neighbouring dp
+    ranks, ``tp`` apart). Not overlapped with compute."""
+    if par.ep == 1:
+        return 0.0, 0.0
+    stride = par.tp  # dp's neighbours are tp ranks apart (`Parallel.coords`)
+    spans = group_spans_nodes(par.ep, stride, cluster.gpus_per_node)
+    per_node = max(1, min(par.ep, cluster.gpus_per_node // stride))
+    c, total = compute_bytes(par.precision), 0.0
+    for rows, hidden, _ in _expert_layers(graph, units):
+        leaving = par.micro_batch_size * rows * (par.ep - 1) / par.ep * hidden * c
+        total += 2 * hw.collective_time(cluster, "all_to_all", leaving, par.ep, spans_nodes=spans,
+                                        ranks_per_node=per_node)
+    return total, total
+
+
+def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
+    """What one GPU passes to the ``ep`` all-to-alls in a step, for its `units`: `ep_alltoall_bytes` of each layer of
+    packed experts (`Layer.inner`: its first grouped product holds E experts of ``m`` rows each per sample, ``m·E``
+    = s·k at uniform routing, and multiplies the tokens' hidden size ``k``), per micro-batch, times the
+    micro-batches. Under uniform routing the runtime measures exactly this; otherwise its per-step record shows it
+    next to this."""
+    if par.ep == 1:
+        return 0.0
+    total = sum(ep_alltoall_bytes(par.micro_batch_size * rows, 1, hidden, compute_bytes(par.precision), par.ep,
+                                  experts) for rows, hidden, experts in _expert_layers(graph, units))
+    return total * par.num_microbatches
+
+
+def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
+    """The packed expert parameters divided among the ep ranks (none when ``ep`` is 1). FSDP leaves them alone
+    (`partc.runtime.parallelize.apply_zero`): each rank keeps their fp32 weights, gradients and optimizer states
+    whole, their gradients all-reduced over the ``dp / ep`` ranks holding the same experts."""
+    if par.ep == 1:
+        return frozenset()
+    return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner)
+
+
+def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
+    """Model states of `num_params` packed expert parameters on one GPU under ep: as ZeRO-0 keeps them (fp32
+    weights, gradients and Adam moments, and the compute-dtype copy the forward casts), whatever the plan's stage."""
+    params, grads, optimizer = zero.model_state_bytes(num_params, dataclasses.replace(par, zero=0))
+    if compute_bytes(par.precision) == zero.MASTER_BYTES:  # fp32: the cast is the weight itself, no copy
+        params = num_params * zero.MASTER_BYTES
+    return Memory(params=params, grads=grads, optimizer=optimizer)
+
+
+def expert_dp_bytes(num_params: float, par: Parallel) -> float:
+    """Bytes one GPU passes to the all-reduce of its experts' fp32 gradients over the ``dp / ep`` ranks holding
+    the same experts, once a step (nothing in a group of one)."""
+    return zero.MASTER_BYTES * num_params if par.dp // par.ep > 1 else 0.0

@@ -114,4 +114,6 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, n: int, *, spans
         return (n - 1) / n * nbytes / bw + (n - 1) * alpha
     if kind in ("broadcast", "p2p"):
         return nbytes / bw + alpha
+    if kind == "all_to_all":  # `nbytes`: what leaves the rank, to the n - 1 others
+        return nbytes / bw + (n - 1) * alpha
     raise AssertionError(f"unknown collective {kind}")

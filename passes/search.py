@@ -91,17 +91,34 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
     pinned = pins.pinned().items()
     precision = pins.precision or "bf16"
     sequence_parallel = bool(pins.sequence_parallel)  # only where pinned: see docs/sequence-parallel.md
+    experts = _expert_counts(graph)
     for dp, tp, pp in _degrees(cluster, gpus, global_batch, pins, n_units):
         if sequence_parallel and tp < 2:
             continue
         per_replica = global_batch // dp
-        for b in divisors(per_replica):
-            for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
-                values = dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
-                              schedule=schedule, virtual_stages=v, recompute=recompute, precision=precision,
-                              sequence_parallel=sequence_parallel)
-                if all(values[name] == value for name, value in pinned):
-                    yield values
+        for ep in _ep_degrees(pins, dp, experts):
+            for b in divisors(per_replica):
+                for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
+                    values = dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
+                                  schedule=schedule, virtual_stages=v, recompute=recompute, precision=precision,
+                                  sequence_parallel=sequence_parallel, ep=ep)
+                    if all(values[name] == value for name, value in pinned):
+                        yield values
+
+
+def _expert_counts(graph: ModelGraph) -> list[int]:
+    """The expert counts of the model's layers of packed experts (`Layer.inner`: their first grouped product's
+    batch), which ep must divide."""
+    return [g.batch for layer in graph.layers.values() if layer.inner
+            for g in layer.gemms[:1] if g.inner_split == "n"]
+
+
+def _ep_degrees(pins: Pins, dp: int, experts: list[int]) -> list[int]:
+    """The ep degrees to try at `dp`: the pinned one where it divides dp; else 1 and, for a model of packed experts,
+    every divisor of dp that divides each layer's expert count (`Parallel.ep`)."""
+    if pins.ep is not None:
+        return [pins.ep] if dp % pins.ep == 0 else []
+    return [e for e in divisors(dp) if e == 1 or (experts and all(n % e == 0 for n in experts))]
 
 
 def _degrees(cluster: Cluster, gpus: int, global_batch: int, pins: Pins, n_units: int):

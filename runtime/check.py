@@ -127,7 +127,8 @@ class RankCheck:
                        predicted=float(pred.get("total", 0.0)) - float(pred.get("buffers", 0.0)),
                        measured=mem["total"], slack=self.slack_bytes))
         out += [Row(pp_rank=self.pp_rank, what=f"comm {axis}", predicted=float(self.predicted_comm_bytes.get(axis, 0)),
-                    measured=self.comm_bytes.get(axis, 0), slack=self.slack_bytes) for axis in AXES]
+                    measured=self.comm_bytes.get(axis, 0), slack=self.slack_bytes)
+                for axis in (*AXES, *(("ep",) if "ep" in self.predicted_comm_bytes else ()))]  # `Parallel.ep`
         return out
 
     @property
@@ -265,7 +266,8 @@ def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
             memory = tracker.categories()
     mine = predicted_ranks(files)[world.pp_rank]
     return RankCheck(rank=rank, coords=dict(world.coords),
-                     comm_bytes={a: int(prog.runner.comm_bytes.get(a, 0)) for a in AXES},
+                     comm_bytes={a: int(prog.runner.comm_bytes.get(a, 0))
+                                 for a in (*AXES, *(("ep",) if files.plan.parallel.ep > 1 else ()))},
                      memory_bytes=memory, predicted_comm_bytes=mine["comm_bytes"],
                      predicted_memory_bytes=mine["memory_bytes"],
                      usable_bytes=float(Cluster.from_dict(files.plan.cluster).usable_memory_bytes),
@@ -290,6 +292,8 @@ def predicted_ranks(files: ProgramFiles) -> list[dict[str, dict[str, float]]]:
                 raise PartcError(f"{where}: predicted.ranks[{i}].{key} must give {', '.join(names)} as bytes "
                                  f"(numbers >= 0); compile again")
             got[key] = {n: float(value[n]) for n in names}
+            if key == "comm_bytes" and isinstance(value.get("ep"), (int, float)):  # the experts' all-to-alls
+                got[key]["ep"] = float(value["ep"])
         out.append(got)
     return out
 

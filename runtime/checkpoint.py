@@ -264,8 +264,16 @@ def full_state_dict(states: StateDicts, model_keys: dict[str, Tensor],
     for st in states.stages:  # FSDP all-gathers over dp here: every dp rank takes part
         for k, v in get_model_state_dict(st, options=StateDictOptions(full_state_dict=True)).items():
             c = _canon_key(k, states.canon)
-            if c not in local and world.dp_rank == 0:  # the tp group of dp rank 0 gathers its shards
-                local[c] = layout.gather(c, v.detach(), world.tp_group).cpu()
+            if c in local:
+                continue
+            if world.dp_rank == 0 and c not in layout.experts:  # the tp group of dp rank 0 gathers its shards
+                local[c] = layout.gather(c, v.detach(), world.tp_group)
+            if c in layout.experts and world.dp_rank < layout.ep_degree:  # and its ep group their experts
+                whole = layout.gather_experts(c, layout.gather(c, v.detach(), world.tp_group), world.ep_group)
+                if world.dp_rank == 0:
+                    local[c] = whole
+            if c in local:
+                local[c] = local[c].cpu()
     sender = world.dp_rank == 0 and world.tp_rank == 0
     gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local if sender else None, gathered, dst=0)

@@ -9,6 +9,7 @@ process group, by the definition the plan uses:
     all-reduce, broadcast, send, recv      the tensor
     all-gather                             the gathered output
     reduce-scatter                         the input
+    all-to-all                             the rows of the input that leave the rank (its own split stays)
 
 A group of one rank moves nothing and counts nothing. Groups are named by the caller (`World.groups`, the shared
 weights' groups as ``pp``); the default group is ``world``.
@@ -49,6 +50,7 @@ _COUNTED: dict[str, tuple[int, str, int]] = {
     "reduce_scatter": (1, "input_list", 3),
     "reduce_scatter_tensor": (1, "input", 3),
     "reduce_scatter_single": (1, "input", 3),
+    "all_to_all_single": (1, "input", 4),  # counted by `_all_to_all_single`
 }
 
 
@@ -79,7 +81,25 @@ class CommCounter:
 _ACTIVE: list[CommCounter] = []
 
 
+def _all_to_all_single(fn: Callable) -> Callable:
+    """``all_to_all_single(output, input, output_split_sizes, input_split_sizes, group)``: the input's bytes but
+    those of this rank's own split."""
+
+    @functools.wraps(fn)
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, *args, **kwargs):
+        if _ACTIVE and dist.get_world_size(group) > 1:
+            n, me = dist.get_world_size(group), dist.get_rank(group)
+            row = input[0].numel() * input.element_size() if input.shape[0] else 0
+            own = input_split_sizes[me] if input_split_sizes else input.shape[0] // n
+            _ACTIVE[-1].add(group, (input.shape[0] - own) * row)
+        return fn(output, input, output_split_sizes, input_split_sizes, group, *args, **kwargs)
+
+    return counted
+
+
 def _wrap(name: str, fn: Callable) -> Callable:
+    if name == "all_to_all_single":
+        return _all_to_all_single(fn)
     position, keyword, group_position = _COUNTED[name]
 
     @functools.wraps(fn)

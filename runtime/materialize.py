@@ -77,7 +77,7 @@ def materialize(model: nn.Module, names: Iterable[str], device: torch.device,
     local_shapes = {}
     if layout is not None:
         for n in names:
-            if n in params and layout.shard(n) is not None:
+            if n in params and layout.splits(n):
                 local_shapes[id(params[n])] = layout.local_shape(n, params[n].shape)
     new: dict[int, Tensor] = {}
     for module in model.modules():
@@ -133,7 +133,7 @@ def init_weights(init: InitRecord, tensors: dict[str, Tensor], seed: int, layout
     if not tensors:
         return
     device = next(iter(tensors.values())).device
-    split = {n: t for n, t in tensors.items() if layout is not None and layout.shard(n) is not None}
+    split = {n: t for n, t in tensors.items() if layout is not None and layout.splits(n)}
     whole = [n for n in tensors if n not in split]
 
     def put(name: str, value: Tensor) -> None:

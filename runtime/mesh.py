@@ -18,6 +18,7 @@ names a device type; it is chosen once here.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,6 +57,13 @@ class World:
     """This pipeline rank's ``(tp, dp)`` mesh (the groups of ``mesh``, tp outer), for checkpoint DTensors."""
     zero_mesh: DeviceMesh | None = None
     """The mesh FSDP shards over (`zero_mesh`)."""
+    ep_rank: int = 0
+    """This rank's place in its ``ep`` group (``dp_rank % ep``): which E/ep experts it holds."""
+    ep_group: dist.ProcessGroup | None = None
+    """This rank's ``ep`` group: the ``ep`` neighbouring dp ranks its tokens' experts are divided among (None
+    without expert parallelism)."""
+    expert_dp_group: dist.ProcessGroup | None = None
+    """The ``dp / ep`` ranks holding the same experts as this one: their gradients are reduced over it."""
 
     def record(self) -> dict[str, int]:
         """This rank in a per-rank record (`partc run`'s ``--log-jsonl``, `partc check`): its global rank and its
@@ -115,7 +123,29 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
     world = World(par=par, mesh=mesh, device=device, rank=rank, coords=coords, groups=groups)
     world.tp_dp_mesh = tp_dp_mesh(world)
     world.zero_mesh = zero_mesh(world, par)
+    if par.ep > 1:
+        world.ep_rank = world.dp_rank % par.ep
+        world.ep_group, world.expert_dp_group = expert_groups(world, par)
     return world
+
+
+def expert_groups(world: World, par: Parallel) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's ``ep`` group, its expert data-parallel group): the dp ranks of each (pp, tp) coordinate in
+    blocks of ``ep`` neighbours (torchtitan's ``dp_shard_in_ep``), and those holding the same experts, every
+    ``ep``-th (``dp_shard_mod_ep``). Every rank creates every group, in the same order (``new_group`` is
+    collective)."""
+    ep_group = expert_dp = None
+    others = [axis.name for axis in MESH if axis.name != "dp"]
+    for point in itertools.product(*(range(getattr(par, axis)) for axis in others)):
+        ranks = [par.rank_of(dp=d, **dict(zip(others, point))) for d in range(par.dp)]
+        for block in (ranks[i:i + par.ep] for i in range(0, par.dp, par.ep)):
+            group = dist.new_group(block)
+            ep_group = group if world.rank in block else ep_group
+        for e in range(par.ep):
+            same = ranks[e::par.ep]
+            group = dist.new_group(same)
+            expert_dp = group if world.rank in same else expert_dp
+    return ep_group, expert_dp
 
 
 def tp_dp_mesh(world: World) -> DeviceMesh:

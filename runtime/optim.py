@@ -140,6 +140,10 @@ def param_groups(module: nn.Module, skip: set[str], weight_decay: float) -> list
         if p.requires_grad:
             (plain if name.removeprefix("stage.") in skip else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    # FSDP's sharded parameters (DTensors) apart from plain ones (packed experts under ep, which FSDP leaves
+    # alone): the optimizers' fused updates take one kind a call.
+    groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == dt]}
+              for g in groups for dt in (True, False)]
     return [g for g in groups if g["params"]]
 
 
@@ -152,7 +156,8 @@ def build_optimizers(modules: list[nn.Module], config: OptimizerConfig,
 
 
 def grad_copies(stages: list[nn.Module], *, tp: int, dp: int, split: set[str], holders: dict[str, int],
-                canon: dict[str, str]) -> list[tuple[nn.Parameter, float]]:
+                canon: dict[str, str], experts: frozenset[str] = frozenset(),
+                ep: int = 1) -> list[tuple[nn.Parameter, float]]:
     """(parameter, weight) for every trainable parameter of this rank's `stages`: the weight is one over the number
     of identical copies of its gradient in the job (module docstring). `split`: the parameters the program splits
     over tp; `holders`: canonical FQN -> how many stages hold a copy."""
@@ -166,8 +171,8 @@ def grad_copies(stages: list[nn.Module], *, tp: int, dp: int, split: set[str], h
             if isinstance(p, DTensor):
                 dp_split = any(isinstance(pl, Shard) and p.device_mesh.size(i) > 1 for i, pl in enumerate(p.placements))
                 copies *= 1 if dp_split else dp
-            else:
-                copies *= dp
+            else:  # packed experts under ep: held by the dp / ep ranks holding the same experts
+                copies *= dp // ep if name in experts else dp
             out.append((p, 1.0 / copies))
     return out
 

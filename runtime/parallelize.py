@@ -64,16 +64,20 @@ from partc.precision import MASTER_DTYPE, compute_dtype
 from partc.runtime.mesh import World
 from partc.runtime.stage import StageModule
 
-def parallelize(stages: list[StageModule], world: World, par: Parallel, blocks: set[str]) -> list[nn.Module]:
+def parallelize(stages: list[StageModule], world: World, par: Parallel, blocks: set[str],
+                experts: frozenset[str] = frozenset()) -> list[nn.Module]:
     """torchtitan's ``parallelize_llama`` for this rank's stage modules: one ``apply_*`` a dimension, in its order
     (module docstring), each given only what it reads. Returns the modules to hand to the pipeline. `blocks`: the
-    units that are repeated blocks (recomputed under ``full``)."""
+    units that are repeated blocks (recomputed under ``full``); `experts`: the packed expert parameters this rank
+    holds E/ep experts of (expert parallelism)."""
     modules = []
     for stage in stages:
-        # 1. tensor parallelism: in the stage files (they hold local shards and call `partc.collectives`).
+        # 1. tensor and expert parallelism: in the stage files (they hold local shards and experts and call
+        #    `partc.collectives`).
         apply_recompute(stage, par.recompute, blocks)  # 2.
         # 3. compile: not applied.
-        modules.append(apply_zero(stage, world.zero_mesh, zero=par.zero, precision=par.precision))  # 4.
+        modules.append(apply_zero(stage, world.zero_mesh, zero=par.zero, precision=par.precision,  # 4.
+                                  ignored={p for n, p in stage.named_parameters() if n in experts}))
     return modules
 
 
@@ -96,9 +100,11 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
                                 cast_forward_inputs=False)
 
 
-def apply_zero(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision: str) -> nn.Module:
+def apply_zero(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision: str,
+               ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """FSDP2 on each unit and on the stage over `mesh` (`World.zero_mesh`), under ZeRO stage `zero` and the plan's
-    `precision` (module docstring)."""
+    `precision` (module docstring). `ignored`: parameters FSDP leaves alone (packed experts under ep: each rank
+    holds its own experts, their gradients reduced by `GradSync` over the ranks holding the same ones)."""
     mp = mixed_precision(precision)
     # A parameter shared by two units (a tied embedding and head on one stage) can be in one FSDP group only: those
     # units stay in the stage's root group (as `partc.passes.cost.fsdp_groups` charges).
@@ -109,8 +115,8 @@ def apply_zero(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision: st
              if all(holders[id(p)] == 1 for p in unit.parameters())
              and not any(name.startswith(fqn + ".") for name in foreign)]
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=zero == 3)
-    fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=zero == 3)
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=zero == 3, ignored_params=ignored)
+    fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=zero == 3, ignored_params=ignored)
     # In backward each unit prefetches the one before it (FSDP2's default picks the module that ran forward before
     # it, which across micro-batches in flight is the previous micro-batch's last unit: an extra gather). The first
     # unit names itself, a no-op, so that no default prefetch crosses into another micro-batch.
@@ -157,10 +163,15 @@ class GradSync:
     dp: the copies of shared weights summed over the pipeline ranks holding them."""
 
     def __init__(self, stages: list[StageModule], world: World, *, holders: dict[str, list[int]],
-                 canon: dict[str, str]):
-        """`holders`: canonical FQN -> indices of the stages (all of them, not only local) holding a copy."""
+                 canon: dict[str, str], experts: frozenset[str] = frozenset()):
+        """`holders`: canonical FQN -> indices of the stages (all of them, not only local) holding a copy;
+        `experts`: the packed expert parameters under ep."""
         self.stages = stages
         self.world = world
+        self.experts = [p for st in stages for n, p in st.named_parameters() if n in experts]
+        """This rank's packed expert parameters (ep): each holds the gradient of its experts from every token of
+        its ep group; summed over the ranks holding the same experts and divided by dp, it is the gradient of the
+        mean loss, as FSDP's average over dp gives the others."""
         self.groups: list[dist.ProcessGroup] = []
         """Every group this rank sums shared weights over (the comm counter counts them as ``pp``)."""
         self.shared: list[SharedGroup] = []
@@ -182,6 +193,12 @@ class GradSync:
 
     @torch.no_grad()
     def __call__(self) -> None:
+        grads = [p.grad for p in self.experts if p.grad is not None]
+        if grads:
+            if dist.get_world_size(self.world.expert_dp_group) > 1:
+                _all_reduce(grads, self.world.expert_dp_group, average=False)
+            for g in grads:
+                g.div_(self.world.par.dp)
         for sg in self.shared:
             grads = []
             for name in sg.names:

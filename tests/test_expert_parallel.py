@@ -1,0 +1,415 @@
+"""Expert parallelism (issue #25), the layer: Hugging Face's packed experts divided by experts among ep ranks.
+
+`passes.experts.expert_split` finds the experts' own computation and the routing around it (or says why not);
+`partc.collectives.expert_parallel` sends each (token, expert) pair to its expert's rank with an uneven
+``all_to_all_single`` and its result back. On 2 gloo ranks each holding 2 of 4 experts, the layer's output and every
+gradient equal one process's, and with a uniform routing the bytes counted equal the cost model's."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+from helpers import torchrun
+from partc.collectives import expert_parallel
+from partc.passes.cost import ep_alltoall_bytes
+from partc.passes.experts import expert_split, local_experts, param_placeholders
+from partc.passes.export import export_on_meta
+
+T, H, I, E, K = 8, 16, 24, 4, 2
+
+
+def config(**kw) -> MixtralConfig:
+    return MixtralConfig(vocab_size=64, hidden_size=H, intermediate_size=I, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=E, num_experts_per_tok=K,
+                         **kw)
+
+
+def split_of(precision: str = "fp32", **kw):
+    """(the `expert_split` of a Mixtral MoE block's experts layer, its parameter placeholders)."""
+    with torch.device("meta"):
+        block = MixtralForCausalLM(config(**kw)).model.layers[0].mlp
+    ep = export_on_meta(block, (torch.empty(1, T, H, device="meta"),), {}, precision=precision)
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function"
+             and list(n.meta.get("nn_module_stack", {}).values())[-1][0].startswith("experts")]
+    params = {ph: fqn for ph, fqn in param_placeholders(ep).items() if fqn.startswith("experts.")}
+    return expert_split(nodes, params), params
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_split_finds_the_experts_and_their_routing(precision):
+    """fp32 runs Hugging Face's `grouped_mm_fallback`, bf16 `aten._grouped_mm`: both are followed."""
+    split, _ = split_of(precision)
+    assert not isinstance(split, str), split
+    assert split.num_experts == E and split.params == ["experts.gate_up_proj", "experts.down_proj"]
+    products = [n for n in split.local if "grouped_mm" in str(n.target)]
+    assert len(products) == 2 and split.last is products[-1]
+    assert (split.hidden.meta["val"].shape, split.index.meta["val"].shape) == ((T, H), (T, K))
+
+
+def test_a_routing_it_cannot_follow_is_refused(monkeypatch):
+    """Experts whose output adds the token itself back: not a weighted sum of the experts' results, so the layer
+    cannot be computed where the experts live; refused in one line."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    forward = modeling_mixtral.MixtralExperts.forward
+    monkeypatch.setattr(modeling_mixtral.MixtralExperts, "forward",
+                        lambda self, h, idx, w: forward(self, h, idx, w) + h)
+    split, _ = split_of()
+    assert split == "aten.add.Tensor after the experts: not a weighted sum of each token's k results"
+
+
+def test_one_rank_computes_the_layer():
+    torch.manual_seed(0)
+    experts = MixtralForCausalLM(config()).model.layers[0].mlp.experts
+    split, params = split_of()
+    fn = local_experts(split, params)
+    weights = [dict(experts.named_parameters())[f.removeprefix("experts.")] for f in split.params]
+    h, w = torch.randn(T, H), torch.rand(T, K)
+    idx = torch.randint(0, E, (T, K))
+    got = expert_parallel(h, idx, w, fn, *weights, num_experts=E)
+    torch.testing.assert_close(got, experts(h, idx, w), rtol=0, atol=0)
+
+
+WORKER = """
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from test_expert_parallel import E, H, K, T, config, split_of, routing
+    from transformers import MixtralForCausalLM
+    from partc.collectives import expert_parallel
+    from partc.passes.experts import local_experts
+    from partc.runtime.comm import CommCounter
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    experts = MixtralForCausalLM(config()).model.layers[0].mlp.experts
+    split, params = split_of()
+    fn = local_experts(split, params)
+    mine = slice(rank * E // ep, (rank + 1) * E // ep)
+    local = [torch.nn.Parameter(dict(experts.named_parameters())[f.removeprefix("experts.")][mine].clone())
+             for f in split.params]
+    out = {{}}
+    for name in ("uniform", "skewed"):
+        h, idx, w, g = routing(name, rank)
+        h.requires_grad_(), w.requires_grad_()
+        counter = CommCounter({{"ep": [dist.group.WORLD]}})
+        with counter.counting() as counted:
+            y = expert_parallel(h, idx, w, fn, *local, num_experts=E, group=dist.group.WORLD)
+            (y * g).sum().backward()
+        out[name] = {{"y": y.tolist(), "h": h.grad.tolist(), "w": w.grad.tolist(), "bytes": dict(counted),
+                      "params": [p.grad.tolist() for p in local]}}
+        for p in local:
+            p.grad = None
+    json.dump(out, open({result!r} + f".{{rank}}.json", "w"))
+    dist.destroy_process_group()
+"""
+
+
+def routing(name: str, rank: int):
+    """Rank `rank`'s tokens, the experts they chose, their weights and the gradient of the output. ``uniform``:
+    every token picks one expert of each rank's two (so half of each rank's pairs stay and half leave);
+    ``skewed``: random, uneven splits."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    h, w, g = torch.randn(T, H, generator=gen), torch.rand(T, K, generator=gen), torch.randn(T, H, generator=gen)
+    if name == "uniform":
+        idx = torch.stack([torch.arange(T) % 2, 2 + (torch.arange(T) + rank) % 2], dim=1)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+        idx[: T // 2] = torch.tensor([0, 1])  # most pairs go to rank 0's experts
+    return h, idx, w, g
+
+
+@pytest.mark.slow  # one torchrun launch of 2 gloo ranks
+def test_two_ranks_compute_the_layer_like_one(tmp_path):
+    """ep = 2, each rank holding 2 of the 4 experts: the output, the tokens' and routing weights' gradients and the
+    experts' gradients (summed over the ranks' tokens) equal one process's within 1e-5; the uniform routing's bytes
+    equal `ep_alltoall_bytes`, the skewed one's differ from it."""
+    from pathlib import Path
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(WORKER.format(tests=str(Path(__file__).parent), result=str(tmp_path / "out"))))
+    torchrun(2, [str(worker)])
+    got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    torch.manual_seed(0)
+    experts = MixtralForCausalLM(config()).model.layers[0].mlp.experts
+    names = [f.removeprefix("experts.") for f in split_of()[0].params]
+    for name in ("uniform", "skewed"):
+        experts.zero_grad()
+        for rank in range(2):
+            h, idx, w, g = routing(name, rank)
+            h.requires_grad_(), w.requires_grad_()
+            y = experts(h, idx, w)
+            (y * g).sum().backward()
+            mine = got[rank][name]
+            torch.testing.assert_close(torch.tensor(mine["y"]), y, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(mine["h"]), h.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(mine["w"]), w.grad, rtol=1e-5, atol=1e-6)
+        full = dict(experts.named_parameters())
+        for i, n in enumerate(names):  # each rank holds the gradient of its experts from both ranks' tokens
+            whole = torch.cat([torch.tensor(got[r][name]["params"][i]) for r in range(2)])
+            torch.testing.assert_close(whole, full[n].grad, rtol=1e-5, atol=1e-6)
+    want = ep_alltoall_bytes(T, K, H, 4, 2, E)
+    assert [got[r]["uniform"]["bytes"] for r in range(2)] == [{"ep": want}] * 2
+    assert got[0]["skewed"]["bytes"]["ep"] != want
+
+
+FAMILIES = {
+    # DeepSeek-V3: group-limited routing (8 routed experts in 2 groups, the top group kept), a shared expert and a
+    # dense first layer; the routed experts of its second layer are divided
+    "deepseek_v3": ("DeepseekV3", dict(intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+                                       first_k_dense_replace=1, num_key_value_heads=2, n_routed_experts=8,
+                                       n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=8, kv_lora_rank=8,
+                                       qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)),
+    "qwen3_moe": ("Qwen3Moe", dict(intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+                                   num_key_value_heads=1, num_experts=8)),
+    "olmoe": ("Olmoe", dict(intermediate_size=8, num_hidden_layers=1, num_key_value_heads=1, num_experts=8,
+                            eos_token_id=None, pad_token_id=None)),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_families_are_followed(family):
+    """Hugging Face's other packed experts (8 experts, top 2): the split is found and computes the layer."""
+    import transformers
+
+    prefix, kw = FAMILIES[family]
+    make = lambda: getattr(transformers, f"{prefix}ForCausalLM")(getattr(transformers, f"{prefix}Config")(
+        vocab_size=64, hidden_size=H, num_attention_heads=2, num_experts_per_tok=K, **kw))
+    torch.manual_seed(0)
+    experts = make().model.layers[-1].mlp.experts
+    with torch.device("meta"):
+        block = make().model.layers[-1].mlp
+    ep = export_on_meta(block, (torch.empty(1, T, H, device="meta"),), {}, precision="fp32")
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function"
+             and list(n.meta.get("nn_module_stack", {}).values())[-1][0].startswith("experts")]
+    params = {ph: fqn for ph, fqn in param_placeholders(ep).items() if fqn.startswith("experts.")}
+    split = expert_split(nodes, params)
+    assert not isinstance(split, str), split
+    assert split.num_experts == 8
+    fn = local_experts(split, params)
+    weights = [dict(experts.named_parameters())[f.removeprefix("experts.")] for f in split.params]
+    h, w = torch.randn(T, H), torch.rand(T, K)
+    idx = torch.stack([torch.randperm(8)[:K] for _ in range(T)])
+    got = expert_parallel(h, idx, w, fn, *weights, num_experts=8)
+    torch.testing.assert_close(got, experts(h, idx, w), rtol=0, atol=0)
+
+
+def test_gpt_oss_expert_biases_are_refused():
+    """gpt-oss adds a bias per expert, looked up by each row's expert id: the ids of the rows an ep rank receives
+    are not followed yet, so the layer is refused in one line rather than divided wrongly."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    with torch.device("meta"):
+        block = GptOssForCausalLM(GptOssConfig(vocab_size=64, hidden_size=H, intermediate_size=8, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
+                                               num_experts_per_tok=K, head_dim=8)).model.layers[0].mlp
+    ep = export_on_meta(block, (torch.empty(1, T, H, device="meta"),), {}, precision="fp32")
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function"
+             and list(n.meta.get("nn_module_stack", {}).values())[-1][0].startswith("experts")]
+    params = {ph: fqn for ph, fqn in param_placeholders(ep).items() if fqn.startswith("experts.")}
+    split = expert_split(nodes, params)
+    assert isinstance(split, str) and split.startswith("the experts' computation reads "), split
+
+
+# -- the whole model, trained under ep ----------------------------------------------------------------------------
+
+MODELS = {
+    "mixtral": """
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        def model():
+            return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2, num_local_experts=4,
+                                                    num_experts_per_tok=2, max_position_embeddings=128))
+    """,
+    # DeepSeek-V3's layout: a dense first layer, then 8 fine-grained routed experts in 2 groups (group-limited
+    # routing: the top group's experts only) beside a shared expert
+    "deepseek_v3": """
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        def model():
+            return DeepseekV3ForCausalLM(DeepseekV3Config(
+                vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                max_position_embeddings=128))
+    """,
+}
+UNIFORM = """
+    import torch
+    from torch import nn
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+
+    class UniformRouter(nn.Module):
+        \"\"\"Token t picks experts t % E and (t + 1) % E: every expert gets the same share of every rank's tokens.\"\"\"
+
+        def __init__(self, hidden, num_experts, top_k):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+            self.num_experts, self.top_k = num_experts, top_k
+
+        def forward(self, h):
+            logits = nn.functional.linear(h, self.weight)
+            t = torch.arange(h.shape[0], device=h.device)
+            index = torch.stack([(t + j) % self.num_experts for j in range(self.top_k)], dim=-1)
+            return logits, torch.softmax(logits.gather(1, index), dim=-1), index
+
+
+    def model():
+        m = MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128))
+        for layer in m.model.layers:
+            layer.mlp.gate = UniformRouter(64, 4, 2)
+        return m
+"""
+S, GBS, STEPS = 16, 4, 3
+RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks)
+    "ep2": (2, dict(dp=2, pp=1, zero=1)),
+    "ep2_dp2_z1": (4, dict(dp=4, pp=1, zero=1)),
+    "ep2_dp2_z3": (4, dict(dp=4, pp=1, zero=3)),
+    "ep2_pp2": (4, dict(dp=2, pp=2, zero=1)),
+}
+SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep_models")
+    for name, text in MODELS.items():
+        (tmp / f"{name}.py").write_text(textwrap.dedent(text))
+    return {name: str(tmp / f"{name}.py") for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def runs(model_files, tmp_path_factory):
+    """Every (model, configuration) trained in two torchrun launches: 2 ranks, then 4."""
+    from helpers import compile_program, run_jobs
+    from partc.model_file import load_model_file
+
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("ep_runs")
+    jobs: dict[int, list[dict]] = {}
+    for model, path in model_files.items():
+        torch.manual_seed(1234)
+        torch.save(load_model_file(path, seq_len=S).build().state_dict(), tmp / f"{model}.init.pt")
+        for name, (ranks, pins) in RUNS.items():
+            out = tmp / f"{model}_{name}"
+            compile_program(path, out, global_batch_size=GBS, seq_len=S, tp=1, ep=2, micro_batch_size=1,
+                            schedule="1f1b", recompute="none", precision="fp32", **pins)
+            jobs.setdefault(ranks, []).append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{model}.init.pt"),
+                                               "result": str(tmp / f"{model}_{name}.pt"), **SGD})
+    uniform = tmp / "uniform.py"  # the router made uniform: the all-to-all bytes are the plan's exactly
+    uniform.write_text(textwrap.dedent(UNIFORM))
+    compile_program(str(uniform), tmp / "uniform_ep2", global_batch_size=GBS, seq_len=S, tp=1, ep=2, dp=2, pp=1,
+                    zero=1, micro_batch_size=1, schedule="1f1b", recompute="none", precision="fp32")
+    jobs[2].append({"out": str(tmp / "uniform_ep2"), "steps": 2, "result": str(tmp / "uniform_ep2.pt"), **SGD})
+    for ranks, batch in sorted(jobs.items()):
+        run_jobs(ranks, batch, tmp)
+    return tmp
+
+
+@pytest.mark.slow  # two torchrun launches (2 and 4 gloo ranks)
+@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_trains_like_one_process(runs, model_files, model, name):
+    """Each rank holds 2 of Mixtral's 4 experts (4 of DeepSeek-V3's 8 routed ones) of every MoE layer; losses and
+    the gathered weights after 3 SGD steps equal one process's within 1e-5 (fp32)."""
+    from helpers import assert_close_losses, assert_close_states
+    from partc.runtime.testing import reference_run
+
+    init = torch.load(runs / f"{model}.init.pt", weights_only=True)
+    got = torch.load(runs / f"{model}_{name}.pt", weights_only=True)
+    losses, state = reference_run(model_files[model], init, steps=STEPS, seed=0, global_batch_size=GBS, seq_len=S,
+                                  **SGD)
+    assert_close_losses(got["losses"], losses)
+    assert_close_states(got["state"], state)
+    assert any(not torch.equal(state[k], init[k]) for k in state if "experts.gate_up_proj" in k), "experts train"
+    manifest = json.loads((runs / f"{model}_{name}" / "program" / "manifest.json").read_text())
+    moe_layers = {"mixtral": [0, 1], "deepseek_v3": [1]}[model]  # DeepSeek-V3's first layer is dense
+    assert manifest["ep"] == {"degree": 2, "experts": sorted(f"model.layers.{i}.mlp.experts.{p}" for i in moe_layers
+                                                              for p in ("down_proj", "gate_up_proj"))}
+    # every rank sends tokens to the other's experts; under pp 2 the ranks of the stages holding an MoE layer
+    senders = [step[r].get("ep", 0) > 0 for step in got["comm"] for r in range(len(step))]
+    assert all(senders) if RUNS[name][1]["pp"] == 1 else any(senders), got["comm"]
+
+
+@pytest.mark.slow  # uses the runs above
+def test_uniform_routing_sends_the_planned_bytes(runs):
+    """With every expert getting the same share of every rank's tokens, each rank's measured all-to-all bytes in
+    every step equal the plan's ``predicted.ranks[].comm_bytes.ep`` (`passes.cost.ep_bytes`): per MoE layer and
+    micro-batch, half of the 16 x 2 (token, expert) rows of 64 fp32 leave, there and back, forward and backward, and
+    half of the 4 split counts."""
+    plan = json.loads((runs / "uniform_ep2" / "plan.json").read_text())
+    want = plan["predicted"]["ranks"][0]["comm_bytes"]["ep"]
+    assert plan["predicted"]["expert_routing"].startswith("uniform")
+    assert want == 2 * 2 * (16 * 64 * 4 * 2 * 2 + 2 * 8)  # 2 layers x 2 micro-batches
+    got = torch.load(runs / "uniform_ep2.pt", weights_only=True)
+    assert [r["ep"] for step in got["comm"] for r in step] == [want] * 4
+    # dp: FSDP's traffic of everything else; the experts' gradients are reduced over dp / ep = 1 rank: nothing
+    dp = plan["predicted"]["ranks"][0]["comm_bytes"]["dp"]
+    assert [r["dp"] for step in got["comm"] for r in step] == [dp] * 4
+
+
+@pytest.mark.slow  # `partc check` of the plan above (one process, fake tensors)
+def test_check_agrees_on_an_ep_plan(runs):
+    from click.testing import CliRunner
+
+    from partc.cli.main import main
+
+    result = CliRunner().invoke(main, ["check", str(runs / "uniform_ep2"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["agrees"], result.output
+    rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+    assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] > 0
+    assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"]
+
+
+@pytest.mark.slow  # three compiles
+def test_ep_is_refused_where_it_cannot_apply(tmp_path, model_files):
+    """One line each: a model without packed experts, experts that do not divide among the ep ranks, an ep that
+    does not divide dp."""
+    from click.testing import CliRunner
+
+    from partc.cli.main import main
+
+    llama = tmp_path / "llama.py"
+    from helpers import HF_MODELS
+    llama.write_text(textwrap.dedent(HF_MODELS["llama"]))
+    cases = [
+        ([str(llama), "--gpus", "2", "--dp", "2", "--ep", "2"], "the model has no layer of packed experts"),
+        ([model_files["mixtral"], "--gpus", "8", "--dp", "8", "--ep", "8"], "has 4 experts, which do not divide"),
+        ([model_files["mixtral"], "--gpus", "4", "--dp", "2", "--tp", "2", "--ep", "4"], "--ep 4 does not divide --dp 2"),
+    ]
+    for args, why in cases:
+        result = CliRunner().invoke(main, ["compile", *args, "--seq-len", str(S), "--precision", "fp32",
+                                           "--global-batch-size", "8", "--micro-batch-size", "1", "-o",
+                                           str(tmp_path / "out")])
+        assert result.exit_code == 2 and why in result.output, result.output
+        assert "Traceback" not in result.output
+
+
+def test_search_tries_ep_where_the_experts_divide(model_files):
+    """Unpinned, the search tries every ep dividing dp and each layer's expert count (Mixtral's 4); pinned, only
+    that one; a model without packed experts only ep 1."""
+    from helpers import trace_file
+    from partc.parallel import Pins
+    from partc.passes.search import _ep_degrees, _expert_counts
+
+    graph = trace_file(model_files["mixtral"], seq_len=S)[1].graph
+    assert _expert_counts(graph) == [4, 4]
+    assert _ep_degrees(Pins(), 8, _expert_counts(graph)) == [1, 2, 4]
+    assert _ep_degrees(Pins(ep=2), 8, [4, 4]) == [2] and _ep_degrees(Pins(ep=2), 3, [4]) == []
+    assert _ep_degrees(Pins(), 8, []) == [1]
