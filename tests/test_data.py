@@ -10,7 +10,6 @@ under that plan, then resumed under (pp 1, dp 4, ZeRO-3) from its checkpoint; an
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 from helpers import EXAMPLES, assert_close_losses, run_jobs, torchrun
 from partc.compile import compile_model
+from partc.environ import environ
 from partc.errors import PartcError
 from partc.model_file import load_model_file
 from partc.parallel import Pins
@@ -222,9 +222,7 @@ def byte_lm(tmp_path_factory):
     spec.loader.exec_module(make_corpus)
     corpus = tmp / "corpus.bin"
     assert make_corpus.main(["-o", str(corpus), "--max-mb", "0.05", "--val-fraction", "0"]) == 0
-    saved = {k: os.environ.get(k) for k in ("PARTC_CORPUS", "PARTC_BYTE_LM_SIZE")}
-    os.environ.update(PARTC_CORPUS=str(corpus), PARTC_BYTE_LM_SIZE="test")
-    try:
+    with environ({"PARTC_CORPUS": str(corpus), "PARTC_BYTE_LM_SIZE": "test"}):
         torch.manual_seed(1234)
         init = load_model_file(BYTE_LM).build().state_dict()
         torch.save(init, tmp / "init.pt")
@@ -242,12 +240,6 @@ def byte_lm(tmp_path_factory):
             assert (par.tp, par.pp, par.dp, par.zero) == (pins.tp, pins.pp, pins.dp, pins.zero)
             plans[name] = tmp / name
         yield tmp, corpus, init, plans, reference(init)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def reference(init: dict) -> tuple[list[float], dict]:
