@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import EXAMPLES, HF_MODELS, compile_program, trace_file, write_hf_model
+from trace_memo import memoized
 
 
 HEAVY_FIRST = ("test_runtime_tp", "test_runtime_safety", "test_runtime_dist", "test_check", "test_tp_rewrite",
@@ -42,6 +43,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: the rest as collected
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trace_once_per_model():
+    """`compile_model` traces each distinct model once per session (per test process under xdist): most of a tiny
+    model's compile is torch.export, and the tests compile the same models under many plans (`trace_memo`)."""
+    import partc.compile
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(partc.compile, "trace", memoized(partc.compile.trace))
+        yield
 
 
 @pytest.fixture(autouse=True)
