@@ -17,8 +17,10 @@ from helpers import EXAMPLES, HF_MODELS, compile_program, trace_file, write_hf_m
 from trace_memo import memoized
 
 
-HEAVY_FIRST = ("test_runtime_tp", "test_runtime_safety", "test_runtime_dist", "test_check", "test_tp_rewrite",
-               "test_moe", "test_zoo_dist", "test_runtime_init", "test_compile_safety", "test_calibration")
+HEAVY_FIRST = ("test_check", "test_runtime_safety", "test_runtime_tp", "test_tp_rewrite", "test_runtime_dist",
+               "test_calibration", "test_precision", "test_moe", "test_zoo_dist", "test_sequence_parallel",
+               "test_user_models", "test_compile_safety", "test_data", "test_cli", "test_compile", "test_search",
+               "test_report", "test_vocab_loss", "test_runtime_init")
 """The modules that take longest (torchrun launches, `partc run`, `partc check`), longest first: under xdist they
 start first, and the short modules fill in around them."""
 
