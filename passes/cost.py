@@ -253,28 +253,9 @@ def unit_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | 
 # --- 3. Parameters and model states ------------------------------------------------------------------------------
 
 def _param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> dict[str, int]:
-    """Parameter (canonical FQN of a tied one) -> elements one GPU holds, for one unit.
-
-    colwise/rowwise shard every weight (ndim >= 2) t ways; a 1-D parameter (bias) is sharded by colwise only
-    (a rowwise bias is added after the reduction, so it is replicated); norms and replicate layers stay whole.
-    """
-    t = par.tp
-    out: dict[str, int] = {}
-    in_layers = 0
-    for fqn in unit.layers:
-        layer, style = graph.layers[fqn], style_of(tp, fqn)
-        in_layers += layer.num_params
-        for name, shape in layer.params.items():
-            n = math.prod(shape)
-            if t > 1 and style != "replicate" and (len(shape) >= 2 or style == "colwise"):
-                n = -(-n // t)
-            if par.ep > 1 and name in layer.inner:  # packed experts: E/ep of them a rank (`Parallel.ep`)
-                n //= par.ep
-            key = graph.tied.get(name, name)
-            out[key] = max(out.get(key, 0), n)
-    if unit.num_params > in_layers:  # parameters owned by the unit outside any layer: replicated
-        out[f"{unit.fqn}:<direct>"] = unit.num_params - in_layers
-    return out
+    """Parameter (canonical FQN of a tied one) -> elements one GPU holds, for one unit: the product of its
+    `_param_local_shapes` (one sharding rule, `partc.sharding.param_shard`, the layout the runtime allocates)."""
+    return {k: math.prod(v) for k, v in _param_local_shapes(graph, par, tp, unit).items()}
 
 
 def unit_param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[dict[str, int]]:
@@ -311,7 +292,9 @@ def model_state_bytes(num_params: float, par: Parallel) -> Memory:
 
 def _param_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> dict[str, tuple]:
     """Parameter (canonical FQN) -> its shape on one GPU after TP, for one unit (parameters of the unit outside its
-    layers as one flat tensor)."""
+    layers as one flat tensor, replicated). The split is `partc.sharding.param_shard`'s: colwise and rowwise split a
+    weight, a bias only under colwise (a rowwise bias is added after the reduction); norms and replicate layers stay
+    whole."""
     out: dict[str, tuple] = {}
     in_layers = 0
     for fqn in unit.layers:

@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+from partc.environ import environ
 from partc.errors import PartcError
 from partc.plan import read_plan
 
@@ -74,27 +75,20 @@ def run(out_dir: str, extra: list[str], nproc_per_node: int | None = None) -> in
     env = {LAUNCHER_ENV: "1"}
     if world > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, without its banner
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the workers inherit this process's environment
-    try:
-        torchrun.run(torchrun.parse_args(argv))
-    except ChildFailedError as e:
-        lines, code = failure_lines(e.failures, world)
-        for line in lines:
-            print(line, file=sys.stderr, flush=True)
-        return code
-    except SignalException as e:
-        print(f"error: partc run got {e.sigval.name}: stopped all {world} ranks", file=sys.stderr, flush=True)
-        return 128 + int(e.sigval)
-    except Exception as e:  # the agent itself (rendezvous, ports)
-        print(f"error: torchrun failed: {summary_line(e)}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ(env):  # the workers inherit this process's environment
+        try:
+            torchrun.run(torchrun.parse_args(argv))
+        except ChildFailedError as e:
+            lines, code = failure_lines(e.failures, world)
+            for line in lines:
+                print(line, file=sys.stderr, flush=True)
+            return code
+        except SignalException as e:
+            print(f"error: partc run got {e.sigval.name}: stopped all {world} ranks", file=sys.stderr, flush=True)
+            return 128 + int(e.sigval)
+        except Exception as e:  # the agent itself (rendezvous, ports)
+            print(f"error: torchrun failed: {summary_line(e)}", file=sys.stderr, flush=True)
+            return 1
     return 0
 
 

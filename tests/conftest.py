@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from helpers import EXAMPLES, HF_MODELS, compile_program, trace_file, write_hf_model
+from trace_memo import memoized
 
 
-HEAVY_FIRST = ("test_runtime_tp", "test_runtime_safety", "test_runtime_dist", "test_check", "test_tp_rewrite",
-               "test_moe", "test_zoo_dist", "test_runtime_init", "test_compile_safety", "test_calibration")
+HEAVY_FIRST = ("test_check", "test_runtime_safety", "test_runtime_tp", "test_tp_rewrite", "test_runtime_dist",
+               "test_calibration", "test_precision", "test_moe", "test_zoo_dist", "test_sequence_parallel",
+               "test_user_models", "test_compile_safety", "test_data", "test_cli", "test_compile", "test_search",
+               "test_report", "test_vocab_loss", "test_runtime_init")
 """The modules that take longest (torchrun launches, `partc run`, `partc check`), longest first: under xdist they
 start first, and the short modules fill in around them."""
 
@@ -42,6 +45,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: the rest as collected
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trace_once_per_model():
+    """`compile_model` traces each distinct model once per session (per test process under xdist): most of a tiny
+    model's compile is torch.export, and the tests compile the same models under many plans (`trace_memo`)."""
+    import partc.compile
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(partc.compile, "trace", memoized(partc.compile.trace))
+        yield
 
 
 @pytest.fixture(autouse=True)

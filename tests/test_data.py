@@ -19,6 +19,7 @@ import torch
 
 from helpers import EXAMPLES, assert_close_losses, run_jobs, torchrun
 from partc.compile import compile_model
+from partc.environ import environ
 from partc.errors import PartcError
 from partc.model_file import load_model_file
 from partc.parallel import Pins
@@ -221,9 +222,7 @@ def byte_lm(tmp_path_factory):
     spec.loader.exec_module(make_corpus)
     corpus = tmp / "corpus.bin"
     assert make_corpus.main(["-o", str(corpus), "--max-mb", "0.05", "--val-fraction", "0"]) == 0
-    with pytest.MonkeyPatch.context() as env:  # examples/byte_lm.py reads them
-        env.setenv("PARTC_CORPUS", str(corpus))
-        env.setenv("PARTC_BYTE_LM_SIZE", "test")
+    with environ({"PARTC_CORPUS": str(corpus), "PARTC_BYTE_LM_SIZE": "test"}):
         torch.manual_seed(1234)
         init = load_model_file(BYTE_LM).build().state_dict()
         torch.save(init, tmp / "init.pt")

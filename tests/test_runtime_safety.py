@@ -30,6 +30,7 @@ import torch
 from click.testing import CliRunner
 
 from partc.cli.main import main as cli
+from partc.environ import environ
 from partc.errors import PartcError
 from partc.plan import read_plan
 from partc.runtime import checkpoint_dir
@@ -367,6 +368,18 @@ def test_failure_lines():
     stall = "rank 1 stopped responding (...): stopping the job (--collective-timeout 5 s)"
     assert failure_lines({0: _failure(1, stall, "stall", stalled=[1]), 1: _failure(-9)}, 2) == ([f"error: {stall}"], 1)
 
+
+
+def test_environ_puts_back_what_was_there(monkeypatch):
+    """`partc run` sets the workers' environment with `partc.environ.environ`: afterwards, even after an error, a
+    variable that was set has its value again and one that was not is gone."""
+    monkeypatch.setenv("PARTC_TEST_SET", "before")
+    monkeypatch.delenv("PARTC_TEST_UNSET", raising=False)
+    with pytest.raises(RuntimeError):
+        with environ({"PARTC_TEST_SET": "during", "PARTC_TEST_UNSET": "during"}):
+            assert os.environ["PARTC_TEST_SET"] == os.environ["PARTC_TEST_UNSET"] == "during"
+            raise RuntimeError("the job failed")
+    assert os.environ["PARTC_TEST_SET"] == "before" and "PARTC_TEST_UNSET" not in os.environ
 
 # -- partc run, end to end ---------------------------------------------------------------------------------------
 
