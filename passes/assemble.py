@@ -16,6 +16,7 @@ from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import MESH_AXES, Parallel, Reads
 from partc import timeline
+from partc.passes.cost import cp_bytes
 from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes,
                                _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves,
                                dp_comm_time, fits, fsdp_groups, gather_bytes, in_flight, mesh_spans, model_state_bytes,
@@ -105,7 +106,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
     tied = keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes))
     units = keep(UNITS.key(par), lambda: _UnitSizes.of(shards, local_shapes))
     padded_sums = keep(PADDED.key(par), lambda: [0, *itertools.accumulate(
-        sum(zero.padded_numel(x, par.dp) for x in shapes.values()) for shapes in local_shapes)])
+        sum(zero.padded_numel(x, par.dp_shard) for x in shapes.values()) for shapes in local_shapes)])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
     backward = keep(BACKWARD.key(par), lambda: unit_backward_bytes(graph, par, tp))
     for r in range(p):
@@ -206,9 +207,11 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                 tp_payload += count * nbytes * b * m
         # What one GPU of the rank passes to collectives in a step, on each mesh axis (`MeshAxis.traffic`; the
         # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
-        comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
+        # Under context parallelism the activations, and so the tp and pp traffic, are each rank's s/cp tokens.
+        comm = {"pp": pp_bytes(graph, par, chunks) / par.cp + shared.get(r, 0.0),
                 "dp": sum(zero.dp_bytes(par, params, *padded).values()),
-                "tp": tp_payload + gather_bytes(graph, par, chunks)}
+                "cp": cp_bytes(graph, par, tp, idx),
+                "tp": (tp_payload + gather_bytes(graph, par, chunks)) / par.cp}
         assert tuple(comm) == MESH_AXES, (tuple(comm), MESH_AXES)
         comps.append((compute, tp_comm, pp_comm))
         dp_time = keep(DP_TIME.key(par, spans["dp"], params, padded, groups_n),

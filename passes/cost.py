@@ -346,7 +346,7 @@ def fsdp_groups(graph: ModelGraph, par: Parallel, tp: TPPlan | None, chunk: Sequ
     for s in shapes:
         shared = any(owners[k] > 1 for k in s)
         numel = sum(math.prod(v) for k, v in s.items() if k not in seen)
-        padded = sum(zero.padded_numel(v, par.dp) for k, v in s.items() if k not in seen)
+        padded = sum(zero.padded_numel(v, par.dp_shard) for k, v in s.items() if k not in seen)
         seen |= set(s)
         if shared:
             rest, rest_padded = rest + numel, rest_padded + padded
@@ -572,8 +572,8 @@ def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_n
     calls = zero.dp_calls(par, groups)
     total = 0.0
     for kind, nbytes in zero.dp_bytes(par, params_per_gpu, unit_padded, rest_padded).items():
-        total += hw.collective_time(cluster, kind, nbytes, par.dp, spans_nodes=spans_nodes, ranks_per_node=per_node)
-        total += (calls[kind] - 1) * hw.collective_time(cluster, kind, 0.0, par.dp, spans_nodes=spans_nodes,
+        total += hw.collective_time(cluster, kind, nbytes, par.dp_shard, spans_nodes=spans_nodes, ranks_per_node=per_node)
+        total += (calls[kind] - 1) * hw.collective_time(cluster, kind, 0.0, par.dp_shard, spans_nodes=spans_nodes,
                                                         ranks_per_node=per_node, latency_only=True)
     return (1.0 - cluster.dp_overlap) * total
 
@@ -610,7 +610,7 @@ def p2p_time(cluster: Cluster, par: Parallel, nbytes: float, spans_nodes: bool) 
 def optimizer_time(cluster: Cluster, par: Parallel, params_per_gpu: float) -> float:
     """Adam step, memory-bound: ADAM_STEP_BYTES per parameter this GPU updates (its shard of Ψ/N_d with ZeRO >=
     1; all of Ψ with ZeRO-0)."""
-    local = params_per_gpu / (par.dp if par.zero >= 1 else 1)
+    local = params_per_gpu / (par.dp_shard if par.zero >= 1 else 1)
     return hw.memory_time(cluster, ADAM_STEP_BYTES * local)
 
 
@@ -620,9 +620,27 @@ def fits(cluster: Cluster, mem: Memory) -> bool:
 
 def communicators(par: Parallel, shares_weights: bool) -> int:
     """NCCL communicators one GPU holds: one per process group of more than one rank it belongs to (the world, its
-    tp, dp and pp groups, and the group summing a weight shared across pipeline ranks)."""
-    sizes = [par.world_size, par.tp, par.dp, par.pp] + ([2] if shares_weights else [])
+    tp, dp, cp and pp groups, the dp x cp group FSDP shards over under context parallelism, and the group summing
+    a weight shared across pipeline ranks)."""
+    sizes = [par.world_size, par.tp, par.dp, par.cp, par.pp] + ([par.dp_shard] if par.cp > 1 else []) + \
+        ([2] if shares_weights else [])
     return sum(1 for n in sizes if n > 1)
+
+
+def cp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
+    """What one GPU passes to collectives over cp in a step: per causal attention of its units and micro-batch, its
+    keys and values all-gathered in forward (counted as the gathered output: the whole sequence's, b samples, this
+    tp rank's heads) and their gradients reduce-scattered in backward (counted as the input: as many bytes), the
+    forward's once more in a block recomputed in full (`partc.collectives.cp_attention`)."""
+    if par.cp == 1:
+        return 0.0
+    total = 0.0
+    for i in units:
+        u = graph.units[i]
+        fwd = 2 if par.recompute == "full" and u.kind == "block" else 1
+        total += (fwd + 1) * sum(nbytes / (par.tp if style_of(tp, layer) == "colwise" else 1)
+                                 for nbytes, layer in u.cp_kv)
+    return par.num_microbatches * par.micro_batch_size * total
 
 
 def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
@@ -728,7 +746,7 @@ def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None, bounds: 
     for key, units, shape in tied:
         ranks = {bisect.bisect_right(ends, i) % par.pp for i in units}  # chunk k holds units [.., ends[k])
         if len(ranks) > 1:
-            nbytes = zero.MASTER_BYTES * zero.padded_numel(shape, par.dp) / par.dp
+            nbytes = zero.MASTER_BYTES * zero.padded_numel(shape, par.dp_shard) / par.dp_shard
             for r in ranks:
                 out[r] = out.get(r, 0.0) + nbytes
     return out

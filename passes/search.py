@@ -91,13 +91,13 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
     pinned = pins.pinned().items()
     precision = pins.precision or "bf16"
     sequence_parallel = bool(pins.sequence_parallel)  # only where pinned: see docs/sequence-parallel.md
-    for dp, tp, pp in _degrees(cluster, gpus, global_batch, pins, n_units):
+    for dp, tp, pp, cp in _degrees(cluster, gpus, global_batch, pins, n_units):
         if sequence_parallel and tp < 2:
             continue
         per_replica = global_batch // dp
         for b in divisors(per_replica):
             for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
-                values = dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
+                values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
                               schedule=schedule, virtual_stages=v, recompute=recompute, precision=precision,
                               sequence_parallel=sequence_parallel)
                 if all(values[name] == value for name, value in pinned):
@@ -105,15 +105,18 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
 
 
 def _degrees(cluster: Cluster, gpus: int, global_batch: int, pins: Pins, n_units: int):
-    """(dp, tp, pp) with dp * tp * pp = gpus: tp inside a node unless pinned, pp at most one unit a stage, dp
-    dividing the global batch."""
-    for tp in divisors(gpus):
+    """(dp, tp, pp, cp) with dp * tp * pp * cp = gpus: tp inside a node unless pinned, pp at most one unit a stage,
+    dp dividing the global batch; cp as pinned (1 unless pinned)."""
+    cp = pins.cp or 1
+    if gpus % cp:
+        return
+    for tp in divisors(gpus // cp):
         if pins.tp is None and tp > cluster.gpus_per_node:
             continue
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
+        for pp in divisors(gpus // (cp * tp)):
+            dp = gpus // (cp * tp * pp)
             if pp <= n_units and global_batch % dp == 0:
-                yield dp, tp, pp
+                yield dp, tp, pp, cp
 
 
 def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):
