@@ -77,6 +77,13 @@ def mesh_spans(cluster: Cluster, par: Parallel) -> dict[str, bool]:
     return {axis: par.spans_nodes(axis, cluster.gpus_per_node) for axis in MESH_AXES}
 
 
+def tokens(par: Parallel) -> float:
+    """What one GPU computes, holds and sends of a micro-batch, in samples: b, or under context parallelism b/cp
+    (each cp rank holds s/cp tokens of every sample). Every activation-proportional term reads it; the parameters,
+    their gradients and the optimizer do not depend on it."""
+    return par.micro_batch_size / par.cp
+
+
 def _unit_list(graph: ModelGraph, units: Sequence[int] | Sequence[Unit]) -> list[Unit]:
     return [graph.units[u] if isinstance(u, int) else u for u in units]
 
@@ -86,7 +93,7 @@ def _unit_list(graph: ModelGraph, units: Sequence[int] | Sequence[Unit]) -> list
 def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
                    unit: Unit) -> tuple[float, float]:
     """(forward seconds of the unit, of which the attention-core GEMMs) for one micro-batch on one GPU."""
-    t, b = par.tp, par.micro_batch_size
+    t, b = par.tp, tokens(par)
     split = is_split(par, tp, unit)
     fwd = 0.0
     for fqn in unit.layers:
@@ -121,7 +128,7 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     backward all-reduce of the gradients of the parameters applied to each rank's part of the sequence (the norms
     feeding colwise layers and the rowwise layers' biases), and the backward all-gather of a replicated embedding's
     output added to the sequence-split stream (learned positions: [s, h], the same for every micro-batch size)."""
-    b = par.micro_batch_size
+    b = tokens(par)
     colls = [] if tp is None else tp.collectives.get(unit.fqn, [])
     if not (par.sequence_parallel and par.tp > 1):
         return [(c.kind, c.phase, float(c.nbytes * b)) for c in colls]
@@ -202,7 +209,7 @@ def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel, memo: di
     attention core and the non-layer ops split or not, whichever is cheaper, and no TP collectives. (Each term of
     `_forward_times` is at least its least value over the styles; compute grows with the forward and core times.)
     `memo` keeps each unit's forward and core floors, which do not depend on the recomputation, across calls."""
-    t, b = par.tp, par.micro_batch_size
+    t, b = par.tp, tokens(par)
     out = []
     seen: dict[tuple, float] = {}
     memo = {} if memo is None else memo
@@ -379,14 +386,14 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
 
 def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> float:
     if mode == "full":
-        return float(unit.input_bytes * par.micro_batch_size)
+        return float(unit.input_bytes * tokens(par))
     split = is_split(par, tp, unit)
     rep = unit.saved_bytes_replicated if split else 0
     sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
     if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
         sharded += rep - unit.saved_bytes_replicated_linear
         rep = unit.saved_bytes_replicated_linear
-    return (rep + sharded / (par.tp if split else 1)) * par.micro_batch_size
+    return (rep + sharded / (par.tp if split else 1)) * tokens(par)
 
 
 def in_flight(par: Parallel, rank: int) -> float:
@@ -410,7 +417,7 @@ def in_flight(par: Parallel, rank: int) -> float:
 def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]], acts: Sequence[float]
                 ) -> list[float]:
     """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`)."""
-    b, t = par.micro_batch_size, par.tp
+    b, t = tokens(par), par.tp
     return [sum(acts[lo:hi]) + (graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)) / t
             for lo, hi in chunks]
 
@@ -422,7 +429,7 @@ def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequen
     pipeline stage keeps both until the micro-batch's backward). One chunk a rank: `in_flight` micro-batches of
     that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
     the gradient it received."""
-    b, t = par.micro_batch_size, par.tp
+    b, t = tokens(par), par.tp
     held = _held_bytes(graph, par, chunks, acts)
     if par.chunks_per_rank == 1:
         return in_flight(par, rank) * held[0]
@@ -501,7 +508,7 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
     saved input is freed). The gradients that follow are no larger than the saved tensors freed before them. Under
     tp a rowwise layer's input and a colwise layer's output are 1/t; an embedding's input (token ids) has no
     gradient. Checked against one block's backward on the CPU (tests/test_activations.py)."""
-    b, t = par.micro_batch_size, par.tp
+    b, t = tokens(par), par.tp
     fed: dict[str, float] = {}  # layer -> gradients of the layers of its unit that feed its input
     for e in graph.edges:
         if graph.layers[e.src].unit == graph.layers[e.dst].unit:
@@ -537,12 +544,12 @@ def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: S
         # gathered. Its peak, in its own backward, comes before any unit's backward: no recomputation, unit
         # gradient or ZeRO reduction yet, only ZeRO-3's gathered units beside it. The larger of the two moments.
         head = graph.layers[last.layers[-1]]
-        local = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size / par.tp
+        local = head.out_bytes / compute_bytes(par.precision) * tokens(par) / par.tp
         gathered = compute_bytes(par.precision) * sum(sorted(sizes, reverse=True)[:2]) if par.zero == 3 else 0.0
         return max(extra, vocab_loss_bytes(par.precision) * local + gathered)
     if holds_last and last.layers:
         head = graph.layers[last.layers[-1]]
-        logits = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size
+        logits = head.out_bytes / compute_bytes(par.precision) * tokens(par)
         extra += LOSS_BYTES * logits
         if par.tp > 1 and style_of(tp, head.fqn) == "colwise":
             # the head's output gathered whole: the all-gather's parts, besides the concatenated logits
@@ -643,6 +650,32 @@ def cp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequenc
     return par.num_microbatches * par.micro_batch_size * total
 
 
+def cp_time(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+            units: Sequence[int]) -> tuple[float, float]:
+    """(seconds of one micro-batch's cp collectives on one GPU, of which in forward): per causal attention of its
+    units, its keys and values all-gathered in forward (again in a block recomputed in full) and their gradients
+    reduce-scattered in backward, as rings over the cp group (NVLink inside a node, InfiniBand across:
+    `mesh_spans`). Counted as exposed: the gather precedes the attention that needs it (Llama 3 gathers them
+    before attention too: the keys and values are small beside the attention's compute at long sequences)."""
+    if par.cp == 1:
+        return 0.0, 0.0
+    spans = par.spans_nodes("cp", cluster.gpus_per_node)
+    per_node = par.ranks_per_node("cp", cluster.gpus_per_node)
+    total = fwd = 0.0
+    for i in units:
+        u = graph.units[i]
+        again = 2 if par.recompute == "full" and u.kind == "block" else 1
+        for nbytes, layer in u.cp_kv:
+            whole = nbytes * par.micro_batch_size / (par.tp if style_of(tp, layer) == "colwise" else 1)
+            gather = hw.collective_time(cluster, "all_gather", whole, par.cp, spans_nodes=spans,
+                                        ranks_per_node=per_node)
+            scatter = hw.collective_time(cluster, "reduce_scatter", whole, par.cp, spans_nodes=spans,
+                                         ranks_per_node=per_node)
+            fwd += gather
+            total += again * gather + scatter
+    return total, fwd
+
+
 def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
     """TP collective payload of one GPU in a step: m x b x every collective of its units, a forward one twice in a
     block recomputed in full (its forward runs again in backward)."""
@@ -699,7 +732,7 @@ def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]
     (scatter/gather, `p2p_round_trip`)."""
     if par.pp == 1:
         return 0.0
-    b, total = par.micro_batch_size, 0
+    b, total = tokens(par), 0
     for lo, hi in chunks:
         total += graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)
         total += graph.boundary_grad_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
@@ -711,7 +744,7 @@ def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, i
     whole boundary) of what the chunk receives forward and of the gradient of what it sends backward."""
     if par.pp == 1 or par.tp == 1 or par.sequence_parallel:  # the boundary is each rank's part of the sequence
         return 0.0
-    b, total = par.micro_batch_size, 0
+    b, total = tokens(par), 0
     for lo, hi in chunks:
         total += graph.boundary_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
     return float(total * par.num_microbatches)

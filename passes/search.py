@@ -243,7 +243,7 @@ class _Costs:
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
         graph = self.graph
         ok = graph.cut_ok or [True] * len(graph.cut_bytes)  # a cut the program cannot make costs inf
-        b = par.micro_batch_size
+        b = cost.tokens(par)
 
         def make() -> list[float]:
             once: dict[tuple[int, int], float] = {}  # the boundaries of identical blocks carry the same bytes

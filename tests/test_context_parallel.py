@@ -22,6 +22,7 @@ from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import load_model_file
 from partc.parallel import Pins
+from partc.runtime.check import check_program
 from partc.runtime.testing import reference_run
 
 
@@ -91,6 +92,11 @@ def test_plan_prices_the_key_value_gathers(tmp_path):
     stage = (tmp_path / "out" / "program" / "stage_0.py").read_text()
     assert stage.count("tp.cp_attention(") == 4 and "repeats=2" in stage
     assert "tp.cp_arange(" in stage and "scaled_dot_product_attention.default" not in stage
+    # `partc check` runs rank 0 on fake tensors at full world size and measures the same traffic
+    (rank,) = check_program(str(tmp_path / "out"), slack_bytes=0)
+    assert rank.comm_bytes["cp"] == rank.predicted_comm_bytes["cp"] > 0
+    assert rank.comm_bytes["dp"] == rank.predicted_comm_bytes["dp"] > 0  # reduced over dp x cp = 1 x 2
+    assert all(row.agrees for row in rank.rows() if row.what.startswith("comm"))
 
 
 # name: (model, cp, tp, pp, dp, zero, global batch)
