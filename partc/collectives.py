@@ -314,23 +314,47 @@ def cp_slice(x: Tensor, dim: int, start=None, end=None, step: int = 1) -> Tensor
 def cp_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask=None, dropout_p: float = 0.0,
                  is_causal: bool = False, *, scale=None, enable_gqa: bool = False, repeats: int = 1) -> Tensor:
     """Causal ``scaled_dot_product_attention`` of this rank's queries against the keys and values of the whole
-    sequence: `key` and `value` all-gathered over cp (their gradients reduce-scattered back), then `repeats`
-    copies of each key/value head (grouped-query attention gathers its few heads before they are repeated), and
-    the causal mask of the global positions (query at p sees keys at positions <= p)."""
+    sequence: `key` and `value` all-gathered over cp (their gradients reduce-scattered back) and put in sequence
+    order, then `repeats` copies of each key/value head (grouped-query attention gathers its few heads before they
+    are repeated). Each of the rank's two query chunks attends to the keys up to its own end, causally aligned at
+    the lower right (``causal_lower_right``): the fused kernels run it without a mask in memory and skip what is
+    masked, so the rank's attention work is that of its chunks, the same on every rank."""
     assert attn_mask is None and is_causal, "cp_attention replaces causal attention only"
     group = _CP_GROUP
     rank, size = _cp_where(group)
     if size > 1:
         dim = key.dim() - 2
-        key, value = gather_from_sp(key, dim, group), gather_from_sp(value, dim, group)
+        key, value = _in_sequence_order(gather_from_sp(key, dim, group), size), \
+            _in_sequence_order(gather_from_sp(value, dim, group), size)
     if repeats > 1:
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     if size == 1:
         return torch.ops.aten.scaled_dot_product_attention(query, key, value, None, dropout_p, True, scale=scale,
                                                            enable_gqa=enable_gqa)
-    n = query.shape[-2]
-    qpos = cp_rank_positions(n, rank, size, query.device)
-    kpos = torch.cat([cp_rank_positions(n, r, size, query.device) for r in range(size)])
-    mask = kpos[None, :] <= qpos[:, None]
-    return torch.ops.aten.scaled_dot_product_attention(query, key, value, mask, dropout_p, False, scale=scale,
-                                                       enable_gqa=enable_gqa)
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.nn.attention.bias import causal_lower_right
+
+    c = query.shape[-2] // 2
+    out = []
+    for q, chunk in zip(query.split(c, dim=-2), (rank, 2 * size - 1 - rank)):
+        end = (chunk + 1) * c  # the keys this chunk's queries see: positions 0 .. end - 1
+        k, v = key[..., :end, :], value[..., :end, :]
+        if isinstance(q, FakeTensor):
+            # `partc check` on fake tensors (a tensor subclass such as CausalBias cannot wrap one): the flash
+            # kernel CausalBias calls on a GPU, whose causal flag aligns at the lower right when L < S.
+            out.append(torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal=True, scale=scale if scale is not None else q.shape[-1] ** -0.5)[0])
+        else:
+            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, end),
+                                                      dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
+    return torch.cat(out, dim=-2)
+
+
+def _in_sequence_order(x: Tensor, size: int) -> Tensor:
+    """The gathered keys (or values) of every rank, [rank 0's chunks 0 and 2·size-1, rank 1's, ...] along dim -2,
+    put in sequence order: chunk j is the first half of rank j's part for j < size, else the second half of rank
+    2·size-1-j's."""
+    parts = x.chunk(2 * size, dim=-2)
+    return torch.cat([parts[2 * j] if j < size else parts[2 * (2 * size - 1 - j) + 1] for j in range(2 * size)],
+                     dim=-2)

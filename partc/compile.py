@@ -152,6 +152,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                          f"plans the training of a model with parameters")
     graph.vocab_loss, graph.vocab_loss_why = find_vocab_loss(spec, model, traced) if vocab_parallel_loss else \
         ({}, "turned off (--no-vocab-parallel-loss)")
+    cp_refused = None
     if pins.cp is not None and pins.cp > 1:  # refused before the search when not proven (one line)
         context_graph(spec, model, traced, pins.cp, path=path, precision=precision)
     t_trace = time.perf_counter()
@@ -168,6 +169,12 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                 _refuse_single_value_norms(norms)
             result = search(graph, clus, gpus, global_batch_size=gbs,
                             pins=dataclasses.replace(pins or Pins(), micro_batch_size=2))
+        if result.best is not None and result.best.parallel.cp > 1 and pins.cp is None:
+            try:  # the search chose context parallelism: the model must be proven for it (else plan without)
+                context_graph(spec, model, traced, result.best.parallel.cp, path=path, precision=precision)
+            except PartcError as e:
+                result = search(graph, clus, gpus, global_batch_size=gbs, pins=dataclasses.replace(pins, cp=1))
+                cp_refused = str(e)
         if result.best is None:
             raise PartcError(_no_fit_message(clus, result))
         best = result.best
@@ -184,6 +191,8 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     if plan_in is not None:
         plan.alternatives = []
     warnings = init_warnings(init)
+    if cp_refused:
+        warnings.append(f"planned without context parallelism: {cp_refused}")
     unsplit = tp_unsplit_note(graph, best.tp, best.parallel.tp)
     if unsplit:
         warnings.append(unsplit)

@@ -393,7 +393,17 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> flo
     if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
         sharded += rep - unit.saved_bytes_replicated_linear
         rep = unit.saved_bytes_replicated_linear
-    return (rep + sharded / (par.tp if split else 1)) * tokens(par)
+    return (rep + sharded / (par.tp if split else 1)) * tokens(par) + _cp_saved_bytes(par, tp, unit)
+
+
+def _cp_saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
+    """Under context parallelism, what attention saves beyond its share of the trace: the keys and values of the
+    whole sequence it was given (gathered, and repeated for grouped-query attention) rather than this rank's
+    s/cp tokens of them."""
+    if par.cp == 1:
+        return 0.0
+    return sum(post / (par.tp if style_of(tp, layer) == "colwise" else 1)
+               for _, layer, post in unit.cp_kv) * par.micro_batch_size * (1 - 1 / par.cp)
 
 
 def in_flight(par: Parallel, rank: int) -> float:
@@ -646,7 +656,7 @@ def cp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequenc
         u = graph.units[i]
         fwd = 2 if par.recompute == "full" and u.kind == "block" else 1
         total += (fwd + 1) * sum(nbytes / (par.tp if style_of(tp, layer) == "colwise" else 1)
-                                 for nbytes, layer in u.cp_kv)
+                                 for nbytes, layer, _ in u.cp_kv)
     return par.num_microbatches * par.micro_batch_size * total
 
 
@@ -665,7 +675,7 @@ def cp_time(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     for i in units:
         u = graph.units[i]
         again = 2 if par.recompute == "full" and u.kind == "block" else 1
-        for nbytes, layer in u.cp_kv:
+        for nbytes, layer, _ in u.cp_kv:
             whole = nbytes * par.micro_batch_size / (par.tp if style_of(tp, layer) == "colwise" else 1)
             gather = hw.collective_time(cluster, "all_gather", whole, par.cp, spans_nodes=spans,
                                         ranks_per_node=per_node)

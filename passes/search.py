@@ -91,7 +91,7 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
     pinned = pins.pinned().items()
     precision = pins.precision or "bf16"
     sequence_parallel = bool(pins.sequence_parallel)  # only where pinned: see docs/sequence-parallel.md
-    for dp, tp, pp, cp in _degrees(cluster, gpus, global_batch, pins, n_units):
+    for dp, tp, pp, cp in _degrees(cluster, gpus, global_batch, pins, n_units, cp_degrees(graph, gpus, pins)):
         if sequence_parallel and tp < 2:
             continue
         per_replica = global_batch // dp
@@ -104,19 +104,37 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
                     yield values
 
 
-def _degrees(cluster: Cluster, gpus: int, global_batch: int, pins: Pins, n_units: int):
-    """(dp, tp, pp, cp) with dp * tp * pp * cp = gpus: tp inside a node unless pinned, pp at most one unit a stage,
-    dp dividing the global batch; cp as pinned (1 unless pinned)."""
-    cp = pins.cp or 1
-    if gpus % cp:
-        return
-    for tp in divisors(gpus // cp):
-        if pins.tp is None and tp > cluster.gpus_per_node:
+MIN_CP_CHUNK = 1024
+"""The fewest tokens of a context-parallel chunk the search considers unpinned (each rank holds two chunks of
+s/(2·cp)): below it the keys' and values' gathers and the smaller GEMMs cost more than cp saves (Llama 3 and
+torchtitan use cp for sequences of tens of thousands of tokens). A pin (``--cp``) is taken as given."""
+
+
+def cp_degrees(graph: ModelGraph, gpus: int, pins: Pins) -> list[int]:
+    """The context-parallel degrees to search: the pinned one; else 1, and, for a model with causal attention
+    (`Unit.cp_kv`), each divisor of the GPU count that cuts the sequence in chunks of `MIN_CP_CHUNK` tokens or
+    more."""
+    if pins.cp is not None:
+        return [pins.cp]
+    if not any(u.cp_kv for u in graph.units) or not graph.seq_len:
+        return [1]
+    return [cp for cp in divisors(gpus) if cp == 1 or (graph.seq_len % (2 * cp) == 0
+                                                       and graph.seq_len // (2 * cp) >= MIN_CP_CHUNK)]
+
+
+def _degrees(cluster: Cluster, gpus: int, global_batch: int, pins: Pins, n_units: int, cps: list[int]):
+    """(dp, tp, pp, cp) with dp * tp * pp * cp = gpus: cp of `cps` (`cp_degrees`), tp inside a node unless pinned,
+    pp at most one unit a stage, dp dividing the global batch."""
+    for cp in cps:
+        if gpus % cp:
             continue
-        for pp in divisors(gpus // (cp * tp)):
-            dp = gpus // (cp * tp * pp)
-            if pp <= n_units and global_batch % dp == 0:
-                yield dp, tp, pp, cp
+        for tp in divisors(gpus // cp):
+            if pins.tp is None and tp > cluster.gpus_per_node:
+                continue
+            for pp in divisors(gpus // (cp * tp)):
+                dp = gpus // (cp * tp * pp)
+                if pp <= n_units and global_batch % dp == 0:
+                    yield dp, tp, pp, cp
 
 
 def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):

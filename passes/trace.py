@@ -141,12 +141,12 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
             continue
         unit = units[u]
         if n.target is torch.ops.aten.scaled_dot_product_attention.default:
-            for x in n.args[1:3]:
-                x = kv_before_repeat(x)
+            for given in n.args[1:3]:
+                x = kv_before_repeat(given)
                 src = x
                 while src not in a.node_layer and src.all_input_nodes:  # the layer that made it (a projection)
                     src = src.all_input_nodes[0]
-                unit.cp_kv.append((val_bytes(x), a.node_layer.get(src, "")))
+                unit.cp_kv.append((val_bytes(x), a.node_layer.get(src, ""), val_bytes(given)))
         flops = sum(g.flops for g in st.gemms) + st.conv_flops
         saved = sum(b for _, b, _ in st.saved)
         unit.fwd_flops += flops
