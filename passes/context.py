@@ -156,9 +156,7 @@ def analyze(full: torch.export.ExportedProgram, local: torch.export.ExportedProg
         if node.target is operator.getitem or not lv:  # an assert or a size: no tensor made
             continue
         if node.target in ATTENTION:
-            attn_mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-            causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
-            if attn_mask is not None or not causal:
+            if not is_causal_attention(node):
                 raise PartcError(why + f"attention {_where(node)} is not causal or has a mask (a sliding window "
                                        f"or an arbitrary mask); only causal attention without a mask is split")
             out.attention.append(node.name)
@@ -195,6 +193,13 @@ def analyze(full: torch.export.ExportedProgram, local: torch.export.ExportedProg
     if not out.attention:
         raise PartcError(why + "it has no causal scaled_dot_product_attention to split")
     return out
+
+
+def is_causal_attention(node: torch.fx.Node) -> bool:
+    """Whether a ``scaled_dot_product_attention`` node is causal, with no mask: what context parallelism splits."""
+    attn_mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    return attn_mask is None and bool(causal)
 
 
 def kv_before_repeat(x):

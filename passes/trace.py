@@ -26,7 +26,7 @@ from partc.model_file import infer_seq_len
 from partc.precision import cast_floating, cast_parameters, compute_dtype
 from partc.passes.assign import Assignment, assign, layer_outputs, owner
 from partc.value_sized import expected_sizes
-from partc.passes.context import kv_before_repeat
+from partc.passes.context import is_causal_attention, kv_before_repeat
 from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
 from partc.passes.experts import mark_inner, param_placeholders
 from partc.passes.export import export_on_meta, norms_on_any_batch
@@ -140,7 +140,7 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
         if st is None or u is None:
             continue
         unit = units[u]
-        if n.target is torch.ops.aten.scaled_dot_product_attention.default:
+        if n.target is torch.ops.aten.scaled_dot_product_attention.default and is_causal_attention(n):
             for given in n.args[1:3]:
                 x = kv_before_repeat(given)
                 src = x
