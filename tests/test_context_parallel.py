@@ -99,6 +99,25 @@ def test_plan_prices_the_key_value_gathers(tmp_path):
     assert all(row.agrees for row in rank.rows() if row.what.startswith("comm"))
 
 
+def test_search_tries_cp_for_long_causal_sequences():
+    """The search's cp degrees: 1, and those keeping chunks of MIN_CP_CHUNK tokens, for a model with causal
+    attention; a pin as given. The tiny LLaMA's graph at a longer sequence stands for a long-context model."""
+    import dataclasses
+
+    from helpers import trace_file
+    from partc.passes.search import MIN_CP_CHUNK, cp_degrees
+
+    _, traced = trace_file(EXAMPLES / "llama.py")
+    graph = traced.graph
+    assert all(len(u.cp_kv) == 2 for u in graph.units if u.kind == "block")  # keys and values of each attention
+    assert cp_degrees(graph, 8, Pins()) == [1]  # 64 tokens: chunks far below MIN_CP_CHUNK
+    graph = dataclasses.replace(graph, seq_len=4 * MIN_CP_CHUNK)
+    assert cp_degrees(graph, 8, Pins()) == [1, 2]
+    assert cp_degrees(graph, 8, Pins(cp=4)) == [4]
+    graph.units = [dataclasses.replace(u, cp_kv=[]) for u in graph.units]  # no causal attention
+    assert cp_degrees(graph, 8, Pins()) == [1]
+
+
 # name: (model, cp, tp, pp, dp, zero, global batch)
 CONFIGS = {
     "gpt_cp2_tp2_pp2": ("gpt", 2, 2, 2, 1, 1, 4),
