@@ -8,7 +8,7 @@ per layer, section 4); Rajbhandari et al. 2020, "ZeRO" (model states, Figure 1; 
 from `passes.hw`. The IR is per sample and unsharded: here it is multiplied by the micro-batch size b and divided
 by the TP degree t. Symbols as in the papers: b, s, h, a, t, p, m, v, Ψ, N_d.
 
-The mesh is `partc.parallel.MESH` (torchtitan's ("pp", "dp", "tp"), tp innermost): a TP group crosses nodes
+The mesh is `partc.parallel.MESH` (torchtitan's ("pp", "dp", "cp", "tp"), tp innermost): a TP group crosses nodes
 when t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop when the world exceeds one node
 (`Parallel.spans_nodes`). A group crossing nodes uses the InfiniBand adapters of all its members in a node
 (`Parallel.ranks_per_node`, `hw.link`); a pipeline hop sends 1/t of the boundary from each TP rank and all-gathers

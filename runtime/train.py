@@ -19,6 +19,10 @@ parameters to the compute dtype, the runner a floating-point model input; the fo
 Autocast`) are ops of the program, so the stages exchange what the trace had (compute-dtype activations, and an fp32
 tensor where the model made one), and the loss is computed in fp32 from the model's outputs upcast.
 
+Context parallelism. Each cp rank runs its tokens of every sample (the manifest's ``cp``: chunks i and 2·cp-1-i,
+`partc.collectives.cp_cut`) of the inputs and the targets; its loss is the mean over them, and FSDP averages over
+dp x cp (every cp rank holds as many tokens), so the gradients are those of the mean over every token.
+
 Loss and gradients. ``loss_fn`` gives each micro-batch's mean; the schedule scales gradients by 1/m
 (``scale_grads``) and DP averages over dp, so the gradients are those of the global-batch mean, and the returned
 loss is the mean over micro-batches and DP ranks: what one process computes with ``loss_fn(model(x), y)`` on the
