@@ -36,6 +36,7 @@ from partc.model_file import ModelSpec, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import TPSolution, evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
+from partc.passes.context import ContextSplit, analyze as analyze_context, local_inputs
 from partc.passes.export import CHECKPOINT_CALLS, export_on_meta
 from partc.passes.rebatch import rebatch
 from partc.value_sized import EXPECTED_SIZES, expected_sizes
@@ -151,6 +152,9 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                          f"plans the training of a model with parameters")
     graph.vocab_loss, graph.vocab_loss_why = find_vocab_loss(spec, model, traced) if vocab_parallel_loss else \
         ({}, "turned off (--no-vocab-parallel-loss)")
+    cp_refused = None
+    if pins.cp is not None and pins.cp > 1:  # refused before the search when not proven (one line)
+        context_graph(spec, model, traced, pins.cp, path=path, precision=precision)
     t_trace = time.perf_counter()
 
     # 3. Search, or re-predict a plan read from disk. A BatchNorm that sees one value per channel in a sample
@@ -165,6 +169,12 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                 _refuse_single_value_norms(norms)
             result = search(graph, clus, gpus, global_batch_size=gbs,
                             pins=dataclasses.replace(pins or Pins(), micro_batch_size=2))
+        if result.best is not None and result.best.parallel.cp > 1 and pins.cp is None:
+            try:  # the search chose context parallelism: the model must be proven for it (else plan without)
+                context_graph(spec, model, traced, result.best.parallel.cp, path=path, precision=precision)
+            except PartcError as e:
+                result = search(graph, clus, gpus, global_batch_size=gbs, pins=dataclasses.replace(pins, cp=1))
+                cp_refused = str(e)
         if result.best is None:
             raise PartcError(_no_fit_message(clus, result))
         best = result.best
@@ -181,6 +191,8 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     if plan_in is not None:
         plan.alternatives = []
     warnings = init_warnings(init)
+    if cp_refused:
+        warnings.append(f"planned without context parallelism: {cp_refused}")
     unsplit = tp_unsplit_note(graph, best.tp, best.parallel.tp)
     if unsplit:
         warnings.append(unsplit)
@@ -388,14 +400,38 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
     TP) with the batch rescaled (`rebatch`), or, where the rescaling cannot be proven, a second export."""
     b = plan.parallel.micro_batch_size
     ep = traced.exported
+    cp = plan.parallel.cp
+    split = None
+    if cp > 1:  # the graph at the rank's s/cp tokens, proven per position but for what the rewrite replaces
+        ep, split = context_graph(spec, model, traced, cp, path=path, precision=plan.parallel.precision)
     if b != 1 or plan.parallel.tp > 1:
         args, kwargs = meta_inputs(spec, b, plan.parallel.precision)
-        ep = rebatch(traced.exported, model, args, kwargs) or export_on_meta(model, args, kwargs, path=path,
-                                                                             precision=plan.parallel.precision)
+        if split is not None:
+            args, kwargs = local_inputs(args, kwargs, split.seq_len, cp)
+        ep = rebatch(ep, model, args, kwargs) or export_on_meta(model, args, kwargs, path=path,
+                                                                precision=plan.parallel.precision)
     vocab = traced.graph.vocab_loss if plan.tp_loss == vocab_loss.VOCAB_PARALLEL else None
     with expected_sizes(ep.graph_module.meta) or contextlib.nullcontext():  # the TP rewrite runs ops on meta
         return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers,
-                        vocab_loss=vocab)
+                        vocab_loss=vocab, context=split)
+
+
+def context_graph(spec: ModelSpec, model: torch.nn.Module, traced: Traced, cp: int, *, path: str,
+                  precision: str) -> tuple[torch.export.ExportedProgram, ContextSplit]:
+    """The model exported at one sample of s/cp tokens, and the proof that it computes per position but for the
+    ops `partc.passes.context` rewrites (PartcError naming the first op that mixes positions otherwise)."""
+    seq_len = traced.graph.seq_len
+    if not seq_len:
+        raise PartcError(f"--cp {cp}: partc found no sequence in the model's inputs")
+    args, kwargs = local_inputs(*meta_inputs(spec, 1, precision), seq_len, cp)
+    with torch.device("meta"):
+        targets = spec.targets(1)
+    for t in torch.utils._pytree.tree_leaves(targets):
+        if isinstance(t, torch.Tensor) and [d for d in range(1, t.dim()) if t.shape[d] == seq_len] == []:
+            raise PartcError(f"--cp {cp}: a target of shape {list(t.shape)} has no dim of {seq_len} tokens; context "
+                             f"parallelism needs a loss over the tokens (the mean over every token of the batch)")
+    local = export_on_meta(model, args, kwargs, path=path, precision=precision)
+    return local, analyze_context(traced.exported, local, cp, seq_len)
 
 
 def _no_fit_message(clus: Cluster, result: SearchResult) -> str:

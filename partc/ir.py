@@ -131,6 +131,11 @@ class Unit:
     op_saved_bytes_replicated: int = 0
     """The part of `op_saved_bytes` that TP does not divide: the share of those ops' memory-bound work each GPU
     does whole."""
+    cp_kv: list[tuple[int, str, int]] = field(default_factory=list)
+    """(bytes per sample, the layer that made it, bytes per sample as attention takes it) of each key and value of
+    the unit's causal attention (whole sequence; the first before grouped-query attention repeats their heads):
+    what context parallelism all-gathers over cp, split over tp where that layer is colwise
+    (`partc.passes.cost.cp_bytes`), and what attention then saves for backward."""
     input_bytes: int = 0
     """Bytes of activations entering the unit: what full recomputation keeps per micro-batch."""
     memory_bytes: int = 0

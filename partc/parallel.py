@@ -7,10 +7,10 @@ optional field per choice of `Parallel`) and the CLI options that set them, the 
 (`Parallel.spans_nodes`, `Parallel.ranks_per_node`) and the runtime's device mesh (`MESH`, `Parallel.degrees`,
 `Parallel.coords`).
 
-The mesh is torchtitan's: axes `MESH` = (``pp``, ``dp``, ``tp``), outermost first. ``tp`` is innermost
+The mesh is torchtitan's: axes `MESH` = (``pp``, ``dp``, ``cp``, ``tp``), outermost first. ``tp`` is innermost
 (neighbouring ranks, the same node: the most traffic), ``pp`` outermost (point-to-point only):
 
-    global rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 A new dimension (say, context parallelism ``cp``) is a field here, with its `MeshAxis` in `MESH` if it has one;
 the cost model, the search space and the runtime's ``apply_*`` for it read the field
@@ -71,10 +71,12 @@ class MeshAxis:
         return getattr(par, self.name)
 
 
-MESH = (MeshAxis("pp"), MeshAxis("dp"), MeshAxis("tp"))
+MESH = (MeshAxis("pp"), MeshAxis("dp"), MeshAxis("cp"), MeshAxis("tp"))
 """The device mesh, outermost first: torchtitan's order. ``pp`` outermost: activations and their gradients between
 neighbouring stages (point-to-point) and the sums of weights two stages share; ``dp``: gradients reduced and, with
-ZeRO, parameters gathered; ``tp`` innermost (neighbouring ranks, one node: the most traffic): the collectives
+ZeRO, parameters gathered (over ``dp`` x ``cp`` together: each context-parallel rank sees other tokens of the
+same samples, torchtitan's ``dp_shard_cp``); ``cp``: each attention layer's keys and values all-gathered in forward
+and their gradients reduce-scattered in backward (docs/context-parallel.md); ``tp`` innermost (neighbouring ranks, one node: the most traffic): the collectives
 inside split layers and the gathers of pipeline boundaries sent 1/t a rank. A new axis is one more record here and
 a `Parallel` field of the same name (docs/adding-a-dimension.md)."""
 
@@ -109,6 +111,11 @@ class Parallel:
     """Tensor-parallel degree (mesh axis ``tp``), inside a node unless pinned."""
     pp: int = field(metadata=_choice("Pin the pipeline-parallel degree.", minimum=1, maximum=MAX_GPUS))
     """Pipeline-parallel degree: number of pipeline ranks (mesh axis ``pp``)."""
+    cp: int = field(default=1, metadata=_choice("Pin the context-parallel degree (each sequence split over cp "
+                                                "ranks).", minimum=1, maximum=MAX_GPUS))
+    """Context-parallel degree (mesh axis ``cp``, between ``dp`` and ``tp``): every sequence is cut in 2·cp chunks
+    and cp rank i holds chunks i and 2·cp-1-i (the causal load balance of Llama 3); attention all-gathers the keys
+    and values over cp (docs/context-parallel.md). Gradients are reduced, and ZeRO shards, over dp x cp."""
     zero: int = field(metadata=_choice("Pin the ZeRO stage (0-3).", choices=ZERO_STAGES))
     """ZeRO stage 0-3 over the ``dp`` axis: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
     micro_batch_size: int = field(metadata=_choice("Pin the micro-batch size.", minimum=1, maximum=MAX_BATCH))
@@ -173,6 +180,9 @@ class Parallel:
         if self.dp % self.ep:
             raise PartcError(f"ep {self.ep} does not divide dp {self.dp} (the expert-parallel ranks are carved from "
                              f"the data-parallel ones)")
+        if self.ep > 1 and self.cp > 1:
+            raise PartcError("ep and cp together are not supported yet: the experts' gradients would also have to be "
+                             "reduced over the context-parallel ranks")
 
     # -- derived quantities --------------------------------------------------------------------------------------
 
@@ -180,6 +190,12 @@ class Parallel:
     def num_microbatches(self) -> int:
         """Micro-batches per pipeline per step: m = B / (dp * b)."""
         return self.global_batch_size // (self.dp * self.micro_batch_size)
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks gradients are averaged and ZeRO shards over: dp x cp (every cp rank holds every parameter and
+        gets the gradient of its own tokens)."""
+        return self.dp * self.cp
 
     @property
     def world_size(self) -> int:
@@ -202,7 +218,8 @@ class Parallel:
         return {axis.name: axis.degree(self) for axis in MESH}
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Mesh axis -> the coordinate of global rank `rank` (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
+        """Mesh axis -> the coordinate of global rank `rank` (rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp
+        + tp_rank)."""
         out = {}
         for axis in reversed(MESH_AXES):
             out[axis] = rank % getattr(self, axis)
@@ -260,13 +277,17 @@ class Parallel:
 
     def world_text(self) -> str:
         """``dp x tp x pp = 3 x 2 x 2 = 12``: how the degrees make the world size, for messages."""
-        return (f"{' x '.join(SHOWN_AXES)} = {' x '.join(str(getattr(self, a)) for a in SHOWN_AXES)} = "
-                f"{self.world_size}")
+        shown = self.shown_axes()
+        return f"{' x '.join(shown)} = {' x '.join(str(getattr(self, a)) for a in shown)} = {self.world_size}"
+
+    def shown_axes(self) -> tuple[str, ...]:
+        """`SHOWN_AXES` but an axis with a default (``cp``) only when it is not 1."""
+        return tuple(a for a in SHOWN_AXES if a in REQUIRED_AXES or getattr(self, a) != 1)
 
     def summary(self) -> str:
         """One line for people: ``dp=64 tp=2 pp=4 zero=3 mb=1 recompute=none interleaved-1f1b v=4`` (and ``fp32``
         when not bf16)."""
-        text = " ".join(f"{a}={getattr(self, a)}" for a in SHOWN_AXES)
+        text = " ".join(f"{a}={getattr(self, a)}" for a in self.shown_axes())
         text += f" zero={self.zero} mb={self.micro_batch_size} recompute={self.recompute} {self.schedule}"
         text += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         text += " sp" if self.sequence_parallel else ""
@@ -361,6 +382,9 @@ SHOWN_AXES = tuple(f.name for f in fields(Parallel) if f.name in MESH_AXES)
 messages, the check's rows)."""
 assert sorted(SHOWN_AXES) == sorted(MESH_AXES), "every mesh axis is a degree of Parallel"
 
+REQUIRED_AXES = tuple(f.name for f in fields(Parallel) if f.name in MESH_AXES and f.default is dataclasses.MISSING)
+"""The axes every plan names (``dp, tp, pp``); the others (``cp``) default to 1 and are shown only when used."""
+
 PINNABLE = tuple(f for f in fields(Parallel) if f.metadata["pin"])
 """The choices of `Parallel` a user may fix for the search (all but the global batch, which is an input)."""
 
@@ -409,7 +433,7 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
     if fixed and gpus % math.prod(fixed.values()):
         raise PartcError(f"the pinned degrees {' x '.join(map(str, fixed.values()))} do not divide the GPU count "
                          f"{gpus}")
-    if len(fixed) == len(MESH_AXES) and math.prod(fixed.values()) != gpus:
+    if all(a in fixed for a in REQUIRED_AXES) and math.prod(fixed.values()) != gpus:
         raise PartcError(f"{' x '.join(fixed)} = {math.prod(fixed.values())} but --gpus is {gpus}")
     if pins.sequence_parallel and pins.tp == 1:
         raise PartcError("--sequence-parallel needs tensor parallelism (--tp 2 or more)")

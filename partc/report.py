@@ -27,6 +27,7 @@ from partc import output, timeline
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.plan import read_plan
+from partc.parallel import SHOWN_AXES
 from partc.report_draw import (BREAKDOWN, CATEGORIES, CATEGORY_NAMES, COLORS, CSS, OFF_SCALE, STYLE_COLORS, _axis,
                                _bytes, _e, _legend, _mem_unit, _nice_ticks, _num, _secs, _svg, _tick, _ticks_between)
 from partc.report_log import _log
@@ -230,7 +231,7 @@ def _traffic(measured: list[dict]) -> str:
     """Predicted and measured collective payload per pipeline rank and mesh axis (partc check)."""
     rows = []
     for r in sorted(measured, key=lambda r: r["pp_rank"]):
-        for axis in ("tp", "pp", "dp"):
+        for axis in SHOWN_AXES:
             pred = float(r.get("predicted_comm_bytes", {}).get(axis, 0))
             got = float(r.get("comm_bytes", {}).get(axis, 0))
             scale = max(pred, got, 1.0)

@@ -16,6 +16,7 @@ from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import MESH_AXES, Parallel, Reads
 from partc import timeline
+from partc.passes.cost import cp_bytes, cp_time, tokens
 from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes,
                                _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves, ep_bytes, ep_time, expert_dp_bytes, expert_keys, expert_state_bytes,
                                dp_comm_time, fits, fsdp_groups, gather_bytes, in_flight, mesh_spans, model_state_bytes,
@@ -40,6 +41,7 @@ EXTRA = Reads("extra", ("dp", "pp", "global_batch_size", "schedule", "virtual_st
 TIME = Reads("time", _PER_MICRO_BATCH)  # + the chunks
 FWD_TIME = Reads("fwd_time", _PER_MICRO_BATCH)  # the forward's share of TIME, for the timeline: + the chunks
 TP_BYTES = Reads("tp_bytes", _PER_MICRO_BATCH)  # + the micro-batch count and the chunks
+CP_TIME = Reads("cp_time", ("dp", "zero", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks
 DP_TIME = Reads("dp_time", ("pp", "schedule", "virtual_stages", "recompute"))  # + the rank's parameters and groups
 
 
@@ -108,7 +110,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
     units = keep(UNITS.key(par), lambda: _UnitSizes.of(shards, local_shapes))
     experts = expert_keys(graph, par)  # FSDP leaves them out of its groups
     padded_sums = keep(PADDED.key(par), lambda: [0, *itertools.accumulate(
-        sum(zero.padded_numel(x, par.dp) for k, x in shapes.items() if k not in experts) for shapes in local_shapes)])
+        sum(zero.padded_numel(x, par.dp_shard) for k, x in shapes.items() if k not in experts) for shapes in local_shapes)])
     expert_sums = keep(EXPERTS.key(par), lambda: [0, *itertools.accumulate(
         sum(n for k, n in s.items() if k in experts) for s in shards)])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
@@ -178,9 +180,10 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     what each depends on (a model of identical blocks repeats most chunks).
     """
     check_bounds(graph, par, bounds)
-    p, v, m, b = par.pp, par.chunks_per_rank, par.num_microbatches, par.micro_batch_size
+    p, v, m, b = par.pp, par.chunks_per_rank, par.num_microbatches, tokens(par)
     if m < 1:
-        raise PartcError(f"global batch {par.global_batch_size} is smaller than dp x micro-batch ({par.dp} x {b})")
+        raise PartcError(f"global batch {par.global_batch_size} is smaller than dp x micro-batch ({par.dp} x "
+                         f"{par.micro_batch_size})")
     parts = parts if parts is not None else unit_time_parts(graph, cluster, par, tp)
     acts = acts if acts is not None else unit_activation_bytes(graph, par, tp)
     shards = shards if shards is not None else unit_param_shards(graph, par, tp)
@@ -205,6 +208,10 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                                     spans["pp"], 0.0) for lo, hi in chunks)  # the activations' half
         fwd_compute, fwd_tp = keep(FWD_TIME.key(par, ck), lambda: (
             sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
+        # The cp collectives (keys and values of each attention) are exposed, with the tp ones inside a
+        # micro-batch (`cp_time`).
+        cp_s, cp_fwd = keep(CP_TIME.key(par, ck), lambda: cp_time(graph, cluster, par, tp, idx))
+        tp_comm, fwd_tp = tp_comm + cp_s, fwd_tp + cp_fwd
         tp_payload = keep(TP_BYTES.key(par, par.num_microbatches, ck),
                           lambda: tp_bytes(graph, par, tp, idx))
         if par.tp > 1:  # a copied value's gradient all-reduced on each stage that reads it (`copy_moves`)
@@ -221,6 +228,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
         comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
                 "dp": sum(zero.dp_bytes(par, params - held, *padded).values()) + expert_dp_bytes(held, par),
+                "cp": cp_bytes(graph, par, tp, idx),
                 "tp": tp_payload + gather_bytes(graph, par, chunks)}
         assert tuple(comm) == MESH_AXES, (tuple(comm), MESH_AXES)
         if par.ep > 1:  # the experts' all-to-alls over the ep groups carved from dp (`Parallel.ep`)

@@ -42,6 +42,7 @@ from partc.frames import innermost, stack_trace_frames
 from partc.ir import Layer
 from partc.plan import Plan
 from partc.passes import tp_rewrite
+from partc.passes.context import ContextSplit, rewrite as context_rewrite
 from partc.passes.constants import constant_values, literal
 from partc.passes.experts import EP_LOCAL, rewrite_for_ep
 from partc.passes.export import GRAD_ENABLED
@@ -117,11 +118,14 @@ class _GraphIO:
 # --- the steps ------------------------------------------------------------------------------------------------
 
 def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Plan, *, model_path: str,
-             entry: str, layers: dict[str, Layer], vocab_loss: dict | None = None) -> GeneratedProgram:
+             entry: str, layers: dict[str, Layer], vocab_loss: dict | None = None,
+             context: ContextSplit | None = None) -> GeneratedProgram:
     """Rewrite the exported graph for the plan's TP styles (in place), split it by the plan's stages and units
     and write each stage as Python. `vocab_loss` (`ModelGraph.vocab_loss`, where the plan's ``tp_loss`` is
     vocab-parallel): the last stage returns that output as this rank's vocabulary columns, not gathered; the
-    manifest's ``tp.vocab_loss`` tells the runtime."""
+    manifest's ``tp.vocab_loss`` tells the runtime. `context` (a cp plan: `ep` is the graph at the rank's s/cp
+    tokens): its position ops and causal attention are rewritten for context parallelism (`partc.passes.context`),
+    and the manifest's ``cp`` tells the runtime how to cut the inputs and targets."""
     a = assign(ep, model)
     aliases = {n: names for names in a.by_id.values() for n in names}  # parameter FQN -> every name of its tensor
     with SameShapes():  # the rewrite runs each op on local shapes: once per distinct op and shapes
@@ -131,8 +135,10 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     experts = {}
     if plan.parallel.ep > 1:
         experts = rewrite_for_ep(ep, a.node_layer, layers, plan.parallel.ep)
-    if plan.parallel.tp > 1 or experts:
-        a = assign(ep, model)  # the rewrite added nodes
+    if context is not None:
+        context_rewrite(ep, context)
+    if plan.parallel.tp > 1 or experts or context is not None:
+        a = assign(ep, model)  # the rewrites added nodes
     io = _graph_io(ep)
     nodes = [n for n in a.nodes if n.target not in SKIPPED]
     node_stage = _place(nodes, a, plan)
@@ -163,6 +169,10 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     if experts:  # the packed parameters each ep rank holds E/ep experts of (dim 0)
         manifest["ep"] = {"degree": plan.parallel.ep, "experts": sorted(
             alias for fqns in experts.values() for fqn in fqns for alias in aliases.get(fqn, [fqn]))}
+    if context is not None:
+        user_input_names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+        manifest["cp"] = {**context.to_dict(), "input_dims": [context.input_dims.get(user_input_names.index(n.name))
+                                                               for n in io.user_inputs]}
     if vocab_loss is not None and plan.parallel.tp > 1:
         manifest["tp"]["vocab_loss"] = {"output": int(vocab_loss["output"])}
     files = {f"stage_{s.index}.py": s.source for s in stages}

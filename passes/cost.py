@@ -8,7 +8,7 @@ per layer, section 4); Rajbhandari et al. 2020, "ZeRO" (model states, Figure 1; 
 from `passes.hw`. The IR is per sample and unsharded: here it is multiplied by the micro-batch size b and divided
 by the TP degree t. Symbols as in the papers: b, s, h, a, t, p, m, v, Ψ, N_d.
 
-The mesh is `partc.parallel.MESH` (torchtitan's ("pp", "dp", "tp"), tp innermost): a TP group crosses nodes
+The mesh is `partc.parallel.MESH` (torchtitan's ("pp", "dp", "cp", "tp"), tp innermost): a TP group crosses nodes
 when t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop when the world exceeds one node
 (`Parallel.spans_nodes`). A group crossing nodes uses the InfiniBand adapters of all its members in a node
 (`Parallel.ranks_per_node`, `hw.link`); a pipeline hop sends 1/t of the boundary from each TP rank and all-gathers
@@ -78,6 +78,13 @@ def mesh_spans(cluster: Cluster, par: Parallel) -> dict[str, bool]:
     return {axis: par.spans_nodes(axis, cluster.gpus_per_node) for axis in MESH_AXES}
 
 
+def tokens(par: Parallel) -> float:
+    """What one GPU computes, holds and sends of a micro-batch, in samples: b, or under context parallelism b/cp
+    (each cp rank holds s/cp tokens of every sample). Every activation-proportional term reads it; the parameters,
+    their gradients and the optimizer do not depend on it."""
+    return par.micro_batch_size / par.cp
+
+
 def _unit_list(graph: ModelGraph, units: Sequence[int] | Sequence[Unit]) -> list[Unit]:
     return [graph.units[u] if isinstance(u, int) else u for u in units]
 
@@ -87,7 +94,7 @@ def _unit_list(graph: ModelGraph, units: Sequence[int] | Sequence[Unit]) -> list
 def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
                    unit: Unit) -> tuple[float, float]:
     """(forward seconds of the unit, of which the attention-core GEMMs) for one micro-batch on one GPU."""
-    t, b = par.tp, par.micro_batch_size
+    t, b = par.tp, tokens(par)
     split = is_split(par, tp, unit)
     fwd = 0.0
     for fqn in unit.layers:
@@ -122,7 +129,7 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     backward all-reduce of the gradients of the parameters applied to each rank's part of the sequence (the norms
     feeding colwise layers and the rowwise layers' biases), and the backward all-gather of a replicated embedding's
     output added to the sequence-split stream (learned positions: [s, h], the same for every micro-batch size)."""
-    b = par.micro_batch_size
+    b = tokens(par)
     colls = [] if tp is None else tp.collectives.get(unit.fqn, [])
     if not (par.sequence_parallel and par.tp > 1):
         return [(c.kind, c.phase, float(c.nbytes * b)) for c in colls]
@@ -203,7 +210,7 @@ def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel, memo: di
     attention core and the non-layer ops split or not, whichever is cheaper, and no TP collectives. (Each term of
     `_forward_times` is at least its least value over the styles; compute grows with the forward and core times.)
     `memo` keeps each unit's forward and core floors, which do not depend on the recomputation, across calls."""
-    t, b = par.tp, par.micro_batch_size
+    t, b = par.tp, tokens(par)
     out = []
     seen: dict[tuple, float] = {}
     memo = {} if memo is None else memo
@@ -334,7 +341,7 @@ def fsdp_groups(graph: ModelGraph, par: Parallel, tp: TPPlan | None, chunk: Sequ
     for s in shapes:
         shared = any(owners[k] > 1 for k in s)
         numel = sum(math.prod(v) for k, v in s.items() if k not in seen)
-        padded = sum(zero.padded_numel(v, par.dp) for k, v in s.items() if k not in seen)
+        padded = sum(zero.padded_numel(v, par.dp_shard) for k, v in s.items() if k not in seen)
         seen |= set(s)
         if shared:
             rest, rest_padded = rest + numel, rest_padded + padded
@@ -367,14 +374,24 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
 
 def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> float:
     if mode == "full":
-        return float(unit.input_bytes * par.micro_batch_size)
+        return float(unit.input_bytes * tokens(par))
     split = is_split(par, tp, unit)
     rep = unit.saved_bytes_replicated if split else 0
     sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
     if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
         sharded += rep - unit.saved_bytes_replicated_linear
         rep = unit.saved_bytes_replicated_linear
-    return (rep + sharded / (par.tp if split else 1)) * par.micro_batch_size
+    return (rep + sharded / (par.tp if split else 1)) * tokens(par) + _cp_saved_bytes(par, tp, unit)
+
+
+def _cp_saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
+    """Under context parallelism, what attention saves beyond its share of the trace: the keys and values of the
+    whole sequence it was given (gathered, and repeated for grouped-query attention) rather than this rank's
+    s/cp tokens of them."""
+    if par.cp == 1:
+        return 0.0
+    return sum(post / (par.tp if style_of(tp, layer) == "colwise" else 1)
+               for _, layer, post in unit.cp_kv) * par.micro_batch_size * (1 - 1 / par.cp)
 
 
 def in_flight(par: Parallel, rank: int) -> float:
@@ -398,7 +415,7 @@ def in_flight(par: Parallel, rank: int) -> float:
 def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]], acts: Sequence[float]
                 ) -> list[float]:
     """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`)."""
-    b, t = par.micro_batch_size, par.tp
+    b, t = tokens(par), par.tp
     return [sum(acts[lo:hi]) + (graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)) / t
             for lo, hi in chunks]
 
@@ -410,7 +427,7 @@ def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequen
     pipeline stage keeps both until the micro-batch's backward). One chunk a rank: `in_flight` micro-batches of
     that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
     the gradient it received."""
-    b, t = par.micro_batch_size, par.tp
+    b, t = tokens(par), par.tp
     held = _held_bytes(graph, par, chunks, acts)
     if par.chunks_per_rank == 1:
         return in_flight(par, rank) * held[0]
@@ -489,7 +506,7 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
     saved input is freed). The gradients that follow are no larger than the saved tensors freed before them. Under
     tp a rowwise layer's input and a colwise layer's output are 1/t; an embedding's input (token ids) has no
     gradient. Checked against one block's backward on the CPU (tests/test_activations.py)."""
-    b, t = par.micro_batch_size, par.tp
+    b, t = tokens(par), par.tp
     fed: dict[str, float] = {}  # layer -> gradients of the layers of its unit that feed its input
     for e in graph.edges:
         if graph.layers[e.src].unit == graph.layers[e.dst].unit:
@@ -525,12 +542,12 @@ def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: S
         # gathered. Its peak, in its own backward, comes before any unit's backward: no recomputation, unit
         # gradient or ZeRO reduction yet, only ZeRO-3's gathered units beside it. The larger of the two moments.
         head = graph.layers[last.layers[-1]]
-        local = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size / par.tp
+        local = head.out_bytes / compute_bytes(par.precision) * tokens(par) / par.tp
         gathered = compute_bytes(par.precision) * sum(sorted(sizes, reverse=True)[:2]) if par.zero == 3 else 0.0
         return max(extra, vocab_loss_bytes(par.precision) * local + gathered)
     if holds_last and last.layers:
         head = graph.layers[last.layers[-1]]
-        logits = head.out_bytes / compute_bytes(par.precision) * par.micro_batch_size
+        logits = head.out_bytes / compute_bytes(par.precision) * tokens(par)
         extra += LOSS_BYTES * logits
         if par.tp > 1 and style_of(tp, head.fqn) == "colwise":
             # the head's output gathered whole: the all-gather's parts, besides the concatenated logits
@@ -560,8 +577,8 @@ def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_n
     calls = zero.dp_calls(par, groups)
     total = 0.0
     for kind, nbytes in zero.dp_bytes(par, params_per_gpu, unit_padded, rest_padded).items():
-        total += hw.collective_time(cluster, kind, nbytes, par.dp, spans_nodes=spans_nodes, ranks_per_node=per_node)
-        total += (calls[kind] - 1) * hw.collective_time(cluster, kind, 0.0, par.dp, spans_nodes=spans_nodes,
+        total += hw.collective_time(cluster, kind, nbytes, par.dp_shard, spans_nodes=spans_nodes, ranks_per_node=per_node)
+        total += (calls[kind] - 1) * hw.collective_time(cluster, kind, 0.0, par.dp_shard, spans_nodes=spans_nodes,
                                                         ranks_per_node=per_node, latency_only=True)
     return (1.0 - cluster.dp_overlap) * total
 
@@ -598,7 +615,7 @@ def p2p_time(cluster: Cluster, par: Parallel, nbytes: float, spans_nodes: bool) 
 def optimizer_time(cluster: Cluster, par: Parallel, params_per_gpu: float) -> float:
     """Adam step, memory-bound: ADAM_STEP_BYTES per parameter this GPU updates (its shard of Ψ/N_d with ZeRO >=
     1; all of Ψ with ZeRO-0)."""
-    local = params_per_gpu / (par.dp if par.zero >= 1 else 1)
+    local = params_per_gpu / (par.dp_shard if par.zero >= 1 else 1)
     return hw.memory_time(cluster, ADAM_STEP_BYTES * local)
 
 
@@ -608,9 +625,53 @@ def fits(cluster: Cluster, mem: Memory) -> bool:
 
 def communicators(par: Parallel, shares_weights: bool) -> int:
     """NCCL communicators one GPU holds: one per process group of more than one rank it belongs to (the world, its
-    tp, dp and pp groups, and the group summing a weight shared across pipeline ranks)."""
-    sizes = [par.world_size, par.tp, par.dp, par.pp] + ([2] if shares_weights else [])
+    tp, dp, cp and pp groups, the dp x cp group FSDP shards over under context parallelism, and the group summing
+    a weight shared across pipeline ranks)."""
+    sizes = [par.world_size, par.tp, par.dp, par.cp, par.pp] + ([par.dp_shard] if par.cp > 1 else []) + \
+        ([2] if shares_weights else [])
     return sum(1 for n in sizes if n > 1)
+
+
+def cp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
+    """What one GPU passes to collectives over cp in a step: per causal attention of its units and micro-batch, its
+    keys and values all-gathered in forward (counted as the gathered output: the whole sequence's, b samples, this
+    tp rank's heads) and their gradients reduce-scattered in backward (counted as the input: as many bytes), the
+    forward's once more in a block recomputed in full (`partc.collectives.cp_attention`)."""
+    if par.cp == 1:
+        return 0.0
+    total = 0.0
+    for i in units:
+        u = graph.units[i]
+        fwd = 2 if par.recompute == "full" and u.kind == "block" else 1
+        total += (fwd + 1) * sum(nbytes / (par.tp if style_of(tp, layer) == "colwise" else 1)
+                                 for nbytes, layer, _ in u.cp_kv)
+    return par.num_microbatches * par.micro_batch_size * total
+
+
+def cp_time(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+            units: Sequence[int]) -> tuple[float, float]:
+    """(seconds of one micro-batch's cp collectives on one GPU, of which in forward): per causal attention of its
+    units, its keys and values all-gathered in forward (again in a block recomputed in full) and their gradients
+    reduce-scattered in backward, as rings over the cp group (NVLink inside a node, InfiniBand across:
+    `mesh_spans`). Counted as exposed: the gather precedes the attention that needs it (Llama 3 gathers them
+    before attention too: the keys and values are small beside the attention's compute at long sequences)."""
+    if par.cp == 1:
+        return 0.0, 0.0
+    spans = par.spans_nodes("cp", cluster.gpus_per_node)
+    per_node = par.ranks_per_node("cp", cluster.gpus_per_node)
+    total = fwd = 0.0
+    for i in units:
+        u = graph.units[i]
+        again = 2 if par.recompute == "full" and u.kind == "block" else 1
+        for nbytes, layer, _ in u.cp_kv:
+            whole = nbytes * par.micro_batch_size / (par.tp if style_of(tp, layer) == "colwise" else 1)
+            gather = hw.collective_time(cluster, "all_gather", whole, par.cp, spans_nodes=spans,
+                                        ranks_per_node=per_node)
+            scatter = hw.collective_time(cluster, "reduce_scatter", whole, par.cp, spans_nodes=spans,
+                                         ranks_per_node=per_node)
+            fwd += gather
+            total += again * gather + scatter
+    return total, fwd
 
 
 def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
@@ -669,7 +730,7 @@ def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]
     (scatter/gather, `p2p_round_trip`)."""
     if par.pp == 1:
         return 0.0
-    b, total = par.micro_batch_size, 0
+    b, total = tokens(par), 0
     for lo, hi in chunks:
         total += graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)
         total += graph.boundary_grad_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
@@ -681,7 +742,7 @@ def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, i
     whole boundary) of what the chunk receives forward and of the gradient of what it sends backward."""
     if par.pp == 1 or par.tp == 1 or par.sequence_parallel:  # the boundary is each rank's part of the sequence
         return 0.0
-    b, total = par.micro_batch_size, 0
+    b, total = tokens(par), 0
     for lo, hi in chunks:
         total += graph.boundary_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
     return float(total * par.num_microbatches)
@@ -716,7 +777,7 @@ def shared_weights(graph: ModelGraph, par: Parallel, tp: TPPlan | None, bounds: 
     for key, units, shape in tied:
         ranks = {bisect.bisect_right(ends, i) % par.pp for i in units}  # chunk k holds units [.., ends[k])
         if len(ranks) > 1:
-            nbytes = zero.MASTER_BYTES * zero.padded_numel(shape, par.dp) / par.dp
+            nbytes = zero.MASTER_BYTES * zero.padded_numel(shape, par.dp_shard) / par.dp_shard
             for r in ranks:
                 out[r] = out.get(r, 0.0) + nbytes
     return out

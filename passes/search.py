@@ -92,16 +92,17 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
     precision = pins.precision or "bf16"
     sequence_parallel = bool(pins.sequence_parallel)  # only where pinned: see docs/sequence-parallel.md
     experts = _expert_counts(graph)
-    for dp, tp, pp in _degrees(cluster, gpus, global_batch, pins, n_units):
+    for dp, tp, pp, cp in _degrees(cluster, gpus, global_batch, pins, n_units, cp_degrees(graph, gpus, pins)):
         if sequence_parallel and tp < 2:
             continue
         per_replica = global_batch // dp
-        for ep in _ep_degrees(pins, dp, experts):
+        for ep in (_ep_degrees(pins, dp, experts) if cp == 1 else [1]):  # ep is carved from dp alone
             for b in divisors(per_replica):
                 for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
-                    values = dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=b, global_batch_size=global_batch,
-                                  schedule=schedule, virtual_stages=v, recompute=recompute, precision=precision,
-                                  sequence_parallel=sequence_parallel, ep=ep)
+                    values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
+                                  global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
+                                  recompute=recompute, precision=precision, sequence_parallel=sequence_parallel,
+                                  ep=ep)
                     if all(values[name] == value for name, value in pinned):
                         yield values
 
@@ -121,16 +122,37 @@ def _ep_degrees(pins: Pins, dp: int, experts: list[int]) -> list[int]:
     return [e for e in divisors(dp) if e == 1 or (experts and all(n % e == 0 for n in experts))]
 
 
-def _degrees(cluster: Cluster, gpus: int, global_batch: int, pins: Pins, n_units: int):
-    """(dp, tp, pp) with dp * tp * pp = gpus: tp inside a node unless pinned, pp at most one unit a stage, dp
-    dividing the global batch."""
-    for tp in divisors(gpus):
-        if pins.tp is None and tp > cluster.gpus_per_node:
+MIN_CP_CHUNK = 1024
+"""The fewest tokens of a context-parallel chunk the search considers unpinned (each rank holds two chunks of
+s/(2·cp)): below it the keys' and values' gathers and the smaller GEMMs cost more than cp saves (Llama 3 and
+torchtitan use cp for sequences of tens of thousands of tokens). A pin (``--cp``) is taken as given."""
+
+
+def cp_degrees(graph: ModelGraph, gpus: int, pins: Pins) -> list[int]:
+    """The context-parallel degrees to search: the pinned one; else 1, and, for a model with causal attention
+    (`Unit.cp_kv`), each divisor of the GPU count that cuts the sequence in chunks of `MIN_CP_CHUNK` tokens or
+    more."""
+    if pins.cp is not None:
+        return [pins.cp]
+    if not any(u.cp_kv for u in graph.units) or not graph.seq_len:
+        return [1]
+    return [cp for cp in divisors(gpus) if cp == 1 or (graph.seq_len % (2 * cp) == 0
+                                                       and graph.seq_len // (2 * cp) >= MIN_CP_CHUNK)]
+
+
+def _degrees(cluster: Cluster, gpus: int, global_batch: int, pins: Pins, n_units: int, cps: list[int]):
+    """(dp, tp, pp, cp) with dp * tp * pp * cp = gpus: cp of `cps` (`cp_degrees`), tp inside a node unless pinned,
+    pp at most one unit a stage, dp dividing the global batch."""
+    for cp in cps:
+        if gpus % cp:
             continue
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if pp <= n_units and global_batch % dp == 0:
-                yield dp, tp, pp
+        for tp in divisors(gpus // cp):
+            if pins.tp is None and tp > cluster.gpus_per_node:
+                continue
+            for pp in divisors(gpus // (cp * tp)):
+                dp = gpus // (cp * tp * pp)
+                if pp <= n_units and global_batch % dp == 0:
+                    yield dp, tp, pp, cp
 
 
 def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):
@@ -257,7 +279,7 @@ class _Costs:
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
         graph = self.graph
         ok = graph.cut_ok or [True] * len(graph.cut_bytes)  # a cut the program cannot make costs inf
-        b = par.micro_batch_size
+        b = cost.tokens(par)
 
         def make() -> list[float]:
             once: dict[tuple[int, int], float] = {}  # the boundaries of identical blocks carry the same bytes

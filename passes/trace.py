@@ -26,6 +26,7 @@ from partc.model_file import infer_seq_len
 from partc.precision import cast_floating, cast_parameters, compute_dtype
 from partc.passes.assign import Assignment, assign, layer_outputs, owner
 from partc.value_sized import VALUE_SIZED, expected_sizes
+from partc.passes.context import is_causal_attention, kv_before_repeat
 from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
 from partc.passes.experts import mark_inner, param_placeholders
 from partc.passes.export import export_on_meta, norms_on_any_batch
@@ -140,6 +141,13 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
         if st is None or u is None:
             continue
         unit = units[u]
+        if n.target is torch.ops.aten.scaled_dot_product_attention.default and is_causal_attention(n):
+            for given in n.args[1:3]:
+                x = kv_before_repeat(given)
+                src = x
+                while src not in a.node_layer and src.all_input_nodes:  # the layer that made it (a projection)
+                    src = src.all_input_nodes[0]
+                unit.cp_kv.append((val_bytes(x), a.node_layer.get(src, ""), val_bytes(given)))
         flops = sum(g.flops for g in st.gemms) + st.conv_flops
         saved = sum(b for _, b, _ in st.saved)
         unit.fwd_flops += flops

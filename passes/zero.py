@@ -49,7 +49,7 @@ ADAM_BYTES = 8
 
 def model_state_bytes(num_params: float, par: Parallel) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes per GPU for `num_params` parameters (module docstring's table)."""
-    psi, n, c = float(num_params), par.dp, compute_bytes(par.precision)
+    psi, n, c = float(num_params), par.dp_shard, compute_bytes(par.precision)
     if par.zero == 0:
         return psi * (MASTER_BYTES + c), psi * MASTER_BYTES, psi * ADAM_BYTES
     if par.zero == 1:
@@ -90,7 +90,7 @@ def padded_numel(shape: tuple[int, ...], n: int) -> int:
 def dp_bytes(par: Parallel, numel: float, unit_padded: float, rest_padded: float) -> dict[str, float]:
     """Collective -> bytes one GPU passes over dp in a step: `numel` parameters on the GPU, `unit_padded` of them
     (padded) in FSDP units of their own and `rest_padded` in the stage's root group (module docstring)."""
-    if par.dp == 1:
+    if par.dp_shard == 1:
         return {}
     c, m = compute_bytes(par.precision), par.num_microbatches
     padded = unit_padded + rest_padded
@@ -105,7 +105,7 @@ def dp_bytes(par: Parallel, numel: float, unit_padded: float, rest_padded: float
 
 def dp_calls(par: Parallel, groups: int) -> dict[str, int]:
     """Collective -> calls per step over dp, for `groups` FSDP groups (each gathers and reduces as one call)."""
-    if par.dp == 1:
+    if par.dp_shard == 1:
         return {}
     m = par.num_microbatches
     if par.zero == 0:

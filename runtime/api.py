@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partc.collectives import set_ep_group, set_tp_group
+from partc.collectives import set_cp_group, set_ep_group, set_tp_group
 from partc.deferred_init import InitRecord
 from partc.errors import PartcError
 from partc.model_file import ModelSpec, load_model_file
@@ -255,6 +255,7 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
     # The stage files find the tp group through `collectives`.
     set_tp_group(world.tp_group)
     set_ep_group(world.ep_group)
+    set_cp_group(world.cp_group)
 
     # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes
     #    (the stage files chained on meta, on this rank's shard shapes).
@@ -294,11 +295,12 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
     holders = shared_holders(files, model, canon)
     grad_sync = GradSync(stages, world, holders=holders, canon=canon, experts=layout.experts)
     counter = CommCounter({**{axis: [g] for axis, g in world.groups.items()}, "pp": [world.pp_group, *grad_sync.groups],
-                           "dp": [world.dp_group, *([world.expert_dp_group] if world.expert_dp_group else [])],
+                           "dp": [world.dp_group, *world.dp_shard_groups,
+                                  *([world.expert_dp_group] if world.expert_dp_group else [])],
                            **({"ep": [world.ep_group]} if world.ep_group else {})})
     runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes, counter)
     split = {n for n in canon if layout.shard(n) is not None}
-    runner.grad_copies = grad_copies(stages, tp=par.tp, dp=par.dp, split=split, experts=layout.experts, ep=par.ep,
+    runner.grad_copies = grad_copies(stages, tp=par.tp, dp=par.dp_shard, split=split, experts=layout.experts, ep=par.ep,
                                      holders={c: len(idx) for c, idx in holders.items()}, canon=canon)
     return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
                    runner=runner, canon=canon, layout=layout, seed=seed, unheld=unheld)

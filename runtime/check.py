@@ -54,7 +54,7 @@ from partc.cluster import Cluster
 from partc.collectives import set_tp_group
 from partc.value_sized import expected_sizes
 from partc.errors import PartcError
-from partc.parallel import SHOWN_AXES, Parallel
+from partc.parallel import MESH_AXES, SHOWN_AXES, Parallel
 from partc.runtime.api import Program, build, meta_model
 from partc.runtime.mesh import init_world, rank_record
 from partc.runtime.optim import OptimizerConfig
@@ -189,7 +189,7 @@ def representatives(par: Parallel, pp_ranks: Iterable[int] | None = None) -> lis
         if outside:
             raise PartcError(f"--pp-ranks: pipeline rank {outside[0]} is not in the plan, whose pipeline ranks are "
                              f"0 to {par.pp - 1}")
-    return [par.rank_of(pp=r, dp=0, tp=0) for r in chosen]
+    return [par.rank_of(**{**dict.fromkeys(MESH_AXES, 0), "pp": r}) for r in chosen]
 
 
 def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float = SLACK_BYTES, jobs: int = 1,

@@ -64,6 +64,8 @@ class World:
     without expert parallelism)."""
     expert_dp_group: dist.ProcessGroup | None = None
     """The ``dp / ep`` ranks holding the same experts as this one: their gradients are reduced over it."""
+    dp_shard_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    """Under context parallelism, the group of ``dp`` x ``cp`` FSDP reduces over (its traffic counts as ``dp``)."""
 
     def record(self) -> dict[str, int]:
         """This rank in a per-rank record (`partc run`'s ``--log-jsonl``, `partc check`): its global rank and its
@@ -121,11 +123,11 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
         for group in groups.values():  # the mesh's groups get c10d's default timeout otherwise (30 min)
             set_pg_timeout(timedelta(seconds=timeout_s), group)
     world = World(par=par, mesh=mesh, device=device, rank=rank, coords=coords, groups=groups)
-    world.tp_dp_mesh = tp_dp_mesh(world)
     world.zero_mesh = zero_mesh(world, par)
     if par.ep > 1:
         world.ep_rank = world.dp_rank % par.ep
         world.ep_group, world.expert_dp_group = expert_groups(world, par)
+    world.tp_dp_mesh = tp_dp_mesh(world)
     return world
 
 
@@ -149,17 +151,40 @@ def expert_groups(world: World, par: Parallel) -> tuple[dist.ProcessGroup, dist.
 
 
 def tp_dp_mesh(world: World) -> DeviceMesh:
-    """This pipeline rank's ``(tp, dp)`` mesh for checkpoint DTensors (module docstring)."""
-    ranks = world.mesh.mesh[world.pp_rank].t().contiguous()  # [tp, dp] global ranks of this pipeline rank
-    return DeviceMesh.from_group([world.tp_group, world.dp_group], world.device.type, ranks,
+    """This pipeline rank's ``(tp, dp)`` mesh for checkpoint DTensors (module docstring); under context
+    parallelism its ``dp`` is the ``dp`` x ``cp`` group FSDP shards over."""
+    ranks = world.mesh.mesh[world.pp_rank].reshape(-1, world.par.tp).t().contiguous()  # [tp, dp·cp] global ranks
+    dp_group = world.dp_shard_groups[0] if world.dp_shard_groups else world.dp_group
+    return DeviceMesh.from_group([world.tp_group, dp_group], world.device.type, ranks,
                                  mesh_dim_names=("tp", "dp"))
 
 
-def zero_mesh(world: World, par: Parallel) -> DeviceMesh:
-    """The mesh FSDP shards over: the ``dp`` axis; for ZeRO-0, (``dp`` replicated, a shard group of one) (HSDP)."""
-    if par.zero > 0:
+def dp_shard_mesh(world: World) -> DeviceMesh:
+    """The ``dp`` axis, or under context parallelism ``dp`` and ``cp`` flattened into one (torchtitan's
+    ``dp_shard_cp``): every cp rank holds every parameter and gets the gradient of its own tokens."""
+    par = world.par
+    if par.cp == 1:
         return world.mesh["dp"]
+    # A group of its own (not DeviceMesh's flattening, which may hand back the cp group itself when dp is 1): its
+    # traffic is counted as dp's. `new_group` is collective: every rank creates every group, in the same order.
+    mine = None
+    for pp in range(par.pp):
+        for tp in range(par.tp):
+            members = [par.rank_of(pp=pp, dp=d, cp=c, tp=tp) for d in range(par.dp) for c in range(par.cp)]
+            group = dist.new_group(members)
+            if world.rank in members:
+                mine, ranks = group, members
+    world.dp_shard_groups = [mine]
+    return DeviceMesh.from_group(mine, world.device.type, mesh=torch.tensor(ranks), mesh_dim_names=("dp_cp",))
+
+
+def zero_mesh(world: World, par: Parallel) -> DeviceMesh:
+    """The mesh FSDP shards over: the ``dp`` axis (`dp_shard_mesh`: with ``cp``); for ZeRO-0, (that axis
+    replicated, a shard group of one) (HSDP)."""
+    shard = dp_shard_mesh(world)
+    if par.zero > 0:
+        return shard
     single, _ = dist.new_subgroups(group_size=1)  # collective: every rank creates every singleton group
-    return DeviceMesh.from_group([world.dp_group, single], world.device.type,
-                                 mesh=world.mesh["dp"].mesh.reshape(-1, 1), mesh_dim_names=("dp", "dp_shard"))
+    return DeviceMesh.from_group([shard.get_group(), single], world.device.type,
+                                 mesh=shard.mesh.reshape(-1, 1), mesh_dim_names=("dp", "dp_shard"))
 

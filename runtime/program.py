@@ -77,6 +77,10 @@ class ProgramFiles:
     ep: dict = field(default_factory=dict)
     """The manifest's ``ep`` section (absent without expert parallelism): ``degree``; ``experts``: the packed
     parameters (every alias) of which each ep rank holds E/ep experts along dim 0."""
+    cp: dict = field(default_factory=dict)
+    """The manifest's ``cp`` section under context parallelism (empty otherwise): ``degree``, ``seq_len`` (tokens
+    per sample, whole) and ``input_dims`` (each flattened input's sequence dim, or None): how each cp rank cuts
+    its tokens out of every sample (`partc.collectives.cp_cut`)."""
     predicted_ranks: list[dict] = field(default_factory=list)
     """``plan.json``'s ``predicted.ranks`` (one per pipeline rank: ``comm_bytes``, ``memory_bytes``), for the
     run's log to show next to what it measures; empty if the plan has none."""
@@ -146,12 +150,16 @@ def read_program(out_dir: str | Path) -> ProgramFiles:
     if ep.get("degree", 1) != par.ep:
         raise PartcError(f"{manifest_path} was generated for ep={ep.get('degree')} but plan.json says ep={par.ep}; "
                          f"compile again")
+    cp = manifest.get("cp", {})
+    if cp.get("degree", 1) != par.cp:
+        raise PartcError(f"{manifest_path} was generated for cp={cp.get('degree', 1)} but plan.json says cp={par.cp}; "
+                         f"compile again")
     if not hasattr(stages[-1].code, "outputs"):
         raise PartcError(f"{stages[-1].path}: the last stage must define outputs(flat)")
     return ProgramFiles(out_dir=out, plan=plan, model_path=manifest["model_path"], entry=manifest["entry"],
                    micro_batch_size=manifest["micro_batch_size"], stages=stages,
                    tied=[list(g) for g in manifest.get("tied", [])], blocks=list(manifest.get("blocks", [])), inputs=list(manifest["inputs"]),
-                   input_keys=list(manifest["input_keys"]), tp=dict(tp), ep=dict(ep),
+                   input_keys=list(manifest["input_keys"]), tp=dict(tp), ep=dict(ep), cp=dict(cp),
                    predicted_ranks=_predicted_ranks(out / "plan.json", plan.parallel.pp))
 
 

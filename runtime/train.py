@@ -19,6 +19,10 @@ parameters to the compute dtype, the runner a floating-point model input; the fo
 Autocast`) are ops of the program, so the stages exchange what the trace had (compute-dtype activations, and an fp32
 tensor where the model made one), and the loss is computed in fp32 from the model's outputs upcast.
 
+Context parallelism. Each cp rank runs its tokens of every sample (the manifest's ``cp``: chunks i and 2·cp-1-i,
+`partc.collectives.cp_cut`) of the inputs and the targets; its loss is the mean over them, and FSDP averages over
+dp x cp (every cp rank holds as many tokens), so the gradients are those of the mean over every token.
+
 Loss and gradients. ``loss_fn`` gives each micro-batch's mean; the schedule scales gradients by 1/m
 (``scale_grads``) and DP averages over dp, so the gradients are those of the global-batch mean, and the returned
 loss is the mean over micro-batches and DP ranks: what one process computes with ``loss_fn(model(x), y)`` on the
@@ -60,6 +64,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
 from partc._torch import tree_map
+from partc.collectives import cp_cut, cp_cut_targets
 from partc.errors import PartcError
 from partc.model_file import ModelSpec
 from partc.precision import MASTER_DTYPE, cast_floating, compute_dtype
@@ -107,7 +112,7 @@ def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
     dtype = compute_dtype(program.plan.parallel.precision)
     with torch.device("meta"):
         args, kwargs = cast_floating(spec.inputs(b), dtype)
-    x = tuple(flatten_inputs(args, kwargs, program.input_keys))
+    x = tuple(cp_inputs(program, flatten_inputs(args, kwargs, program.input_keys)))
     p = {n: _meta(t, None if layout is None else layout.local_shape(n, t.shape), dtype)
          for n, t in model.named_parameters(remove_duplicate=False)}
     p |= {n: _meta(t) for n, t in model.named_buffers(remove_duplicate=False)}
@@ -120,6 +125,14 @@ def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
         shapes.append((x, out))
         x = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
     return shapes
+
+
+def cp_inputs(program: ProgramFiles, inputs: list[Tensor]) -> list[Tensor]:
+    """Under context parallelism, this cp rank's tokens of each input that holds the sequence (the manifest's
+    ``cp.input_dims``); the inputs themselves otherwise."""
+    if not program.cp:
+        return list(inputs)
+    return [t if d is None else cp_cut(t, d, program.cp["seq_len"]) for t, d in zip(inputs, program.cp["input_dims"])]
 
 
 def _meta(t: Tensor, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> Tensor:
@@ -137,6 +150,7 @@ class PipelineRunner:
                  shapes: list[tuple[tuple[Tensor, ...], ...]], counter: CommCounter):
         par = program.plan.parallel
         self.world = world
+        self.program = program
         self.modules = modules
         self.counter = counter
         self.comm_bytes: dict[str, int] = {}
@@ -184,6 +198,8 @@ class PipelineRunner:
         if vocab is not None and par.tp > 1 and self.has_last:
             with torch.device("meta"):
                 targets = spec.targets(par.micro_batch_size)
+                if program.cp:  # this cp rank's tokens
+                    targets = cp_cut_targets(targets, program.cp["seq_len"])
             self.vocab_loss = program_loss(self.loss_fn, self.last_code.outputs, list(shapes[-1][1]), targets,
                                            int(vocab["output"]), par.tp, par.micro_batch_size)
 
@@ -252,10 +268,14 @@ class PipelineRunner:
             assert inputs is not None, "the first stage's ranks need the inputs"
             if inputs[0].shape[0] != n:
                 raise ValueError(f"this rank's share of the global batch is {n} samples, got {inputs[0].shape[0]}")
-            # The model's floating-point inputs in the compute dtype (FSDP keeps every input's dtype: apply_zero).
-            local = [cast_floating(t, self.dtype).to(device, non_blocking=True) for t in inputs]
+            # The model's floating-point inputs in the compute dtype (FSDP keeps every input's dtype: apply_zero);
+            # under context parallelism this cp rank's tokens of them.
+            local = [cast_floating(t, self.dtype).to(device, non_blocking=True) for t in cp_inputs(self.program,
+                                                                                                    inputs)]
         if self.has_last:
             assert targets is not None, "the last stage's ranks need the targets"
+            if self.program.cp:
+                targets = cp_cut_targets(targets, self.program.cp["seq_len"])
             self._targets = tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, Tensor) else t,
                                      targets)
         index = torch.arange(n, device=device)
@@ -281,7 +301,7 @@ class PipelineRunner:
         if self.has_last:
             assert len(losses) == self.num_microbatches
             par = self.world.par
-            total[0] += torch.stack([l.detach().double() for l in losses]).mean() / (par.dp * par.tp)
+            total[0] += torch.stack([l.detach().double() for l in losses]).mean() / (par.dp * par.cp * par.tp)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                  if p.grad is not None]
         if grads:

@@ -17,7 +17,7 @@ from helpers import EXAMPLES, run_jobs, write_hf_model
 from partc._torch import FSDPRefType
 from partc.cli.main import _rank_list, main
 from partc.compile import compile_model
-from partc.parallel import Pins
+from partc.parallel import MESH_AXES, Pins
 from partc.plan import read_plan
 from partc.runtime.check import SLACK_BYTES, TOLERANCE, Row, categories, check_program, representatives
 
@@ -154,7 +154,7 @@ def test_check_counts_what_the_real_run_sends(plans, checked, tmp_path):
     for name in plans:
         real = torch.load(tmp_path / f"{name}.pt", weights_only=True)["comm"][1]
         for r in checked[name]:
-            assert r.comm_bytes == {axis: real[r.rank].get(axis, 0) for axis in ("dp", "tp", "pp")}, (name, r.rank)
+            assert r.comm_bytes == {axis: real[r.rank].get(axis, 0) for axis in MESH_AXES}, (name, r.rank)
 
 
 @pytest.mark.slow

@@ -215,7 +215,7 @@ def test_check_draws_its_measurements_beside_the_bars(outs, tmp_path):
     for r, rank in enumerate(plan["predicted"]["ranks"]):
         mem = {c: int(rank["memory_bytes"][c] * (0.9 + 0.05 * r)) for c in ("params", "grads", "optimizer",
                                                                             "activations")}
-        measured.append(RankCheck(rank=r * 2, coords={"pp": r, "dp": 0, "tp": 0}, comm_bytes={"dp": 7, "tp": 0, "pp": 5},
+        measured.append(RankCheck(rank=r * 2, coords={"pp": r, "dp": 0, "cp": 0, "tp": 0}, comm_bytes={"dp": 7, "tp": 0, "pp": 5},
                                   memory_bytes={**mem, "total": sum(mem.values())},
                                   predicted_comm_bytes=rank["comm_bytes"], predicted_memory_bytes=rank["memory_bytes"],
                                   usable_bytes=1e12, seconds=0.0).to_dict())
@@ -225,7 +225,7 @@ def test_check_draws_its_measurements_beside_the_bars(outs, tmp_path):
         assert {a["data-category"]: int(a["data-bytes"]) for a in bars} == {
             c: v for c, v in rec["memory_bytes"].items() if c != "total"}
         rows = {a["data-axis"]: a for a in html.find("tr", "traffic") if a["data-rank"] == str(rec["pp_rank"])}
-        assert {k: int(a["data-measured"]) for k, a in rows.items()} == {"dp": 7, "tp": 0, "pp": 5}
+        assert {k: int(a["data-measured"]) for k, a in rows.items()} == {"dp": 7, "tp": 0, "pp": 5, "cp": 0}
         assert {k: int(a["data-predicted"]) for k, a in rows.items()} == rec["predicted_comm_bytes"]
 
 

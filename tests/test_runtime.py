@@ -320,7 +320,9 @@ def test_global_batch_is_deterministic():
 def test_mesh_coordinates_and_world_size():
     par = Parallel(pp=2, dp=3, tp=2, zero=0, micro_batch_size=1, global_batch_size=3)
     assert [par.rank_of(**par.coords(r)) for r in range(12)] == list(range(12))
-    assert par.coords(7) == {"pp": 1, "dp": 0, "tp": 1}  # 7 = (1 * 3 + 0) * 2 + 1
+    assert par.coords(7) == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}  # 7 = ((1 * 3 + 0) * 1 + 0) * 2 + 1
+    cp = Parallel(pp=2, dp=1, cp=2, tp=2, zero=0, micro_batch_size=1, global_batch_size=1)
+    assert cp.coords(7) == {"pp": 1, "dp": 0, "cp": 1, "tp": 1}  # 7 = ((1 * 1 + 0) * 2 + 1) * 2 + 1
     check_world_size(par, 12)
     with pytest.raises(PartcError, match=r"dp x tp x pp = 3 x 2 x 2 = 12 processes, but 8 were started"):
         check_world_size(par, 8)

@@ -292,19 +292,20 @@ def test_cache_keys_miss_no_dependency():
 
 def test_cache_keys_see_a_new_field():
     """No cache key of the search or the cost model lists the fields it reads: each is made by a `Reads` from what
-    the quantity ignores, so a field added to `Parallel` (here ``cp``, a new dimension) tells every key apart; and
+    the quantity ignores, so a field added to `Parallel` (here ``xp``, a new dimension) tells every key apart; and
     every key a search leaves in its caches is one of those (none written by hand)."""
-    wide = dataclasses.make_dataclass("Wide", [("cp", int, dataclasses.field(default=1))], bases=(Parallel,),
+    wide = dataclasses.make_dataclass("Wide", [("xp", int, dataclasses.field(default=1))], bases=(Parallel,),
                                       kw_only=True, slots=True, frozen=True)
     reads = [r for module in (search_module, cost, assemble) for r in vars(module).values() if isinstance(r, Reads)]
     assert len({r.name for r in reads}) == len(reads) > 20
     base = dict(dp=2, tp=2, pp=2, zero=1, micro_batch_size=1, global_batch_size=8)
-    one, two = wide(cp=1, **base), wide(cp=2, **base)
+    one, two = wide(xp=1, **base), wide(xp=2, **base)
     for r in reads:
         assert r.key(one) != r.key(two), r.name
         assert r.key_of(one.__getattribute__, cls=wide) != r.key_of(two.__getattribute__, cls=wide), r.name
-        assert r.key(Parallel(**base)) == r.key_of(dict(base, schedule="1f1b", virtual_stages=1, recompute="none",
-                                                        precision="bf16", sequence_parallel=False, ep=1).__getitem__), r.name
+        assert r.key(Parallel(**base)) == r.key_of(dict(base, cp=1, schedule="1f1b", virtual_stages=1,
+                                                        recompute="none", precision="bf16",
+                                                        sequence_parallel=False, ep=1).__getitem__), r.name
 
     graph, cluster = gpt_graph("tied"), small_cluster(2, gpus_per_node=2)
     costs = _Costs(graph, cluster, None)

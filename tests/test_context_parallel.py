@@ -1,0 +1,163 @@
+"""Context parallelism (docs/context-parallel.md): the load balance, the proof in the graph and its refusals, the
+plan's cp traffic, and training under torchrun on CPU (gloo) compared with one process.
+
+The multi-process test runs every program in one launch of 8 ranks: the bundled GPT and LLaMA at cp 2 x tp 2 x
+pp 2, cp 2 x dp 2 x tp 2 with ZeRO-3 and cp 4 x dp 2. Each job trains with SGD in fp32 from a saved state dict;
+its losses and gathered state dict must equal `reference_run` within 1e-5 (relative), and every rank's collective
+payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis by axis (``cp`` and ``dp`` over dp x cp
+included).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program,
+                     megatron_style, run_jobs)
+from partc.collectives import cp_rank_positions
+from partc.compile import compile_model
+from partc.errors import PartcError
+from partc.model_file import load_model_file
+from partc.parallel import Pins
+from partc.runtime.check import check_program
+from partc.runtime.testing import reference_run
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_chunks_cover_the_sequence_and_balance_causal_work(cp):
+    s = 32
+    pos = [cp_rank_positions(s // cp, r, cp) for r in range(cp)]
+    assert sorted(torch.cat(pos).tolist()) == list(range(s))
+    work = {int((p + 1).sum()) for p in pos}  # keys a causal query at position p attends to: p + 1
+    assert len(work) == 1, work
+
+
+TIME_CONV = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(64, 32)
+        self.qkv = nn.Linear(32, 96)
+        self.mix = nn.Conv1d(32, 32, 3, padding=1)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 16)).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal={causal}).transpose(1, 2).flatten(2)
+        {mix}
+        return self.head(y)
+
+
+def model():
+    return Model()
+
+
+def example_inputs(batch_size):
+    return (torch.randint(0, 64, (batch_size, 16)),)
+"""
+
+
+@pytest.mark.parametrize("causal, mix, why", [
+    (True, "y = self.mix(y.transpose(1, 2)).transpose(1, 2)", "mixes positions"),
+    (False, "", "not causal"),
+    (True, "y = y - y.mean(1, keepdim=True)", "reduces over the sequence"),
+    (True, "y = torch.cumsum(y, 1)", "mixes positions along the sequence"),
+])
+def test_refuses_what_mixes_positions(tmp_path, causal, mix, why):
+    path = tmp_path / "m.py"
+    path.write_text(TIME_CONV.format(causal=causal, mix=mix))
+    with pytest.raises(PartcError, match=why) as err:
+        compile_model(str(path), gpus=2, pins=Pins(cp=2, dp=1, tp=1, pp=1), global_batch_size=2)
+    assert "\n" not in str(err.value)
+
+
+def test_plan_prices_the_key_value_gathers(tmp_path):
+    """LLaMA tiny: 4 layers, 2 key/value heads of 16 (gathered before grouped-query attention repeats them), 64
+    tokens, fp32: per layer and micro-batch the keys and values gathered in forward and reduce-scattered back."""
+    result = compile_model(str(EXAMPLES / "llama.py"), gpus=2, global_batch_size=4, out_dir=tmp_path / "out",
+                           pins=Pins(cp=2, dp=1, tp=1, pp=1, micro_batch_size=1, precision="fp32"))
+    kv = 64 * 2 * 16 * 4  # one sample's keys (or values), bytes
+    assert result.plan.parallel.cp == 2
+    layers, micro_batches = 4, 4
+    assert result.plan.to_dict()["predicted"]["ranks"][0]["comm_bytes"]["cp"] == layers * micro_batches * 2 * 2 * kv
+    stage = (tmp_path / "out" / "program" / "stage_0.py").read_text()
+    assert stage.count("tp.cp_attention(") == 4 and "repeats=2" in stage
+    assert "tp.cp_arange(" in stage and "scaled_dot_product_attention.default" not in stage
+    # `partc check` runs rank 0 on fake tensors at full world size and measures the same traffic
+    (rank,) = check_program(str(tmp_path / "out"), slack_bytes=0)
+    assert rank.comm_bytes["cp"] == rank.predicted_comm_bytes["cp"] > 0
+    assert rank.comm_bytes["dp"] == rank.predicted_comm_bytes["dp"] > 0  # reduced over dp x cp = 1 x 2
+    assert all(row.agrees for row in rank.rows() if row.what.startswith("comm"))
+
+
+def test_search_tries_cp_for_long_causal_sequences():
+    """The search's cp degrees: 1, and those keeping chunks of MIN_CP_CHUNK tokens, for a model with causal
+    attention; a pin as given. The tiny LLaMA's graph at a longer sequence stands for a long-context model."""
+    import dataclasses
+
+    from helpers import trace_file
+    from partc.passes.search import MIN_CP_CHUNK, cp_degrees
+
+    _, traced = trace_file(EXAMPLES / "llama.py")
+    graph = traced.graph
+    assert all(len(u.cp_kv) == 2 for u in graph.units if u.kind == "block")  # keys and values of each attention
+    assert cp_degrees(graph, 8, Pins()) == [1]  # 64 tokens: chunks far below MIN_CP_CHUNK
+    graph = dataclasses.replace(graph, seq_len=4 * MIN_CP_CHUNK)
+    assert cp_degrees(graph, 8, Pins()) == [1, 2]
+    assert cp_degrees(graph, 8, Pins(cp=4)) == [4]
+    graph.units = [dataclasses.replace(u, cp_kv=[]) for u in graph.units]  # no causal attention
+    assert cp_degrees(graph, 8, Pins()) == [1]
+
+
+# name: (model, cp, tp, pp, dp, zero, global batch)
+CONFIGS = {
+    "gpt_cp2_tp2_pp2": ("gpt", 2, 2, 2, 1, 1, 4),
+    "llama_cp2_tp2_pp2": ("llama", 2, 2, 2, 1, 1, 4),
+    "llama_cp2_dp2_tp2_z3": ("llama", 2, 2, 1, 2, 3, 4),
+    "gpt_cp4_dp2_z0": ("gpt", 4, 1, 1, 2, 0, 4),
+}
+STEPS = 2
+SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("cp")
+    inits = {}
+    for m in ("gpt", "llama"):
+        torch.manual_seed(1234)
+        inits[m] = load_model_file(str(EXAMPLES / f"{m}.py")).build().state_dict()
+        torch.save(inits[m], tmp / f"init_{m}.pt")
+    jobs = []
+    for name, (model, cp, tp, pp, dp, zero, gbs) in CONFIGS.items():
+        styles = (lambda f, s: megatron_style(f, vocab=True) or "replicate") if tp > 1 else None
+        compile_program(model, tmp / name, global_batch_size=gbs, tp_styles=styles, cp=cp, tp=tp, pp=pp, dp=dp,
+                        zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none", precision="fp32")
+        jobs.append({"out": str(tmp / name), "steps": STEPS, "init": str(tmp / f"init_{model}.pt"),
+                     "result": str(tmp / f"{name}.pt"), **SGD})
+    run_jobs(8, jobs, tmp)
+    return tmp, inits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_trains_like_one_process(runs, name):
+    tmp, inits = runs
+    model, cp, tp, pp, dp, zero, gbs = CONFIGS[name]
+    got = torch.load(tmp / f"{name}.pt", weights_only=True)
+    losses, state = reference_run(str(EXAMPLES / f"{model}.py"), inits[model], steps=STEPS, seed=0,
+                                  global_batch_size=gbs, precision="fp32", micro_batch_size=1, untied=pp > 1, **SGD)
+    assert_close_losses(got["losses"], losses)
+    assert_close_states(got["state"], state)
+    assert_comm_matches_plan(tmp / name, got["comm"])
+    assert all(rank.get("cp", 0) > 0 for step in got["comm"] for rank in step)
