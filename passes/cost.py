@@ -368,7 +368,7 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
     """Bytes one micro-batch leaves saved on one GPU for each unit (Korthikanti et al., per transformer layer):
         none       s·b·h·(10 + 24/t + 5·a·s/(h·t))   = rep + (saved - rep) / t
         selective  s·b·h·(10 + 24/t)                 = rep + (saved - rep - core) / t
-        full       2·s·b·h                           = input_bytes
+        full       2·s·b·h                           = input_bytes (2·s·b·h/t under sequence parallelism)
     where rep = saved_bytes_replicated (norm/residual inputs, the "10") and core = saved_bytes_core (what the
     attention core saves beyond its inputs: the 5·a·s²·b of scores, softmax and dropout, and the math kernel's
     scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1). Under sequence parallelism the
@@ -384,9 +384,9 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
 
 
 def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> float:
-    if mode == "full":
-        return float(unit.input_bytes * par.micro_batch_size)
     split = is_split(par, tp, unit)
+    if mode == "full":  # the block's input: under sequence parallelism, this rank's part of the sequence
+        return float(unit.input_bytes * par.micro_batch_size) / (par.tp if split and par.sequence_parallel else 1)
     rep = unit.saved_bytes_replicated if split else 0
     sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
     if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
