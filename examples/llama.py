@@ -54,6 +54,8 @@ SIZES: dict[str, LlamaConfig] = {
                              ffn_hidden=14336, rope_theta=500000.0),
     "llama3-70b": LlamaConfig(vocab_size=128256, seq_len=8192, hidden=8192, heads=64, kv_heads=8, layers=80,
                               ffn_hidden=28672, rope_theta=500000.0),
+    "llama3-405b": LlamaConfig(vocab_size=128256, seq_len=8192, hidden=16384, heads=128, kv_heads=8, layers=126,
+                               ffn_hidden=53248, rope_theta=500000.0),
 }
 
 

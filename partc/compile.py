@@ -177,6 +177,17 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                 cp_refused = str(e)
         if result.best is None:
             raise PartcError(_no_fit_message(clus, result))
+        if result.best.parallel.sequence_parallel and pins.sequence_parallel is None:
+            # The search chose sequence parallelism: the plan prices it on every unit, so the program must keep the
+            # split everywhere; where it cannot (`sequence_fallbacks`), the plan is searched again without it.
+            fallbacks = sequence_fallbacks(spec, model, traced, make_plan(graph, clus, result.best, result, path=path,
+                                                                           entry=entry, tokens=spec.seq_len is not None),
+                                           path=path, entry=entry)
+            if fallbacks:
+                pins = dataclasses.replace(pins, sequence_parallel=False)
+                result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
+                if result.best is None:
+                    raise PartcError(_no_fit_message(clus, result))
         best = result.best
     else:
         result = None
@@ -226,8 +237,9 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
         program = make_program(spec, model, traced, plan, path=path, entry=entry)
         if program.sequence_gathers:  # said in the plan, before it is written
             plan.model["sequence_parallel_gathers"] = list(program.sequence_gathers)
-            warnings.append(f"sequence parallelism: {len(program.sequence_gathers)} value(s) gathered whole for a "
-                            f"whole layer or an op not proven per-position, all-gathers the plan does not charge; "
+            warnings.append(f"sequence parallelism: {len(program.sequence_gathers)} place(s) where the program does "
+                            f"not keep the split along the sequence (a whole layer, an op not proven per-position), "
+                            f"collectives the plan does not charge; "
                             f"first: "
                             f"{program.sequence_gathers[0]} (plan.json: model.sequence_parallel_gathers)")
         output.write(out_dir, {"plan.json": plan.to_json(), output.REPORT: report.render(plan.to_dict()),
@@ -392,6 +404,17 @@ def init_warnings(init: InitRecord) -> list[str]:
             lines.append(f"partc cannot reproduce the initial value of {kind} {', '.join(names[:3])}{more} "
                          f"({init.problems[names[0]]}); {then}")
     return lines
+
+
+def sequence_fallbacks(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,
+                       entry: str) -> list[str]:
+    """Where the program of a sequence-parallel `plan` does not keep the activations split along the sequence
+    (`tp_rewrite.Rewrite.sequence_gathers`, one line each; empty: everywhere, as the plan prices it). The program
+    is generated and dropped."""
+    try:
+        return make_program(spec, model, traced, plan, path=path, entry=entry).sequence_gathers
+    except PartcError as e:  # the sequence found by the rewrite does not divide over tp
+        return [str(e)]
 
 
 def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,

@@ -149,6 +149,9 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         names.update({ph: literal(values[target]) for ph, target in io.constants.items()})
     receives, sends = _boundaries(nodes, node_stage, io, len(plan.stages))
     split = _scatter_gather(plan.parallel.tp, rw)
+    if plan.parallel.sequence_parallel:  # the plan prices each boundary as the ranks' parts of the sequence
+        rw.sequence_gathers += [f"{names[x]} crosses a pipeline boundary whole: scattered and gathered again"
+                                for st in sends[:-1] for x in st if split(x)]
     last = len(plan.stages) - 1
     stages = []
     for st in plan.stages:

@@ -127,7 +127,9 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
         colwise input (a norm's output), all-reduce backward -> all-gather forward + reduce-scatter backward
     (each pair moves what the all-reduce moved, in the same time: `hw.collective_time`), and per micro-batch the
     backward all-reduce of the gradients of the parameters applied to each rank's part of the sequence (the norms
-    feeding colwise layers and the rowwise layers' biases), and the backward all-gather of a replicated embedding's
+    feeding colwise layers and the rowwise layers' biases), the backward all-gather of a colwise embedding's output
+    (gathered over its features, then each rank's part of the sequence kept), and the backward all-gather of a
+    replicated embedding's
     output added to the sequence-split stream (learned positions: [s, h], the same for every micro-batch size)."""
     b = tokens(par)
     colls = [] if tp is None else tp.collectives.get(unit.fqn, [])
@@ -144,11 +146,15 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
         elif c.kind == "all_reduce" and c.phase == "bwd" and layer is not None and layer.kind == "norm":
             out += [("all_gather", "fwd", n), ("reduce_scatter", "bwd", n)]
             params += sum(math.prod(shape) for shape in layer.params.values())
+        elif c.kind == "all_gather" and c.phase == "fwd" and layer is not None and layer.kind == "embedding":
+            # a colwise embedding's output gathered, then each rank's part of the sequence kept: the backward
+            # all-gathers the gradient over the sequence (`tp_rewrite._colwise_embedding_to_sequence`)
+            out += [("all_gather", "fwd", n), ("all_gather", "bwd", n)]
         else:
             out.append((c.kind, c.phase, n))
     if params:
         out.append(("all_reduce", "bwd", float(params * compute_bytes(par.precision))))
-    if any(style_of(tp, f) == "rowwise" and graph.layers[f].kind == "embedding" for f in graph.layers):
+    if any(style_of(tp, f) in ("rowwise", "colwise") and graph.layers[f].kind == "embedding" for f in graph.layers):
         for f in unit.layers:
             layer = graph.layers[f]
             if layer.kind == "embedding" and style_of(tp, f) == "replicate":
@@ -357,7 +363,7 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
     """Bytes one micro-batch leaves saved on one GPU for each unit (Korthikanti et al., per transformer layer):
         none       s·b·h·(10 + 24/t + 5·a·s/(h·t))   = rep + (saved - rep) / t
         selective  s·b·h·(10 + 24/t)                 = rep + (saved - rep - core) / t
-        full       2·s·b·h                           = input_bytes
+        full       2·s·b·h                           = input_bytes (2·s·b·h/t under sequence parallelism)
     where rep = saved_bytes_replicated (norm/residual inputs, the "10") and core = saved_bytes_core (what the
     attention core saves beyond its inputs: the 5·a·s²·b of scores, softmax and dropout, and the math kernel's
     scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1). Under sequence parallelism the
@@ -373,9 +379,9 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
 
 
 def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> float:
-    if mode == "full":
-        return float(unit.input_bytes * tokens(par))
     split = is_split(par, tp, unit)
+    if mode == "full":  # the block's input: under sequence parallelism, this rank's part of the sequence
+        return float(unit.input_bytes * tokens(par)) / (par.tp if split and par.sequence_parallel else 1)
     rep = unit.saved_bytes_replicated if split else 0
     sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
     if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
@@ -600,7 +606,7 @@ def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes: float, spans_nodes: 
     for size in (nbytes, grad):
         if size > 0:
             total += hw.collective_time(cluster, "p2p", size / t, 2, spans_nodes=spans_nodes)
-            if t > 1:
+            if t > 1 and not par.sequence_parallel:  # under it, each rank's part of the sequence is its own
                 total += hw.collective_time(cluster, "all_gather", size, t, spans_nodes=tp_spans,
                                             ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
     return total

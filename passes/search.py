@@ -90,21 +90,33 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
     n_units = len(graph.units)
     pinned = pins.pinned().items()
     precision = pins.precision or "bf16"
-    sequence_parallel = bool(pins.sequence_parallel)  # only where pinned: see docs/sequence-parallel.md
     experts = _expert_counts(graph)
     for dp, tp, pp, cp in _degrees(cluster, gpus, global_batch, pins, n_units, cp_degrees(graph, gpus, pins)):
-        if sequence_parallel and tp < 2:
+        sp_choices = sequence_parallel_choices(graph, tp, pins) if cp == 1 else (False,)
+        if not sp_choices or (cp > 1 and pins.sequence_parallel):
             continue
         per_replica = global_batch // dp
         for ep in (_ep_degrees(pins, dp, experts) if cp == 1 else [1]):  # ep is carved from dp alone
             for b in divisors(per_replica):
                 for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
-                    values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
-                                  global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
-                                  recompute=recompute, precision=precision, sequence_parallel=sequence_parallel,
-                                  ep=ep)
-                    if all(values[name] == value for name, value in pinned):
-                        yield values
+                    for sp in sp_choices:
+                        values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
+                                      global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
+                                      recompute=recompute, precision=precision, sequence_parallel=sp, ep=ep)
+                        if all(values[name] == value for name, value in pinned):
+                            yield values
+
+
+def sequence_parallel_choices(graph: ModelGraph, tp: int, pins: Pins) -> tuple[bool, ...]:
+    """The values of ``sequence_parallel`` the search weighs at TP degree `tp`: the pin, where given (True needs tp
+    >= 2); else both under tp > 1 when the model has a sequence that divides over tp (the program splits the
+    activations along it), and off otherwise. Neither dominates: sequence parallelism moves the same bytes in two
+    collectives (two latencies) and all-reduces the norms' gradients, for activations 1/t between the layers."""
+    if pins.sequence_parallel is not None:
+        return (pins.sequence_parallel,) if tp > 1 or not pins.sequence_parallel else ()
+    if tp > 1 and graph.seq_len > 1 and graph.seq_len % tp == 0:
+        return (False, True)
+    return (False,)
 
 
 def _expert_counts(graph: ModelGraph) -> list[int]:
@@ -178,21 +190,22 @@ def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):
 # independent of it. A quantity that depends on a function of ignored fields (say, whether the pipeline has more
 # than one rank) adds that value to its key explicitly.
 _PIPELINE = ("pp", "global_batch_size", "schedule", "virtual_stages")
-TP = Reads("tp", ("dp", "zero", "recompute", *_PIPELINE))  # the TP solve: (tp, b)
+_SP = ("sequence_parallel",)  # the TP map and the parameters do not depend on it; activations and traffic do
+TP = Reads("tp", ("dp", "zero", "recompute", *_PIPELINE, *_SP))  # the TP solve: (tp, b)
 PARTS = Reads("parts", ("dp", "zero", *_PIPELINE))  # unit times: (tp, b, recompute)
-SHARDS = Reads("shards", ("dp", "zero", "recompute", *_PIPELINE))  # parameters on one GPU: (tp, b)
+SHARDS = Reads("shards", ("dp", "zero", "recompute", *_PIPELINE, *_SP))  # parameters on one GPU: (tp, b)
 ACTS = Reads("acts", ("dp", "zero", *_PIPELINE))  # activations a micro-batch leaves: (tp, b, recompute)
 EXTRA = Reads("stage_extra", ("dp", *_PIPELINE))  # ZeRO's working memory depends on the stage, not on dp
 CUT = Reads("cut", ("dp", "zero", "recompute", *_PIPELINE))  # + pp > 1 and whether a pipeline hop crosses nodes
 FREE = Reads("free", ("dp", "zero", *_PIPELINE))  # + pp > 1 and the pipeline hop's nodes (then the chunk count)
-FLOOR_SUM = Reads("floor_sum", ("dp", "zero", *_PIPELINE))  # `cost.unit_time_floor` summed: (tp, b, recompute)
+FLOOR_SUM = Reads("floor_sum", ("dp", "zero", *_PIPELINE, *_SP))  # `cost.unit_time_floor` summed: (tp, b, recompute)
 FLOOR_CUT = Reads("floor_cut", ("zero", "recompute", "global_batch_size", "schedule", "virtual_stages"))
 FLOOR_RANK = Reads("floor_rank", ("zero", "global_batch_size", "schedule", "virtual_stages"))  # the two above
-FLOOR_DP = Reads("floor_dp", ("recompute", "schedule", "virtual_stages"))  # DP traffic and optimizer at 1/p
+FLOOR_DP = Reads("floor_dp", ("recompute", "schedule", "virtual_stages", *_SP))  # DP traffic and optimizer at 1/p
 FLOOR_PARAMS = Reads("floor_params", ("dp", "pp", "zero", "micro_batch_size", "recompute", "precision",
-                                      "global_batch_size", "schedule", "virtual_stages"))  # every layer t ways
+                                      "global_batch_size", "schedule", "virtual_stages", *_SP))  # every layer t ways
 STATE_FLOOR = Reads("state_floor", ("micro_batch_size", "recompute", "global_batch_size", "schedule",
-                                    "virtual_stages"))  # model states at 1/p, and the communicators
+                                    "virtual_stages", *_SP))  # model states at 1/p, and the communicators
 
 
 class _Costs:

@@ -67,8 +67,10 @@ class Rewrite:
     sequence: set[Node] = field(default_factory=set)
     """Nodes split along the sequence (sequence parallelism): a subset of `split`."""
     sequence_gathers: list[str] = field(default_factory=list)
-    """Under sequence parallelism, where a value split along the sequence is gathered whole because its reader is
-    not proven per-position (one line each)."""
+    """Under sequence parallelism, where the program does not keep the split along the sequence (one line each): a
+    value split along it gathered whole because its reader is not proven per-position, a rowwise output without a
+    sequence dim (all-reduced), a colwise layer whose input is whole (`copy_to_tp`). The plan prices every unit as
+    sequence-parallel: the search takes sequence parallelism only where this stays empty."""
 
 
 def _local_shape(shape, dim: int, t: int, what: str) -> list[int]:
@@ -530,12 +532,35 @@ class _Rewriter:
                 new = div(size) if div else [s // self.t for s in size]
                 node.args = (x, new, *node.args[2:])
 
+    def _colwise_embedding_to_sequence(self, node: Node, layer: Layer) -> None:
+        """Under sequence parallelism, a colwise Embedding's output (its features split) enters the stream split
+        along the sequence instead: all-gathered over its features (backward: this rank's part), then this rank's
+        part of the sequence kept (backward: the gradient all-gathered over the sequence)."""
+        d = self.seq_dim(node)
+        if d is None:
+            self.result.sequence_gathers.append(
+                f"colwise {layer.fqn}'s output has no sequence dim: gathered whole (tensor parallelism)")
+            return
+        users = list(node.users)
+        whole = self.need(node, R, node)
+        v = self.val[whole]
+        local = torch.empty(_local_shape(v.shape, d, self.t, node.name), dtype=v.dtype, device="meta")
+        out = self._insert(whole, C.scatter_to_tp, (whole, d),
+                           f"colwise {layer.fqn}'s output gathered, each rank keeping 1/{self.t} of the sequence "
+                           f"(all-gather of its gradient backward)", node, local, d)
+        self.seq.add(out)
+        for u in users:
+            u.replace_input_with(node, out)
+
     def _split_layer(self, node: Node, layer: Layer, style: str, kind: str) -> None:
         t = self.t
         if kind == "embedding":
             weight, ids = node.args[0], node.args[1]
             if style == "colwise":  # embedding dim split
-                return self._run_local(node, node.meta["val"].dim() - 1)
+                self._run_local(node, node.meta["val"].dim() - 1)
+                if self.sp:
+                    self._colwise_embedding_to_sequence(node, layer)
+                return None
             # rowwise: vocabulary split; masked lookup of this rank's rows, then sum over ranks.
             with self.graph.inserting_after(node):
                 lookup = self.graph.call_function(C.masked_embedding, (weight, ids))
@@ -547,6 +572,9 @@ class _Rewriter:
             self.graph.erase_node(node)
             self.val[lookup], self.state[lookup] = node.meta["val"], P
             d = self.seq_dim(node)
+            if d is None and self.sp:
+                self.result.sequence_gathers.append(
+                    f"rowwise {layer.fqn}'s output has no sequence dim: all-reduced (tensor parallelism)")
             out = self._to_sequence(lookup, d, f"rowwise {layer.fqn}") if d is not None else \
                 self._insert(lookup, C.reduce_from_tp, (lookup,), f"sum the vocabulary shards of rowwise {layer.fqn}",
                              lookup, node.meta["val"], R)
@@ -571,6 +599,10 @@ class _Rewriter:
                 self.memo[key] = g
             node.replace_input_with(x, self.memo[key])
         elif style == "colwise":
+            if self.sp:
+                self.result.sequence_gathers.append(
+                    f"colwise {layer.fqn} reads {x.name}, not split along the sequence: identity forward, "
+                    f"all-reduce of its gradient backward (tensor parallelism)")
             xr = self.need(x, R, node)
             xc = self.copy_to_tp(xr, node)
             node.replace_input_with(x, xc)
@@ -594,6 +626,9 @@ class _Rewriter:
         if d is not None:
             out = self._to_sequence(node, d, f"rowwise {layer.fqn}")
         else:
+            if self.sp:
+                self.result.sequence_gathers.append(
+                    f"rowwise {layer.fqn}'s output {node.name} has no sequence dim: all-reduced (tensor parallelism)")
             out = self._insert(node, C.reduce_from_tp, (node,),
                                f"sum the partial outputs of rowwise {layer.fqn} (all-reduce forward, identity "
                                f"backward)", node, self.val[node], R)

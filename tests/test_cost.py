@@ -128,6 +128,10 @@ def test_sequence_parallel_activations(t):
     assert sel - 4 * sbh * (1 - 1 / t) == pytest.approx(34 * sbh / t)  # Korthikanti et al.'s + the gathered inputs
     (without,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="selective"), tp)
     assert without - sel == pytest.approx(sbh * 6 * (1 - 1 / t))
+    # full recomputation keeps the block's input: 2·s·b·h, this rank's 1/t of the sequence under sequence parallelism
+    (full,) = cost.unit_activation_bytes(graph, dataclasses.replace(sp, recompute="full"), tp)
+    (full_tp,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="full"), tp)
+    assert full_tp == unit.input_bytes * b and full == pytest.approx(full_tp / t)
 
 
 def test_sequence_parallel_collectives():

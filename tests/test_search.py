@@ -188,6 +188,32 @@ def test_brute_force_cases_are_not_trivial():
     assert any(run_case(k)[0].evaluated < run_case(k)[0].considered / 4 for k in CASES)  # pruning prunes
 
 
+def test_search_weighs_sequence_parallelism():
+    """Unpinned, every configuration with tp > 1 is tried with and without sequence parallelism (a sequence that
+    does not divide over tp, or tp 1, only without); pinned, only as pinned. A case whose memory is tight takes it:
+    its activations are smaller than the same plan's without it, and the best plan without it is slower."""
+    graph = gpt_graph("long")
+    seen = {(p.tp, p.sequence_parallel) for p in _configs(graph, A100, 4, 16, Pins())}
+    assert seen == {(1, False), (2, False), (2, True), (4, False), (4, True)}
+    assert {(p.tp, p.sequence_parallel) for p in _configs(graph, A100, 4, 16, Pins(sequence_parallel=True))} == \
+        {(2, True), (4, True)}
+    assert {p.sequence_parallel for p in _configs(graph, A100, 4, 16, Pins(sequence_parallel=False))} == {False}
+    odd = SimpleNamespace(seq_len=6)
+    assert search_module.sequence_parallel_choices(odd, 4, Pins()) == (False,)
+    assert search_module.sequence_parallel_choices(odd, 2, Pins()) == (False, True)
+    assert search_module.sequence_parallel_choices(odd, 1, Pins(sequence_parallel=True)) == ()
+
+    case = CASES["long-4-tight"]
+    best = run_case("long-4-tight")[0].best
+    assert best.parallel.sequence_parallel
+    plain = dataclasses.replace(best.parallel, sequence_parallel=False)
+    without = assemble.predict(graph, case.cluster, plain, best.tp, best.bounds)
+    assert without.memory_per_gpu.activations > best.prediction.memory_per_gpu.activations
+    off = search(graph, case.cluster, case.gpus, global_batch_size=case.gbs,
+                 pins=Pins(sequence_parallel=False)).best
+    assert off is None or off.step_time_s > best.step_time_s
+
+
 @pytest.mark.parametrize("case_id", ["long-8", "wide-8-nodes", "long-8-small-nodes", "tied-4", "tied-8-small"])
 def test_pruning_bound_is_below_every_step_time(case_id):
     """The bounds `search` prunes with never exceed the step time of the best stage split of a configuration:

@@ -513,5 +513,38 @@ def test_sequence_parallel_gathers_are_said_in_the_plan(tmp_path):
     result = compile_model(path, gpus=2, from_plan=str(tmp_path / "plan.json"), out_dir=out)
     gathers = json.loads((out / "plan.json").read_text())["model"]["sequence_parallel_gathers"]
     assert len(gathers) == 1 and "lm_head" in gathers[0], gathers
-    assert any(w.startswith("sequence parallelism: 1 value(s) gathered whole") for w in result.warnings)
+    assert any(w.startswith("sequence parallelism: 1 place(s) where the program does not keep")
+               for w in result.warnings)
     assert "tp.gather_from_tp(" in (out / "program" / "stage_0.py").read_text()
+
+
+def test_search_keeps_sequence_parallelism_only_where_the_program_does(tmp_path, monkeypatch):
+    """The plan prices a sequence-parallel plan as split along the sequence on every unit: when the search takes
+    sequence parallelism (forced here at tp 2) with a style map the program cannot keep it under (the tiny GPT's
+    map at tp 2 leaves the layers feeding its rowwise fc2 whole), compile searches again without it; the plan says
+    nothing is gathered, and where the program keeps the split (Megatron's map), `sequence_fallbacks` is empty."""
+    import partc.compile as compile_module
+    import partc.passes.search as search_module
+    found = []
+
+    def spy(*args, **kwargs):
+        found.append(real(*args, **kwargs))
+        return found[-1]
+
+    real = compile_module.sequence_fallbacks
+    monkeypatch.setattr(compile_module, "sequence_fallbacks", spy)
+    monkeypatch.setattr(search_module, "sequence_parallel_choices",
+                        lambda graph, tp, pins: (pins.sequence_parallel,) if pins.sequence_parallel is not None
+                        else (tp > 1,))
+    path, out = str(EXAMPLES / "gpt.py"), tmp_path / "gpt"
+    result = compile_model(path, gpus=2, pins=Pins(tp=2, precision="fp32"), global_batch_size=2, out_dir=out)
+    assert len(found) == 1 and found[0], "the search's sequence-parallel plan was checked, and not kept"
+    assert any("not split along the sequence" in line or "whole" in line for line in found[0]), found[0]
+    assert not result.plan.parallel.sequence_parallel
+    assert "sequence_parallel_gathers" not in json.loads((out / "plan.json").read_text())["model"]
+    assert not [w for w in result.warnings if w.startswith("sequence parallelism")]
+
+    pinned = Pins(tp=2, pp=1, dp=1, zero=0, micro_batch_size=1, precision="fp32", sequence_parallel=True)
+    first = compile_model(path, gpus=2, pins=pinned, global_batch_size=2)
+    first.plan.tp = {f: megatron_style(f, vocab=True) or "replicate" for f in first.plan.tp}
+    assert real(first.spec, first.spec.build(), first.traced, first.plan, path=path, entry="model") == []
