@@ -1,5 +1,7 @@
 """The cost model's terms: time, memory and traffic of units, ranks and collectives, as pure functions over the IR
-(`passes.assemble.predict` puts them together into a plan's step).
+(`passes.assemble.predict` puts them together into a plan's step). The memory terms live in `passes.memory`, the
+context- and expert-parallel traffic terms in `passes.cost_axes`, how the terms read a plan (`style_of`,
+`is_split`, `recompute_mode`, `mesh_spans`, `tokens`) in `passes.cost_types`; all are re-exported here.
 
 Sources (docs/cost-model.md cites each): Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM" (bubble, in-flight micro-batches, TP/PP traffic, model FLOPs; Table 1);
@@ -23,27 +25,30 @@ the runtime's (the multi-process tests).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 from typing import Sequence
 
 from partc.cluster import Cluster
 from partc.ir import ModelGraph, Unit
-from partc.parallel import MESH_AXES, TP_STYLES, Parallel, Reads, group_spans_nodes
+from partc.parallel import TP_STYLES, Parallel, Reads
 from partc.precision import compute_bytes
-from partc.sharding import GEMM_SPLIT, param_shard
-from partc.vocab_loss import VOCAB_PARALLEL
-from partc.passes.cost_types import Memory, TPPlan, UnitTime
+from partc.sharding import GEMM_SPLIT
+from partc.passes.cost_types import (Memory, TPPlan, UnitTime, _unit_list, is_split, mesh_spans, recompute_mode,
+                                     style_of, tokens)
+# The memory terms and the cp and ep terms (re-exported: the search, `predict` and the tests read them as cost.NAME).
+from partc.passes.memory import (LOSS_BYTES, _cp_saved_bytes, _extra_bytes, _held_bytes, _in_flight_bytes,
+                                 _param_local_shapes, _param_shards, _rebuilt_bytes, _saved_bytes, fsdp_groups,
+                                 in_flight, model_state_bytes, stage_extra_bytes, stage_param_count, tp_loss,
+                                 unit_activation_bytes, unit_backward_bytes, unit_local_shapes, unit_param_counts,
+                                 unit_param_shards, vocab_loss_bytes)
+from partc.passes.cost_axes import (_expert_layers, cp_bytes, cp_time, ep_alltoall_bytes, ep_bytes, ep_time,
+                                    expert_dp_bytes, expert_keys, expert_state_bytes)
 
-from . import hw, schedule, zero
+from . import hw, zero
 
 # HBM bytes of one Adam step per local parameter (memory-bound): read the fp32 master, gradient, momentum and
 # variance (16); write the master and the two moments (12). The compute copy comes from FSDP's next all-gather.
 ADAM_STEP_BYTES = 28
-
-LOSS_BYTES = 12
-"""Bytes per logit the loss holds at its peak besides the compute-dtype logits, on the last stage: the fp32 copy
-the runtime computes the loss from, the fp32 log-probabilities cross-entropy saves, and their fp32 gradient."""
 
 
 # `predict`'s per-chunk terms and `unit_time_floor`'s per-unit ones, kept in the caller's memo (one graph, its TP
@@ -53,43 +58,7 @@ _PER_MICRO_BATCH = ("dp", "pp", "zero", "global_batch_size", "schedule", "virtua
 FORWARD_FLOOR = Reads("forward_floor", (*_PER_MICRO_BATCH, "recompute", "precision"))  # + the unit's signature
 
 
-# --- 1. Helpers: styles, recomputation, mesh placement -----------------------------------------------------------
-
-def style_of(tp: TPPlan | None, layer_fqn: str) -> str:
-    style = "replicate" if tp is None else tp.styles.get(layer_fqn, "replicate")
-    assert style in TP_STYLES, f"unknown TP style {style!r} for {layer_fqn}"
-    return style
-
-
-def is_split(par: Parallel, tp: TPPlan | None, unit: Unit) -> bool:
-    """True when TP shards this unit: some layer is colwise/rowwise and t > 1 (then its heads are split too).
-    Experts split inside (``inner``) do not split the heads; their GEMMs are split by `Gemm.inner_split`, and what
-    their ops save is counted whole (`Unit.saved_bytes_replicated`), a bound from above."""
-    return par.tp > 1 and any(style_of(tp, f) not in ("replicate", "inner") for f in unit.layers)
-
-
-def recompute_mode(unit: Unit, par: Parallel) -> str:
-    """Recomputation applies to repeated blocks only, as torchtitan wraps each block (not embedding, head)."""
-    return par.recompute if unit.kind == "block" else "none"
-
-
-def mesh_spans(cluster: Cluster, par: Parallel) -> dict[str, bool]:
-    """Mesh axis -> whether its groups cross nodes (`Parallel.spans_nodes`)."""
-    return {axis: par.spans_nodes(axis, cluster.gpus_per_node) for axis in MESH_AXES}
-
-
-def tokens(par: Parallel) -> float:
-    """What one GPU computes, holds and sends of a micro-batch, in samples: b, or under context parallelism b/cp
-    (each cp rank holds s/cp tokens of every sample). Every activation-proportional term reads it; the parameters,
-    their gradients and the optimizer do not depend on it."""
-    return par.micro_batch_size / par.cp
-
-
-def _unit_list(graph: ModelGraph, units: Sequence[int] | Sequence[Unit]) -> list[Unit]:
-    return [graph.units[u] if isinstance(u, int) else u for u in units]
-
-
-# --- 2. Time of one unit per micro-batch -------------------------------------------------------------------------
+# --- 1. Time of one unit per micro-batch -------------------------------------------------------------------------
 
 def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
                    unit: Unit) -> tuple[float, float]:
@@ -263,305 +232,7 @@ def unit_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | 
     return [u.compute_s + u.tp_comm_s for u in unit_time_parts(graph, cluster, par, tp)]
 
 
-# --- 3. Parameters and model states ------------------------------------------------------------------------------
-
-def _param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> dict[str, int]:
-    """Parameter (canonical FQN of a tied one) -> elements one GPU holds, for one unit: the product of its
-    `_param_local_shapes` (one sharding rule, `partc.sharding.param_shard`, the layout the runtime allocates)."""
-    return {k: math.prod(v) for k, v in _param_local_shapes(graph, par, tp, unit).items()}
-
-
-def unit_param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[dict[str, int]]:
-    """`_param_shards` of every unit, in order (what `predict` and the search reuse across calls)."""
-    return [_param_shards(graph, par, tp, u) for u in graph.units]
-
-
-def unit_param_counts(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[int]:
-    """Parameters each unit holds on one GPU after TP sharding; a tied parameter counts on every unit holding it,
-    once within the unit."""
-    return [sum(d.values()) for d in unit_param_shards(graph, par, tp)]
-
-
-def stage_param_count(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
-                      units: Sequence[int] | Sequence[Unit], shards: list[dict[str, int]] | None = None) -> int:
-    """Parameters on one GPU of a stage (or rank) holding `units`, tied parameters counted once. `shards`:
-    `unit_param_shards`, when the caller has it."""
-    merged: dict[str, int] = {}
-    index = {u.fqn: i for i, u in enumerate(graph.units)} if shards is not None else {}
-    for u in _unit_list(graph, units):
-        own = shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)
-        for key, n in own.items():
-            merged[key] = max(merged.get(key, 0), n)
-    return sum(merged.values())
-
-
-def model_state_bytes(num_params: float, par: Parallel) -> Memory:
-    """Model states per GPU of `num_params` parameters (already divided by TP and PP): the FSDP policies of the
-    runtime under the plan's precision (`partc.passes.zero`'s table; Rajbhandari et al.'s 16Ψ, 4Ψ + 12Ψ/N_d...
-    assume 16-bit gradients, Megatron-LM's 18Ψ fp32 ones, as here)."""
-    params, grads, optimizer = zero.model_state_bytes(num_params, par)
-    return Memory(params=params, grads=grads, optimizer=optimizer)
-
-
-def _param_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> dict[str, tuple]:
-    """Parameter (canonical FQN) -> its shape on one GPU after TP, for one unit (parameters of the unit outside its
-    layers as one flat tensor, replicated). The split is `partc.sharding.param_shard`'s: colwise and rowwise split a
-    weight, a bias only under colwise (a rowwise bias is added after the reduction); norms and replicate layers stay
-    whole."""
-    out: dict[str, tuple] = {}
-    in_layers = 0
-    for fqn in unit.layers:
-        layer, style = graph.layers[fqn], style_of(tp, fqn)
-        in_layers += layer.num_params
-        for name, shape in layer.params.items():
-            shape = list(shape)
-            sh = param_shard(layer, name, style) if par.tp > 1 else None
-            if sh is not None:
-                shape[sh.dim] = -(-shape[sh.dim] // par.tp)
-            if par.ep > 1 and name in layer.inner:
-                shape[0] //= par.ep
-            out[graph.tied.get(name, name)] = tuple(shape)
-    if unit.num_params > in_layers:
-        out[f"{unit.fqn}:<direct>"] = (unit.num_params - in_layers,)
-    return out
-
-
-def unit_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[dict[str, tuple]]:
-    """`_param_local_shapes` of every unit, in order (what `predict` and the search reuse across calls)."""
-    return [_param_local_shapes(graph, par, tp, u) for u in graph.units]
-
-
-def fsdp_groups(graph: ModelGraph, par: Parallel, tp: TPPlan | None, chunk: Sequence[int],
-                local_shapes: list[dict[str, tuple]] | None = None) -> tuple[list[float], float, float, float]:
-    """FSDP's groups for one model chunk, as `partc.runtime.parallelize.apply_zero` makes them: (parameters of each
-    unit with a group of its own, their padded elements, the padded elements of the chunk's root group, its
-    parameters). A parameter shared by two units of the chunk (a tied embedding and head) puts both units in the
-    root group. `local_shapes`: `unit_local_shapes`, when the caller has it."""
-    shapes = [local_shapes[i] if local_shapes is not None else _param_local_shapes(graph, par, tp, graph.units[i])
-              for i in chunk]
-    owners: dict[str, int] = {}
-    for j, s in enumerate(shapes):
-        for key in s:
-            owners[key] = owners.get(key, 0) + 1
-    own, own_padded, rest, rest_padded, seen = [], 0.0, 0.0, 0.0, set()
-    for s in shapes:
-        shared = any(owners[k] > 1 for k in s)
-        numel = sum(math.prod(v) for k, v in s.items() if k not in seen)
-        padded = sum(zero.padded_numel(v, par.dp_shard) for k, v in s.items() if k not in seen)
-        seen |= set(s)
-        if shared:
-            rest, rest_padded = rest + numel, rest_padded + padded
-        else:
-            own.append(float(numel))
-            own_padded += padded
-    return own, own_padded, rest_padded, rest
-
-
-# --- 4. Activations ----------------------------------------------------------------------------------------------
-
-def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[float]:
-    """Bytes one micro-batch leaves saved on one GPU for each unit (Korthikanti et al., per transformer layer):
-        none       s·b·h·(10 + 24/t + 5·a·s/(h·t))   = rep + (saved - rep) / t
-        selective  s·b·h·(10 + 24/t)                 = rep + (saved - rep - core) / t
-        full       2·s·b·h                           = input_bytes (2·s·b·h/t under sequence parallelism)
-    where rep = saved_bytes_replicated (norm/residual inputs, the "10") and core = saved_bytes_core (what the
-    attention core saves beyond its inputs: the 5·a·s²·b of scores, softmax and dropout, and the math kernel's
-    scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1). Under sequence parallelism the
-    norms, dropout masks and residual inputs are 1/t too (Korthikanti et al.: 34·s·b·h/t with selective
-    recomputation); partc's program still keeps whole what its colwise Linears save, their all-gathered inputs
-    (rep becomes saved_bytes_replicated_linear, 4·s·b·h of a GPT block's 10), where Megatron-Core gathers them
-    again in backward.
-
-    Checked against autograd's saved tensors on the CPU (tests/test_activations.py): exact at b = 1 for a GPT and
-    a LLaMA, none / selective / full; at b >= 2 the GPT saves 4·s·b·h less a block (matmul copies attention's V
-    instead of keeping the fused QKV output alive), so this is high by that much."""
-    return [_saved_bytes(par, tp, u, recompute_mode(u, par)) for u in graph.units]
-
-
-def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> float:
-    split = is_split(par, tp, unit)
-    if mode == "full":  # the block's input: under sequence parallelism, this rank's part of the sequence
-        return float(unit.input_bytes * tokens(par)) / (par.tp if split and par.sequence_parallel else 1)
-    rep = unit.saved_bytes_replicated if split else 0
-    sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
-    if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
-        sharded += rep - unit.saved_bytes_replicated_linear
-        rep = unit.saved_bytes_replicated_linear
-    return (rep + sharded / (par.tp if split else 1)) * tokens(par) + _cp_saved_bytes(par, tp, unit)
-
-
-def _cp_saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
-    """Under context parallelism, what attention saves beyond its share of the trace: the keys and values of the
-    whole sequence it was given (gathered, and repeated for grouped-query attention) rather than this rank's
-    s/cp tokens of them."""
-    if par.cp == 1:
-        return 0.0
-    return sum(post / (par.tp if style_of(tp, layer) == "colwise" else 1)
-               for _, layer, post in unit.cp_kv) * par.micro_batch_size * (1 - 1 / par.cp)
-
-
-def in_flight(par: Parallel, rank: int) -> float:
-    """Micro-batches whose activations pipeline rank `rank` (i) holds at peak. GPipe: m. 1F1B (Narayanan et
-    al.): i runs p - i forwards before its first backward: min(p - i, m). Interleaved, v chunks a rank: Megatron's
-    and torch.distributed.pipelining's schedules run W = (v - 1)·p + 2·(p - 1 - i) chunk forwards before the first
-    backward, then one more; a chunk is 1/v of the rank, so min(W + 1, m·v) / v. For rank 0, p + (p - 1)/v =
-    p·(1 + (p - 1)/(p·v)): Korthikanti et al.'s factor, whose "m" is the number of interleaved chunks (v here),
-    not of micro-batches. Later ranks hold more than (p - i)·(1 + ...)."""
-    p, m = par.pp, par.num_microbatches
-    assert 0 <= rank < p, rank
-    if par.schedule == "gpipe":
-        return float(m)
-    v = par.chunks_per_rank
-    if v == 1:
-        return float(min(p - rank, m))
-    warmup = (v - 1) * p + 2 * (p - 1 - rank)
-    return min(warmup + 1, m * v) / v
-
-
-def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]], acts: Sequence[float]
-                ) -> list[float]:
-    """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`)."""
-    b, t = tokens(par), par.tp
-    return [sum(acts[lo:hi]) + (graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)) / t
-            for lo, hi in chunks]
-
-
-def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequence[tuple[int, int]],
-                     acts: Sequence[float]) -> float:
-    """What the micro-batches in flight on pipeline rank `rank` hold at its peak: each forward in flight holds its
-    chunk's saved activations and the boundaries it received and sent (1/t of each under tp, as they cross; the
-    pipeline stage keeps both until the micro-batch's backward). One chunk a rank: `in_flight` micro-batches of
-    that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
-    the gradient it received."""
-    b, t = tokens(par), par.tp
-    held = _held_bytes(graph, par, chunks, acts)
-    if par.chunks_per_rank == 1:
-        return in_flight(par, rank) * held[0]
-    grad = [graph.boundary_grad_bytes(hi - 1, b) / t for lo, hi in chunks]
-    return schedule.peak_bytes(par.pp, par.chunks_per_rank, par.num_microbatches, rank, held, grad)
-
-
-def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
-                      units_in_stage: Sequence[int] | Sequence[Unit],
-                      shards: list[dict[str, int]] | None = None, *, last: bool = True) -> float:
-    """Transient working memory of a stage besides the saved activations, for one micro-batch:
-    - full recompute: the backward of a block first rebuilds all its activations (as without recomputation):
-      the largest recomputed unit's; selective: the largest recomputed attention core;
-    - ZeRO's transient memory (`partc.passes.zero.working_bytes`): gathered units and one unit's gradients;
-    - the backward of one unit at a time (`unit_backward_bytes`): the gradients it holds besides the saved
-      activations, the largest unit's;
-    - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole when the head is
-      colwise but the loss gathers them: then the gather's parts are one more copy at its peak); with the
-      vocab-parallel loss (`tp_loss`) `vocab_loss_bytes` per logit of this rank's columns, at a moment of its
-      own (before any unit's backward).
-    `shards`: `unit_param_shards`, when the caller has it. `last` False: in a micro-batch's backward before the last
-    (`zero.working_bytes`; the search bounds every stage by the last one's, the larger).
-    """
-    units = _unit_list(graph, units_in_stage)
-    index = {u.fqn: i for i, u in enumerate(graph.units)}
-    sizes = [sum((shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)).values())
-             for u in units]
-    last_unit = graph.units[-1]
-    backward = unit_backward_bytes(graph, par, tp)
-    return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
-                        any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last)
-
-
-def vocab_loss_bytes(precision: str) -> int:
-    """Bytes per logit of this rank's vocabulary columns at the vocab-parallel loss's peak: the logits (compute
-    dtype), the fp32 softmax it saves (its working copy, which becomes the gradient in place), and either the
-    compute-dtype gradient it hands back (bf16, made from the fp32 one) or, fp32, the working copy it makes in
-    forward beside the logits. 8 bytes either way; measured by ``partc check`` (docs/vocab-parallel-loss.md)."""
-    c = compute_bytes(precision)
-    return c + 4 + (4 if c == 4 else c)
-
-
-def tp_loss(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> str:
-    """How the last stage computes the loss under tp (plan.json's ``tp_loss``): ``vocab-parallel`` on the output
-    layer's vocabulary columns (`partc.vocab_loss`), or ``gathered: <why>`` from the logits gathered whole; "" at
-    tp 1."""
-    if par.tp == 1:
-        return ""
-    head = graph.vocab_loss.get("head")
-    if not head:
-        return f"gathered: {graph.vocab_loss_why or 'the loss is not a cross-entropy partc can split'}"
-    style = style_of(tp, head)
-    if style != "colwise":
-        return f"gathered: the output layer {head} is {style}, not split over the vocabulary (colwise)"
-    return VOCAB_PARALLEL
-
-
-def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
-    """What recomputation rebuilds of the unit for its backward (`stage_extra_bytes`): 0 without recomputation."""
-    mode = recompute_mode(unit, par)
-    if mode == "none":
-        return 0.0
-    rebuilt = _saved_bytes(par, tp, unit, "none")  # full: the block's activations, rebuilt for its backward
-    if mode == "selective":
-        rebuilt -= _saved_bytes(par, tp, unit, "selective")  # only the attention core is rebuilt
-    return rebuilt
-
-
-def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[float]:
-    """Gradients the backward of each unit holds at its peak for one micro-batch on one GPU, besides the saved
-    activations: the gradient of the unit's output (the residual stream's; under tp both the 1/t part a pipeline
-    stage receives and the whole it gathers) and the widest gradient inside it, made early in its backward while
-    everything the unit saved is still held. That is the gradient of a layer's input (GPT's fc2: 4·b·s·h; measured
-    by ``partc check``, 14% of a rank holding one block and two micro-batches), or the gradients of the unit's layers
-    that feed that input, which the ops between them make from it (SwiGLU's gate and up, 2·b·s·I, while down's
-    saved input is freed). The gradients that follow are no larger than the saved tensors freed before them. Under
-    tp a rowwise layer's input and a colwise layer's output are 1/t; an embedding's input (token ids) has no
-    gradient. Checked against one block's backward on the CPU (tests/test_activations.py)."""
-    b, t = tokens(par), par.tp
-    fed: dict[str, float] = {}  # layer -> gradients of the layers of its unit that feed its input
-    for e in graph.edges:
-        if graph.layers[e.src].unit == graph.layers[e.dst].unit:
-            split = t > 1 and style_of(tp, e.src) == "colwise"
-            fed[e.dst] = fed.get(e.dst, 0.0) + e.bytes / (t if split else 1)
-    out = []
-    for i, unit in enumerate(graph.units):
-        grad = graph.boundary_grad_bytes(i, b)
-        largest = 0.0
-        for fqn in unit.layers:
-            layer = graph.layers[fqn]
-            if layer.kind == "embedding":
-                continue
-            nbytes = float(layer.out_bytes)
-            if layer.kind == "linear" and layer.out_features > 0:
-                nbytes = layer.out_bytes * layer.in_features / layer.out_features
-                if t > 1 and style_of(tp, fqn) == "rowwise":
-                    nbytes /= t
-            largest = max(largest, nbytes * b, fed.get(fqn, 0.0) * b)
-        out.append(grad + (grad / t if t > 1 else 0.0) + largest)
-    return out
-
-
-def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
-                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float], last: bool = True) -> float:
-    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU and hold
-    `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`;
-    `last` False: in a micro-batch's backward before the last (`zero.working_bytes`)."""
-    extra = max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last) + max([0.0, *backward])
-    last = graph.units[-1]
-    if holds_last and last.layers and tp_loss(graph, par, tp) == VOCAB_PARALLEL:
-        # The loss on this rank's vocabulary columns (`partc.collectives.vocab_parallel_cross_entropy`), nothing
-        # gathered. Its peak, in its own backward, comes before any unit's backward: no recomputation, unit
-        # gradient or ZeRO reduction yet, only ZeRO-3's gathered units beside it. The larger of the two moments.
-        head = graph.layers[last.layers[-1]]
-        local = head.out_bytes / compute_bytes(par.precision) * tokens(par) / par.tp
-        gathered = compute_bytes(par.precision) * sum(sorted(sizes, reverse=True)[:2]) if par.zero == 3 else 0.0
-        return max(extra, vocab_loss_bytes(par.precision) * local + gathered)
-    if holds_last and last.layers:
-        head = graph.layers[last.layers[-1]]
-        logits = head.out_bytes / compute_bytes(par.precision) * tokens(par)
-        extra += LOSS_BYTES * logits
-        if par.tp > 1 and style_of(tp, head.fqn) == "colwise":
-            # the head's output gathered whole: the all-gather's parts, besides the concatenated logits
-            extra += compute_bytes(par.precision) * logits
-    return extra
-
-
-# --- 5. Pipeline, data-parallel and optimizer terms --------------------------------------------------------------
+# --- 2. Pipeline, data-parallel and optimizer terms --------------------------------------------------------------
 
 def bubble_fraction(par: Parallel) -> float:
     """Idle fraction of the step (Narayanan et al.): (p - 1)/(m + p - 1) for GPipe and 1F1B; interleaved with v
@@ -636,48 +307,6 @@ def communicators(par: Parallel, shares_weights: bool) -> int:
     sizes = [par.world_size, par.tp, par.dp, par.cp, par.pp] + ([par.dp_shard] if par.cp > 1 else []) + \
         ([2] if shares_weights else [])
     return sum(1 for n in sizes if n > 1)
-
-
-def cp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
-    """What one GPU passes to collectives over cp in a step: per causal attention of its units and micro-batch, its
-    keys and values all-gathered in forward (counted as the gathered output: the whole sequence's, b samples, this
-    tp rank's heads) and their gradients reduce-scattered in backward (counted as the input: as many bytes), the
-    forward's once more in a block recomputed in full (`partc.collectives.cp_attention`)."""
-    if par.cp == 1:
-        return 0.0
-    total = 0.0
-    for i in units:
-        u = graph.units[i]
-        fwd = 2 if par.recompute == "full" and u.kind == "block" else 1
-        total += (fwd + 1) * sum(nbytes / (par.tp if style_of(tp, layer) == "colwise" else 1)
-                                 for nbytes, layer, _ in u.cp_kv)
-    return par.num_microbatches * par.micro_batch_size * total
-
-
-def cp_time(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
-            units: Sequence[int]) -> tuple[float, float]:
-    """(seconds of one micro-batch's cp collectives on one GPU, of which in forward): per causal attention of its
-    units, its keys and values all-gathered in forward (again in a block recomputed in full) and their gradients
-    reduce-scattered in backward, as rings over the cp group (NVLink inside a node, InfiniBand across:
-    `mesh_spans`). Counted as exposed: the gather precedes the attention that needs it (Llama 3 gathers them
-    before attention too: the keys and values are small beside the attention's compute at long sequences)."""
-    if par.cp == 1:
-        return 0.0, 0.0
-    spans = par.spans_nodes("cp", cluster.gpus_per_node)
-    per_node = par.ranks_per_node("cp", cluster.gpus_per_node)
-    total = fwd = 0.0
-    for i in units:
-        u = graph.units[i]
-        again = 2 if par.recompute == "full" and u.kind == "block" else 1
-        for nbytes, layer, _ in u.cp_kv:
-            whole = nbytes * par.micro_batch_size / (par.tp if style_of(tp, layer) == "colwise" else 1)
-            gather = hw.collective_time(cluster, "all_gather", whole, par.cp, spans_nodes=spans,
-                                        ranks_per_node=per_node)
-            scatter = hw.collective_time(cluster, "reduce_scatter", whole, par.cp, spans_nodes=spans,
-                                         ranks_per_node=per_node)
-            fwd += gather
-            total += again * gather + scatter
-    return total, fwd
 
 
 def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
@@ -793,84 +422,3 @@ def shared_time(cluster: Cluster, par: Parallel, nbytes: float) -> float:
     """The all-reduce of shared weights' gradients over pipeline ranks (two of them; across nodes when the
     pipeline spans nodes)."""
     return hw.collective_time(cluster, "all_reduce", nbytes, 2, spans_nodes=par.spans_nodes("pp", cluster.gpus_per_node))
-
-
-def ep_alltoall_bytes(tokens: int, k: int, hidden: int, nbytes: int, ep: int, num_experts: int,
-                      *, backward: bool = True) -> float:
-    """Bytes one rank passes to the ``ep`` all-to-alls of one layer of routed experts for one micro-batch of
-    `tokens` tokens (`partc.collectives.expert_parallel`), under uniform routing: the share ``(ep - 1) / ep`` of its
-    ``tokens x k`` (token, expert) rows of `hidden` elements of `nbytes` bytes leaves the rank, once to the experts
-    and once back; the backward sends their gradients the same two ways. The split counts (`num_experts` int64, the
-    same share leaving) are exchanged once, in the forward. Nothing when ``ep`` is 1."""
-    if ep == 1:
-        return 0.0
-    leaving = (ep - 1) / ep
-    rows = tokens * k * leaving * hidden * nbytes * 2 * (2 if backward else 1)
-    return rows + num_experts * leaving * 8
-
-
-def _expert_layers(graph: ModelGraph, units: Sequence[int]):
-    """(rows per sample, hidden size, experts) of each layer of packed experts of `units` (`Layer.inner`: its
-    first grouped product holds E experts of ``m`` rows each per sample, ``m·E`` = s·k at uniform routing, and
-    multiplies the tokens' hidden size ``k``)."""
-    for i in units:
-        for fqn in graph.units[i].layers:
-            layer = graph.layers[fqn]
-            first = next((g for g in layer.gemms if g.inner_split == "n"), None) if layer.inner else None
-            if first is not None:
-                yield first.batch * first.m, first.k, first.batch
-
-
-def ep_time(graph: ModelGraph, cluster: Cluster, par: Parallel, units: Sequence[int]) -> tuple[float, float]:
-    """(forward, backward) seconds of the ep all-to-alls of one micro-batch on one GPU of `units`: per layer of
-    packed experts two all-to-alls each way (to the experts and back), each moving the share of the (token,
-    expert) rows that leaves the rank, over NVLink or InfiniBand by where the ep group sits (neighbouring dp
-    ranks, ``tp`` apart). Not overlapped with compute."""
-    if par.ep == 1:
-        return 0.0, 0.0
-    stride = par.tp  # dp's neighbours are tp ranks apart (`Parallel.coords`)
-    spans = group_spans_nodes(par.ep, stride, cluster.gpus_per_node)
-    per_node = max(1, min(par.ep, cluster.gpus_per_node // stride))
-    c, total = compute_bytes(par.precision), 0.0
-    for rows, hidden, _ in _expert_layers(graph, units):
-        leaving = par.micro_batch_size * rows * (par.ep - 1) / par.ep * hidden * c
-        total += 2 * hw.collective_time(cluster, "all_to_all", leaving, par.ep, spans_nodes=spans,
-                                        ranks_per_node=per_node)
-    return total, total
-
-
-def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
-    """What one GPU passes to the ``ep`` all-to-alls in a step, for its `units`: `ep_alltoall_bytes` of each layer of
-    packed experts (`Layer.inner`: its first grouped product holds E experts of ``m`` rows each per sample, ``m·E``
-    = s·k at uniform routing, and multiplies the tokens' hidden size ``k``), per micro-batch, times the
-    micro-batches. Under uniform routing the runtime measures exactly this; otherwise its per-step record shows it
-    next to this."""
-    if par.ep == 1:
-        return 0.0
-    total = sum(ep_alltoall_bytes(par.micro_batch_size * rows, 1, hidden, compute_bytes(par.precision), par.ep,
-                                  experts) for rows, hidden, experts in _expert_layers(graph, units))
-    return total * par.num_microbatches
-
-
-def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
-    """The packed expert parameters divided among the ep ranks (none when ``ep`` is 1). FSDP leaves them alone
-    (`partc.runtime.parallelize.apply_zero`): each rank keeps their fp32 weights, gradients and optimizer states
-    whole, their gradients all-reduced over the ``dp / ep`` ranks holding the same experts."""
-    if par.ep == 1:
-        return frozenset()
-    return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner)
-
-
-def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
-    """Model states of `num_params` packed expert parameters on one GPU under ep: as ZeRO-0 keeps them (fp32
-    weights, gradients and Adam moments, and the compute-dtype copy the forward casts), whatever the plan's stage."""
-    params, grads, optimizer = zero.model_state_bytes(num_params, dataclasses.replace(par, zero=0))
-    if compute_bytes(par.precision) == zero.MASTER_BYTES:  # fp32: the cast is the weight itself, no copy
-        params = num_params * zero.MASTER_BYTES
-    return Memory(params=params, grads=grads, optimizer=optimizer)
-
-
-def expert_dp_bytes(num_params: float, par: Parallel) -> float:
-    """Bytes one GPU passes to the all-reduce of its experts' fp32 gradients over the ``dp / ep`` ranks holding
-    the same experts, once a step (nothing in a group of one)."""
-    return zero.MASTER_BYTES * num_params if par.dp // par.ep > 1 else 0.0

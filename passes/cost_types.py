@@ -1,12 +1,19 @@
-"""What the cost model takes and gives: the TP plan it reads, memory, unit times and step predictions.
+"""What the cost model takes and gives: the TP plan it reads, memory, unit times and step predictions; and how
+its terms read a plan (a layer's TP style, whether a unit is split, its recomputation, which mesh axes cross nodes,
+the samples one GPU computes of a micro-batch).
 
-The formulas live in `passes.cost`, which re-exports these names (``cost.Memory``, ``cost.Prediction``...).
+The formulas live in `passes.cost`, `passes.memory` and `passes.cost_axes`; `passes.cost` re-exports these names
+(``cost.Memory``, ``cost.style_of``...).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Protocol
+from typing import Protocol, Sequence
+
+from partc.cluster import Cluster
+from partc.ir import ModelGraph, Unit
+from partc.parallel import MESH_AXES, TP_STYLES, Parallel
 
 
 class TPPlan(Protocol):
@@ -100,3 +107,39 @@ class Prediction:
                          "chunks": [list(c) for c in r.chunks], "memory": r.memory.to_dict(),
                          "comm_bytes": r.comm_bytes} for r in self.ranks]
         return out
+
+
+# --- How the terms read a plan: styles, recomputation, mesh placement, tokens ------------------------------------
+
+def style_of(tp: TPPlan | None, layer_fqn: str) -> str:
+    style = "replicate" if tp is None else tp.styles.get(layer_fqn, "replicate")
+    assert style in TP_STYLES, f"unknown TP style {style!r} for {layer_fqn}"
+    return style
+
+
+def is_split(par: Parallel, tp: TPPlan | None, unit: Unit) -> bool:
+    """True when TP shards this unit: some layer is colwise/rowwise and t > 1 (then its heads are split too).
+    Experts split inside (``inner``) do not split the heads; their GEMMs are split by `Gemm.inner_split`, and what
+    their ops save is counted whole (`Unit.saved_bytes_replicated`), a bound from above."""
+    return par.tp > 1 and any(style_of(tp, f) not in ("replicate", "inner") for f in unit.layers)
+
+
+def recompute_mode(unit: Unit, par: Parallel) -> str:
+    """Recomputation applies to repeated blocks only, as torchtitan wraps each block (not embedding, head)."""
+    return par.recompute if unit.kind == "block" else "none"
+
+
+def mesh_spans(cluster: Cluster, par: Parallel) -> dict[str, bool]:
+    """Mesh axis -> whether its groups cross nodes (`Parallel.spans_nodes`)."""
+    return {axis: par.spans_nodes(axis, cluster.gpus_per_node) for axis in MESH_AXES}
+
+
+def tokens(par: Parallel) -> float:
+    """What one GPU computes, holds and sends of a micro-batch, in samples: b, or under context parallelism b/cp
+    (each cp rank holds s/cp tokens of every sample). Every activation-proportional term reads it; the parameters,
+    their gradients and the optimizer do not depend on it."""
+    return par.micro_batch_size / par.cp
+
+
+def _unit_list(graph: ModelGraph, units: Sequence[int] | Sequence[Unit]) -> list[Unit]:
+    return [graph.units[u] if isinstance(u, int) else u for u in units]

@@ -1,0 +1,144 @@
+"""The cost model's terms of the context-parallel and expert-parallel axes (`passes.cost` re-exports them): what
+one GPU passes over cp (its keys and values all-gathered, their gradients reduce-scattered;
+`partc.collectives.cp_attention`) and over ep (the all-to-alls to the routed experts and back;
+`partc.collectives.expert_parallel`), their time, and the model states of the packed experts ep divides."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from partc.cluster import Cluster
+from partc.ir import ModelGraph
+from partc.parallel import Parallel, group_spans_nodes
+from partc.precision import compute_bytes
+from partc.passes.cost_types import Memory, TPPlan, style_of
+
+from . import hw, zero
+
+
+# --- 1. Context parallelism --------------------------------------------------------------------------------------
+
+def cp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
+    """What one GPU passes to collectives over cp in a step: per causal attention of its units and micro-batch, its
+    keys and values all-gathered in forward (counted as the gathered output: the whole sequence's, b samples, this
+    tp rank's heads) and their gradients reduce-scattered in backward (counted as the input: as many bytes), the
+    forward's once more in a block recomputed in full (`partc.collectives.cp_attention`)."""
+    if par.cp == 1:
+        return 0.0
+    total = 0.0
+    for i in units:
+        u = graph.units[i]
+        fwd = 2 if par.recompute == "full" and u.kind == "block" else 1
+        total += (fwd + 1) * sum(nbytes / (par.tp if style_of(tp, layer) == "colwise" else 1)
+                                 for nbytes, layer, _ in u.cp_kv)
+    return par.num_microbatches * par.micro_batch_size * total
+
+
+def cp_time(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+            units: Sequence[int]) -> tuple[float, float]:
+    """(seconds of one micro-batch's cp collectives on one GPU, of which in forward): per causal attention of its
+    units, its keys and values all-gathered in forward (again in a block recomputed in full) and their gradients
+    reduce-scattered in backward, as rings over the cp group (NVLink inside a node, InfiniBand across:
+    `mesh_spans`). Counted as exposed: the gather precedes the attention that needs it (Llama 3 gathers them
+    before attention too: the keys and values are small beside the attention's compute at long sequences)."""
+    if par.cp == 1:
+        return 0.0, 0.0
+    spans = par.spans_nodes("cp", cluster.gpus_per_node)
+    per_node = par.ranks_per_node("cp", cluster.gpus_per_node)
+    total = fwd = 0.0
+    for i in units:
+        u = graph.units[i]
+        again = 2 if par.recompute == "full" and u.kind == "block" else 1
+        for nbytes, layer, _ in u.cp_kv:
+            whole = nbytes * par.micro_batch_size / (par.tp if style_of(tp, layer) == "colwise" else 1)
+            gather = hw.collective_time(cluster, "all_gather", whole, par.cp, spans_nodes=spans,
+                                        ranks_per_node=per_node)
+            scatter = hw.collective_time(cluster, "reduce_scatter", whole, par.cp, spans_nodes=spans,
+                                         ranks_per_node=per_node)
+            fwd += gather
+            total += again * gather + scatter
+    return total, fwd
+
+
+# --- 2. Expert parallelism ---------------------------------------------------------------------------------------
+
+def ep_alltoall_bytes(tokens: int, k: int, hidden: int, nbytes: int, ep: int, num_experts: int,
+                      *, backward: bool = True) -> float:
+    """Bytes one rank passes to the ``ep`` all-to-alls of one layer of routed experts for one micro-batch of
+    `tokens` tokens (`partc.collectives.expert_parallel`), under uniform routing: the share ``(ep - 1) / ep`` of its
+    ``tokens x k`` (token, expert) rows of `hidden` elements of `nbytes` bytes leaves the rank, once to the experts
+    and once back; the backward sends their gradients the same two ways. The split counts (`num_experts` int64, the
+    same share leaving) are exchanged once, in the forward. Nothing when ``ep`` is 1."""
+    if ep == 1:
+        return 0.0
+    leaving = (ep - 1) / ep
+    rows = tokens * k * leaving * hidden * nbytes * 2 * (2 if backward else 1)
+    return rows + num_experts * leaving * 8
+
+
+def _expert_layers(graph: ModelGraph, units: Sequence[int]):
+    """(rows per sample, hidden size, experts) of each layer of packed experts of `units` (`Layer.inner`: its
+    first grouped product holds E experts of ``m`` rows each per sample, ``m·E`` = s·k at uniform routing, and
+    multiplies the tokens' hidden size ``k``)."""
+    for i in units:
+        for fqn in graph.units[i].layers:
+            layer = graph.layers[fqn]
+            first = next((g for g in layer.gemms if g.inner_split == "n"), None) if layer.inner else None
+            if first is not None:
+                yield first.batch * first.m, first.k, first.batch
+
+
+def ep_time(graph: ModelGraph, cluster: Cluster, par: Parallel, units: Sequence[int]) -> tuple[float, float]:
+    """(forward, backward) seconds of the ep all-to-alls of one micro-batch on one GPU of `units`: per layer of
+    packed experts two all-to-alls each way (to the experts and back), each moving the share of the (token,
+    expert) rows that leaves the rank, over NVLink or InfiniBand by where the ep group sits (neighbouring dp
+    ranks, ``tp`` apart). Not overlapped with compute."""
+    if par.ep == 1:
+        return 0.0, 0.0
+    stride = par.tp  # dp's neighbours are tp ranks apart (`Parallel.coords`)
+    spans = group_spans_nodes(par.ep, stride, cluster.gpus_per_node)
+    per_node = max(1, min(par.ep, cluster.gpus_per_node // stride))
+    c, total = compute_bytes(par.precision), 0.0
+    for rows, hidden, _ in _expert_layers(graph, units):
+        leaving = par.micro_batch_size * rows * (par.ep - 1) / par.ep * hidden * c
+        total += 2 * hw.collective_time(cluster, "all_to_all", leaving, par.ep, spans_nodes=spans,
+                                        ranks_per_node=per_node)
+    return total, total
+
+
+def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
+    """What one GPU passes to the ``ep`` all-to-alls in a step, for its `units`: `ep_alltoall_bytes` of each layer of
+    packed experts (`Layer.inner`: its first grouped product holds E experts of ``m`` rows each per sample, ``m·E``
+    = s·k at uniform routing, and multiplies the tokens' hidden size ``k``), per micro-batch, times the
+    micro-batches. Under uniform routing the runtime measures exactly this; otherwise its per-step record shows it
+    next to this."""
+    if par.ep == 1:
+        return 0.0
+    total = sum(ep_alltoall_bytes(par.micro_batch_size * rows, 1, hidden, compute_bytes(par.precision), par.ep,
+                                  experts) for rows, hidden, experts in _expert_layers(graph, units))
+    return total * par.num_microbatches
+
+
+def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
+    """The packed expert parameters divided among the ep ranks (none when ``ep`` is 1). FSDP leaves them alone
+    (`partc.runtime.parallelize.apply_zero`): each rank keeps their fp32 weights, gradients and optimizer states
+    whole, their gradients all-reduced over the ``dp / ep`` ranks holding the same experts."""
+    if par.ep == 1:
+        return frozenset()
+    return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner)
+
+
+def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
+    """Model states of `num_params` packed expert parameters on one GPU under ep: as ZeRO-0 keeps them (fp32
+    weights, gradients and Adam moments, and the compute-dtype copy the forward casts), whatever the plan's stage."""
+    params, grads, optimizer = zero.model_state_bytes(num_params, dataclasses.replace(par, zero=0))
+    if compute_bytes(par.precision) == zero.MASTER_BYTES:  # fp32: the cast is the weight itself, no copy
+        params = num_params * zero.MASTER_BYTES
+    return Memory(params=params, grads=grads, optimizer=optimizer)
+
+
+def expert_dp_bytes(num_params: float, par: Parallel) -> float:
+    """Bytes one GPU passes to the all-reduce of its experts' fp32 gradients over the ``dp / ep`` ranks holding
+    the same experts, once a step (nothing in a group of one)."""
+    return zero.MASTER_BYTES * num_params if par.dp // par.ep > 1 else 0.0

@@ -1,0 +1,320 @@
+"""The cost model's memory terms: the parameters and model states one GPU holds, the activations its
+micro-batches in flight keep, and a stage's transient working memory (`passes.cost` re-exports them; the sources
+it cites apply: Korthikanti et al. 2022 for activations, section 4; Rajbhandari et al. 2020 for model states,
+Figure 1; Narayanan et al. 2021 for the micro-batches in flight)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from partc.ir import ModelGraph, Unit
+from partc.parallel import Parallel
+from partc.precision import compute_bytes
+from partc.sharding import param_shard
+from partc.vocab_loss import VOCAB_PARALLEL
+from partc.passes.cost_types import Memory, TPPlan, _unit_list, is_split, recompute_mode, style_of, tokens
+
+from . import schedule, zero
+
+LOSS_BYTES = 12
+"""Bytes per logit the loss holds at its peak besides the compute-dtype logits, on the last stage: the fp32 copy
+the runtime computes the loss from, the fp32 log-probabilities cross-entropy saves, and their fp32 gradient."""
+
+
+# --- 1. Parameters and model states ------------------------------------------------------------------------------
+
+def _param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> dict[str, int]:
+    """Parameter (canonical FQN of a tied one) -> elements one GPU holds, for one unit: the product of its
+    `_param_local_shapes` (one sharding rule, `partc.sharding.param_shard`, the layout the runtime allocates)."""
+    return {k: math.prod(v) for k, v in _param_local_shapes(graph, par, tp, unit).items()}
+
+
+def unit_param_shards(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[dict[str, int]]:
+    """`_param_shards` of every unit, in order (what `predict` and the search reuse across calls)."""
+    return [_param_shards(graph, par, tp, u) for u in graph.units]
+
+
+def unit_param_counts(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[int]:
+    """Parameters each unit holds on one GPU after TP sharding; a tied parameter counts on every unit holding it,
+    once within the unit."""
+    return [sum(d.values()) for d in unit_param_shards(graph, par, tp)]
+
+
+def stage_param_count(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
+                      units: Sequence[int] | Sequence[Unit], shards: list[dict[str, int]] | None = None) -> int:
+    """Parameters on one GPU of a stage (or rank) holding `units`, tied parameters counted once. `shards`:
+    `unit_param_shards`, when the caller has it."""
+    merged: dict[str, int] = {}
+    index = {u.fqn: i for i, u in enumerate(graph.units)} if shards is not None else {}
+    for u in _unit_list(graph, units):
+        own = shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)
+        for key, n in own.items():
+            merged[key] = max(merged.get(key, 0), n)
+    return sum(merged.values())
+
+
+def model_state_bytes(num_params: float, par: Parallel) -> Memory:
+    """Model states per GPU of `num_params` parameters (already divided by TP and PP): the FSDP policies of the
+    runtime under the plan's precision (`partc.passes.zero`'s table; Rajbhandari et al.'s 16Ψ, 4Ψ + 12Ψ/N_d...
+    assume 16-bit gradients, Megatron-LM's 18Ψ fp32 ones, as here)."""
+    params, grads, optimizer = zero.model_state_bytes(num_params, par)
+    return Memory(params=params, grads=grads, optimizer=optimizer)
+
+
+def _param_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> dict[str, tuple]:
+    """Parameter (canonical FQN) -> its shape on one GPU after TP, for one unit (parameters of the unit outside its
+    layers as one flat tensor, replicated). The split is `partc.sharding.param_shard`'s: colwise and rowwise split a
+    weight, a bias only under colwise (a rowwise bias is added after the reduction); norms and replicate layers stay
+    whole."""
+    out: dict[str, tuple] = {}
+    in_layers = 0
+    for fqn in unit.layers:
+        layer, style = graph.layers[fqn], style_of(tp, fqn)
+        in_layers += layer.num_params
+        for name, shape in layer.params.items():
+            shape = list(shape)
+            sh = param_shard(layer, name, style) if par.tp > 1 else None
+            if sh is not None:
+                shape[sh.dim] = -(-shape[sh.dim] // par.tp)
+            if par.ep > 1 and name in layer.inner:
+                shape[0] //= par.ep
+            out[graph.tied.get(name, name)] = tuple(shape)
+    if unit.num_params > in_layers:
+        out[f"{unit.fqn}:<direct>"] = (unit.num_params - in_layers,)
+    return out
+
+
+def unit_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[dict[str, tuple]]:
+    """`_param_local_shapes` of every unit, in order (what `predict` and the search reuse across calls)."""
+    return [_param_local_shapes(graph, par, tp, u) for u in graph.units]
+
+
+def fsdp_groups(graph: ModelGraph, par: Parallel, tp: TPPlan | None, chunk: Sequence[int],
+                local_shapes: list[dict[str, tuple]] | None = None) -> tuple[list[float], float, float, float]:
+    """FSDP's groups for one model chunk, as `partc.runtime.parallelize.apply_zero` makes them: (parameters of each
+    unit with a group of its own, their padded elements, the padded elements of the chunk's root group, its
+    parameters). A parameter shared by two units of the chunk (a tied embedding and head) puts both units in the
+    root group. `local_shapes`: `unit_local_shapes`, when the caller has it."""
+    shapes = [local_shapes[i] if local_shapes is not None else _param_local_shapes(graph, par, tp, graph.units[i])
+              for i in chunk]
+    owners: dict[str, int] = {}
+    for j, s in enumerate(shapes):
+        for key in s:
+            owners[key] = owners.get(key, 0) + 1
+    own, own_padded, rest, rest_padded, seen = [], 0.0, 0.0, 0.0, set()
+    for s in shapes:
+        shared = any(owners[k] > 1 for k in s)
+        numel = sum(math.prod(v) for k, v in s.items() if k not in seen)
+        padded = sum(zero.padded_numel(v, par.dp_shard) for k, v in s.items() if k not in seen)
+        seen |= set(s)
+        if shared:
+            rest, rest_padded = rest + numel, rest_padded + padded
+        else:
+            own.append(float(numel))
+            own_padded += padded
+    return own, own_padded, rest_padded, rest
+
+
+# --- 2. Activations ----------------------------------------------------------------------------------------------
+
+def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[float]:
+    """Bytes one micro-batch leaves saved on one GPU for each unit (Korthikanti et al., per transformer layer):
+        none       s·b·h·(10 + 24/t + 5·a·s/(h·t))   = rep + (saved - rep) / t
+        selective  s·b·h·(10 + 24/t)                 = rep + (saved - rep - core) / t
+        full       2·s·b·h                           = input_bytes (2·s·b·h/t under sequence parallelism)
+    where rep = saved_bytes_replicated (norm/residual inputs, the "10") and core = saved_bytes_core (what the
+    attention core saves beyond its inputs: the 5·a·s²·b of scores, softmax and dropout, and the math kernel's
+    scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1). Under sequence parallelism the
+    norms, dropout masks and residual inputs are 1/t too (Korthikanti et al.: 34·s·b·h/t with selective
+    recomputation); partc's program still keeps whole what its colwise Linears save, their all-gathered inputs
+    (rep becomes saved_bytes_replicated_linear, 4·s·b·h of a GPT block's 10), where Megatron-Core gathers them
+    again in backward.
+
+    Checked against autograd's saved tensors on the CPU (tests/test_activations.py): exact at b = 1 for a GPT and
+    a LLaMA, none / selective / full; at b >= 2 the GPT saves 4·s·b·h less a block (matmul copies attention's V
+    instead of keeping the fused QKV output alive), so this is high by that much."""
+    return [_saved_bytes(par, tp, u, recompute_mode(u, par)) for u in graph.units]
+
+
+def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> float:
+    split = is_split(par, tp, unit)
+    if mode == "full":  # the block's input: under sequence parallelism, this rank's part of the sequence
+        return float(unit.input_bytes * tokens(par)) / (par.tp if split and par.sequence_parallel else 1)
+    rep = unit.saved_bytes_replicated if split else 0
+    sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
+    if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
+        sharded += rep - unit.saved_bytes_replicated_linear
+        rep = unit.saved_bytes_replicated_linear
+    return (rep + sharded / (par.tp if split else 1)) * tokens(par) + _cp_saved_bytes(par, tp, unit)
+
+
+def _cp_saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
+    """Under context parallelism, what attention saves beyond its share of the trace: the keys and values of the
+    whole sequence it was given (gathered, and repeated for grouped-query attention) rather than this rank's
+    s/cp tokens of them."""
+    if par.cp == 1:
+        return 0.0
+    return sum(post / (par.tp if style_of(tp, layer) == "colwise" else 1)
+               for _, layer, post in unit.cp_kv) * par.micro_batch_size * (1 - 1 / par.cp)
+
+
+def in_flight(par: Parallel, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` (i) holds at peak. GPipe: m. 1F1B (Narayanan et
+    al.): i runs p - i forwards before its first backward: min(p - i, m). Interleaved, v chunks a rank: Megatron's
+    and torch.distributed.pipelining's schedules run W = (v - 1)·p + 2·(p - 1 - i) chunk forwards before the first
+    backward, then one more; a chunk is 1/v of the rank, so min(W + 1, m·v) / v. For rank 0, p + (p - 1)/v =
+    p·(1 + (p - 1)/(p·v)): Korthikanti et al.'s factor, whose "m" is the number of interleaved chunks (v here),
+    not of micro-batches. Later ranks hold more than (p - i)·(1 + ...)."""
+    p, m = par.pp, par.num_microbatches
+    assert 0 <= rank < p, rank
+    if par.schedule == "gpipe":
+        return float(m)
+    v = par.chunks_per_rank
+    if v == 1:
+        return float(min(p - rank, m))
+    warmup = (v - 1) * p + 2 * (p - 1 - rank)
+    return min(warmup + 1, m * v) / v
+
+
+def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]], acts: Sequence[float]
+                ) -> list[float]:
+    """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`)."""
+    b, t = tokens(par), par.tp
+    return [sum(acts[lo:hi]) + (graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)) / t
+            for lo, hi in chunks]
+
+
+def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequence[tuple[int, int]],
+                     acts: Sequence[float]) -> float:
+    """What the micro-batches in flight on pipeline rank `rank` hold at its peak: each forward in flight holds its
+    chunk's saved activations and the boundaries it received and sent (1/t of each under tp, as they cross; the
+    pipeline stage keeps both until the micro-batch's backward). One chunk a rank: `in_flight` micro-batches of
+    that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
+    the gradient it received."""
+    b, t = tokens(par), par.tp
+    held = _held_bytes(graph, par, chunks, acts)
+    if par.chunks_per_rank == 1:
+        return in_flight(par, rank) * held[0]
+    grad = [graph.boundary_grad_bytes(hi - 1, b) / t for lo, hi in chunks]
+    return schedule.peak_bytes(par.pp, par.chunks_per_rank, par.num_microbatches, rank, held, grad)
+
+
+def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
+                      units_in_stage: Sequence[int] | Sequence[Unit],
+                      shards: list[dict[str, int]] | None = None, *, last: bool = True) -> float:
+    """Transient working memory of a stage besides the saved activations, for one micro-batch:
+    - full recompute: the backward of a block first rebuilds all its activations (as without recomputation):
+      the largest recomputed unit's; selective: the largest recomputed attention core;
+    - ZeRO's transient memory (`partc.passes.zero.working_bytes`): gathered units and one unit's gradients;
+    - the backward of one unit at a time (`unit_backward_bytes`): the gradients it holds besides the saved
+      activations, the largest unit's;
+    - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole when the head is
+      colwise but the loss gathers them: then the gather's parts are one more copy at its peak); with the
+      vocab-parallel loss (`tp_loss`) `vocab_loss_bytes` per logit of this rank's columns, at a moment of its
+      own (before any unit's backward).
+    `shards`: `unit_param_shards`, when the caller has it. `last` False: in a micro-batch's backward before the last
+    (`zero.working_bytes`; the search bounds every stage by the last one's, the larger).
+    """
+    units = _unit_list(graph, units_in_stage)
+    index = {u.fqn: i for i, u in enumerate(graph.units)}
+    sizes = [sum((shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)).values())
+             for u in units]
+    last_unit = graph.units[-1]
+    backward = unit_backward_bytes(graph, par, tp)
+    return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
+                        any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last)
+
+
+def vocab_loss_bytes(precision: str) -> int:
+    """Bytes per logit of this rank's vocabulary columns at the vocab-parallel loss's peak: the logits (compute
+    dtype), the fp32 softmax it saves (its working copy, which becomes the gradient in place), and either the
+    compute-dtype gradient it hands back (bf16, made from the fp32 one) or, fp32, the working copy it makes in
+    forward beside the logits. 8 bytes either way; measured by ``partc check`` (docs/vocab-parallel-loss.md)."""
+    c = compute_bytes(precision)
+    return c + 4 + (4 if c == 4 else c)
+
+
+def tp_loss(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> str:
+    """How the last stage computes the loss under tp (plan.json's ``tp_loss``): ``vocab-parallel`` on the output
+    layer's vocabulary columns (`partc.vocab_loss`), or ``gathered: <why>`` from the logits gathered whole; "" at
+    tp 1."""
+    if par.tp == 1:
+        return ""
+    head = graph.vocab_loss.get("head")
+    if not head:
+        return f"gathered: {graph.vocab_loss_why or 'the loss is not a cross-entropy partc can split'}"
+    style = style_of(tp, head)
+    if style != "colwise":
+        return f"gathered: the output layer {head} is {style}, not split over the vocabulary (colwise)"
+    return VOCAB_PARALLEL
+
+
+def _rebuilt_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
+    """What recomputation rebuilds of the unit for its backward (`stage_extra_bytes`): 0 without recomputation."""
+    mode = recompute_mode(unit, par)
+    if mode == "none":
+        return 0.0
+    rebuilt = _saved_bytes(par, tp, unit, "none")  # full: the block's activations, rebuilt for its backward
+    if mode == "selective":
+        rebuilt -= _saved_bytes(par, tp, unit, "selective")  # only the attention core is rebuilt
+    return rebuilt
+
+
+def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[float]:
+    """Gradients the backward of each unit holds at its peak for one micro-batch on one GPU, besides the saved
+    activations: the gradient of the unit's output (the residual stream's; under tp both the 1/t part a pipeline
+    stage receives and the whole it gathers) and the widest gradient inside it, made early in its backward while
+    everything the unit saved is still held. That is the gradient of a layer's input (GPT's fc2: 4·b·s·h; measured
+    by ``partc check``, 14% of a rank holding one block and two micro-batches), or the gradients of the unit's layers
+    that feed that input, which the ops between them make from it (SwiGLU's gate and up, 2·b·s·I, while down's
+    saved input is freed). The gradients that follow are no larger than the saved tensors freed before them. Under
+    tp a rowwise layer's input and a colwise layer's output are 1/t; an embedding's input (token ids) has no
+    gradient. Checked against one block's backward on the CPU (tests/test_activations.py)."""
+    b, t = tokens(par), par.tp
+    fed: dict[str, float] = {}  # layer -> gradients of the layers of its unit that feed its input
+    for e in graph.edges:
+        if graph.layers[e.src].unit == graph.layers[e.dst].unit:
+            split = t > 1 and style_of(tp, e.src) == "colwise"
+            fed[e.dst] = fed.get(e.dst, 0.0) + e.bytes / (t if split else 1)
+    out = []
+    for i, unit in enumerate(graph.units):
+        grad = graph.boundary_grad_bytes(i, b)
+        largest = 0.0
+        for fqn in unit.layers:
+            layer = graph.layers[fqn]
+            if layer.kind == "embedding":
+                continue
+            nbytes = float(layer.out_bytes)
+            if layer.kind == "linear" and layer.out_features > 0:
+                nbytes = layer.out_bytes * layer.in_features / layer.out_features
+                if t > 1 and style_of(tp, fqn) == "rowwise":
+                    nbytes /= t
+            largest = max(largest, nbytes * b, fed.get(fqn, 0.0) * b)
+        out.append(grad + (grad / t if t > 1 else 0.0) + largest)
+    return out
+
+
+def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
+                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float], last: bool = True) -> float:
+    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU and hold
+    `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`;
+    `last` False: in a micro-batch's backward before the last (`zero.working_bytes`)."""
+    extra = max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last) + max([0.0, *backward])
+    last = graph.units[-1]
+    if holds_last and last.layers and tp_loss(graph, par, tp) == VOCAB_PARALLEL:
+        # The loss on this rank's vocabulary columns (`partc.collectives.vocab_parallel_cross_entropy`), nothing
+        # gathered. Its peak, in its own backward, comes before any unit's backward: no recomputation, unit
+        # gradient or ZeRO reduction yet, only ZeRO-3's gathered units beside it. The larger of the two moments.
+        head = graph.layers[last.layers[-1]]
+        local = head.out_bytes / compute_bytes(par.precision) * tokens(par) / par.tp
+        gathered = compute_bytes(par.precision) * sum(sorted(sizes, reverse=True)[:2]) if par.zero == 3 else 0.0
+        return max(extra, vocab_loss_bytes(par.precision) * local + gathered)
+    if holds_last and last.layers:
+        head = graph.layers[last.layers[-1]]
+        logits = head.out_bytes / compute_bytes(par.precision) * tokens(par)
+        extra += LOSS_BYTES * logits
+        if par.tp > 1 and style_of(tp, head.fqn) == "colwise":
+            # the head's output gathered whole: the all-gather's parts, besides the concatenated logits
+            extra += compute_bytes(par.precision) * logits
+    return extra
