@@ -251,11 +251,7 @@ def mark_inner(graph: torch.fx.Graph, node_layer: dict[Node, str], param_of: dic
     """Set `Layer.inner` (or, where it cannot be split inside, `Layer.split_stop`) of every layer of kind ``other``
     that runs a grouped product, and the `Gemm.inner_split` of its products. `param_of`: parameter placeholder ->
     FQN."""
-    by_layer: dict[str, list[Node]] = {}
-    for n in graph.nodes:
-        if n.op == "call_function" and n in node_layer:
-            by_layer.setdefault(node_layer[n], []).append(n)
-    for fqn, nodes in by_layer.items():
+    for fqn, nodes in _nodes_by_layer(graph, node_layer).items():
         layer = layers.get(fqn)
         if layer is None or layer.kind != "other" or not any(is_product(n) for n in nodes):
             continue
@@ -429,12 +425,8 @@ def rewrite_for_ep(ep: torch.export.ExportedProgram, node_layer: dict[Node, str]
     computation it runs on this rank's experts). Returns layer FQN -> its packed parameters; PartcError (one line)
     where a layer's routing cannot be followed, its experts do not divide by `degree`, or there is none."""
     params = param_placeholders(ep)
-    by_layer: dict[str, list[Node]] = {}
-    for n in ep.graph.nodes:
-        if n.op == "call_function" and n in node_layer:
-            by_layer.setdefault(node_layer[n], []).append(n)
     done = {}
-    for fqn, nodes in by_layer.items():
+    for fqn, nodes in _nodes_by_layer(ep.graph, node_layer).items():
         layer = layers.get(fqn)
         if layer is None or layer.kind != "other" or not any(is_product(n) for n in nodes):
             continue
@@ -460,3 +452,12 @@ def rewrite_for_ep(ep: torch.export.ExportedProgram, node_layer: dict[Node, str]
     if not done:
         raise PartcError(f"--ep {degree}: the model has no layer of packed experts to divide among ep ranks")
     return done
+
+
+def _nodes_by_layer(graph, node_layer: dict[Node, str]) -> dict[str, list[Node]]:
+    """The graph's op nodes grouped by the layer each belongs to, in graph order."""
+    by_layer: dict[str, list[Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n in node_layer:
+            by_layer.setdefault(node_layer[n], []).append(n)
+    return by_layer
