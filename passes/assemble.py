@@ -25,7 +25,7 @@ from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_
                                unit_param_shards, unit_time_parts)
 from partc.passes.cost_types import Prediction, RankPrediction, TPPlan, UnitTime
 
-from . import hw, zero
+from . import hw, schedule, zero
 
 # `predict`'s per-chunk terms, kept in the caller's memo (one graph, its TP solution a function of (tp, micro-batch
 # size)): each key is every field of `Parallel` but those the term ignores, then the derived values it reads.
@@ -129,6 +129,11 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             groups_n = len(idx)
         held = sum(expert_sums[hi] - expert_sums[lo] for lo, hi in chunks)  # packed experts (ep), not in FSDP
         mem = model_state_bytes(params - held, par)
+        if par.zero == 1 and v > 1:  # one chunk's accumulation at a time, not all (`schedule.most_gradient_bytes`)
+            own = [units.params[hi] - units.params[lo] - expert_sums[hi] + expert_sums[lo] for lo, hi in chunks]
+            scale = mem.grads / max(1, sum(own))  # a parameter tied between two chunks of the rank counts once
+            mem.grads = schedule.most_gradient_bytes(p, v, par.num_microbatches, r, [scale * n for n in own],
+                                                     [scale * n / par.dp_shard for n in own])
         if held:
             own = expert_state_bytes(held, par)
             mem.params, mem.grads, mem.optimizer = (mem.params + own.params, mem.grads + own.grads,
