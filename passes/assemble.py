@@ -146,10 +146,17 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
         mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra()
         if v == 1 and par.zero < 2 and in_flight(par, r) > 1:
             # Below ZeRO-2 the reduction's fp32 input is made in the last micro-batch's backward, when only that
-            # micro-batch is in flight; the backwards before it only fold a compute-dtype gradient. (Interleaved:
-            # other chunks' micro-batches may still be in flight then, so the larger charge stays.)
+            # micro-batch is in flight; the backwards before it only fold a compute-dtype gradient.
             mem.activations = max(_in_flight_bytes(graph, par, r, chunks, acts) + extra(last=False),
                                   _held_bytes(graph, par, chunks, acts)[0] + extra())
+        elif v > 1 and par.zero < 2:  # the same, when torch reduces each chunk (`schedule.held_at_reductions`),
+            # with that chunk's largest unit's reduction instead of its fold
+            at = schedule.held_at_reductions(p, v, par.num_microbatches, r, _held_bytes(graph, par, chunks, acts))
+            mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra(last=False)
+            for j, (lo, hi) in enumerate(chunks):
+                own = units.counts[lo:hi]
+                mem.activations = max(mem.activations, at[j] + extra(last=False) + zero.working_bytes(par, own)
+                                      - zero.working_bytes(par, own, last=False))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem, held
 

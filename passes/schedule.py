@@ -102,3 +102,20 @@ def most_gradient_bytes(p: int, v: int, m: int, rank: int, accumulated: Sequence
         most = max(most, sum(accumulated[j] if first[j] <= k <= last[j] else reduced[j] if last[j] < k else 0.0
                              for j in first))
     return most
+
+
+def held_at_reductions(p: int, v: int, m: int, rank: int, held: Sequence[float]) -> list[float]:
+    """Per local chunk, what the in-flight micro-batches of pipeline rank `rank` hold when torch reduces that chunk's
+    gradients (in and right after its last backward, `most_gradient_bytes`): `held[j]` bytes per forward of local
+    chunk j in flight. Below ZeRO-2 that is when the reduction's fp32 input is made, after the backwards that ran
+    the pipeline's peak."""
+    counts = [0] * v
+    backwards = [0] * v
+    out = [0.0] * v
+    for forward, chunk in interleaved_order(p, v, m, rank):
+        if not forward:
+            backwards[chunk] += 1
+            if backwards[chunk] == m:  # with the micro-batch of that backward, as the one-chunk charge counts it
+                out[chunk] = sum(c * h for c, h in zip(counts, held))
+        counts[chunk] += 1 if forward else -1
+    return out
