@@ -151,11 +151,19 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
                                   _held_bytes(graph, par, chunks, acts)[0] + extra())
         elif v > 1 and par.zero < 2:  # the same, when torch reduces each chunk (`schedule.held_at_reductions`),
             # with that chunk's largest unit's reduction instead of its fold
-            at = schedule.held_at_reductions(p, v, par.num_microbatches, r, _held_bytes(graph, par, chunks, acts))
-            mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra(last=False)
+            # with that chunk's largest unit's reduction instead of its fold; and each backward with the working
+            # memory of its own chunk's units (the last rank's loss and head are not in flight in a block's backward)
+            held_j = _held_bytes(graph, par, chunks, acts)
+            at = schedule.held_at_reductions(p, v, par.num_microbatches, r, held_j)
+            b = tokens(par)
+            own_extra = [keep(EXTRA.key(par, ((lo, hi),), False), lambda lo=lo, hi=hi: _extra_bytes(
+                graph, par, tp, rebuilt[lo:hi], units.counts[lo:hi], hi == len(graph.units), backward[lo:hi], False))
+                for lo, hi in chunks]
+            mem.activations = schedule.peak_bytes(p, v, par.num_microbatches, r, held_j, [
+                graph.boundary_grad_bytes(hi - 1, b) / par.tp + e for (lo, hi), e in zip(chunks, own_extra)])
             for j, (lo, hi) in enumerate(chunks):
                 own = units.counts[lo:hi]
-                mem.activations = max(mem.activations, at[j] + extra(last=False) + zero.working_bytes(par, own)
+                mem.activations = max(mem.activations, at[j] + own_extra[j] + zero.working_bytes(par, own)
                                       - zero.working_bytes(par, own, last=False))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem, held

@@ -577,15 +577,17 @@ def test_predict_per_rank_sums_equal_the_stage_functions(pp, v):
                     want = max(cost._in_flight_bytes(g, p_, r.rank, r.chunks, acts)
                                + cost.stage_extra_bytes(g, p_, tp, idx, last=False),
                                cost._held_bytes(g, p_, r.chunks, acts)[0] + cost.stage_extra_bytes(g, p_, tp, idx))
-                elif zero_stage < 2 and v > 1:  # each chunk's reduction when torch makes it
-                    at = schedule.held_at_reductions(pp, v, p_.num_microbatches, r.rank,
-                                                     cost._held_bytes(g, p_, r.chunks, acts))
-                    want = (cost._in_flight_bytes(g, p_, r.rank, r.chunks, acts)
-                            + cost.stage_extra_bytes(g, p_, tp, idx, last=False))
+                elif zero_stage < 2 and v > 1:  # each backward with its chunk's working memory; each reduction
+                    held = cost._held_bytes(g, p_, r.chunks, acts)
+                    own_extra = [cost.stage_extra_bytes(g, p_, tp, range(lo, hi), last=False) for lo, hi in r.chunks]
+                    at = schedule.held_at_reductions(pp, v, p_.num_microbatches, r.rank, held)
+                    want = schedule.peak_bytes(pp, v, p_.num_microbatches, r.rank, held, [
+                        g.boundary_grad_bytes(hi - 1, cost.tokens(p_)) / p_.tp + e
+                        for (lo, hi), e in zip(r.chunks, own_extra)])
                     for j, (lo, hi) in enumerate(r.chunks):
                         own = [cost.stage_param_count(g, p_, tp, [i]) for i in range(lo, hi)]
-                        want = max(want, at[j] + cost.stage_extra_bytes(g, p_, tp, idx, last=False)
-                                   + zero.working_bytes(p_, own) - zero.working_bytes(p_, own, last=False))
+                        want = max(want, at[j] + own_extra[j] + zero.working_bytes(p_, own)
+                                   - zero.working_bytes(p_, own, last=False))
                 assert r.memory.activations == pytest.approx(want, rel=1e-12)
                 groups = [cost.fsdp_groups(g, p_, tp, range(lo, hi)) for lo, hi in r.chunks]
                 padded = (sum(x[1] for x in groups), sum(x[2] for x in groups))
