@@ -595,3 +595,20 @@ def test_predict_per_rank_sums_equal_the_stage_functions(pp, v):
                 assert r.comm_bytes["pp"] == cost.pp_bytes(g, p_, r.chunks) + shared.get(r.rank, 0.0)
                 checked += 1
     assert checked >= 2 * pp
+
+
+def test_sequence_parallel_full_recompute_counts_the_received_input_once():
+    """Under sequence parallelism a block recomputed in full keeps its input, this rank's part of the sequence, and
+    that is the tensor the pipeline stage received (nothing gathers it): a chunk starting at such a block holds it
+    once (Llama 3 405B, pp 16, v 8: 32 MiB a micro-batch and chunk too many, 14.27 against the 9.70 GiB ``partc
+    check`` measured on the first rank). Without it the block keeps the gathered whole, besides the received part."""
+    g = gpt(L=4, s=32, h=64, a=4, V=512)
+    tp = megatron_tp(g, s=32, h=64)
+    i = next(k for k, u in enumerate(g.units) if k > 0 and u.kind == "block")
+    for sp in (True, False):
+        p_ = par(tp=2, pp=2, micro_batch_size=2, recompute="full", sequence_parallel=sp)
+        acts = cost.unit_activation_bytes(g, p_, tp)
+        received, sent = (g.boundary_bytes(k, cost.tokens(p_)) / 2 for k in (i - 1, i))
+        assert acts[i] == (received if sp else 2 * received)
+        want = acts[i] + sent + (0 if sp else received)
+        assert cost._held_bytes(g, p_, [(i, i + 1)], acts) == [want], sp
