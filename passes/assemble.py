@@ -25,7 +25,7 @@ from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_
                                unit_param_shards, unit_time_parts)
 from partc.passes.cost_types import Prediction, RankPrediction, TPPlan, UnitTime
 
-from . import hw, zero
+from . import hw, schedule, zero
 
 # `predict`'s per-chunk terms, kept in the caller's memo (one graph, its TP solution a function of (tp, micro-batch
 # size)): each key is every field of `Parallel` but those the term ignores, then the derived values it reads.
@@ -129,6 +129,11 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             groups_n = len(idx)
         held = sum(expert_sums[hi] - expert_sums[lo] for lo, hi in chunks)  # packed experts (ep), not in FSDP
         mem = model_state_bytes(params - held, par)
+        if par.zero == 1 and v > 1:  # one chunk's accumulation at a time, not all (`schedule.most_gradient_bytes`)
+            own = [units.params[hi] - units.params[lo] - expert_sums[hi] + expert_sums[lo] for lo, hi in chunks]
+            scale = mem.grads / max(1, sum(own))  # a parameter tied between two chunks of the rank counts once
+            mem.grads = schedule.most_gradient_bytes(p, v, par.num_microbatches, r, [scale * n for n in own],
+                                                     [scale * n / par.dp_shard for n in own])
         if held:
             own = expert_state_bytes(held, par)
             mem.params, mem.grads, mem.optimizer = (mem.params + own.params, mem.grads + own.grads,
@@ -141,10 +146,25 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
         mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra()
         if v == 1 and par.zero < 2 and in_flight(par, r) > 1:
             # Below ZeRO-2 the reduction's fp32 input is made in the last micro-batch's backward, when only that
-            # micro-batch is in flight; the backwards before it only fold a compute-dtype gradient. (Interleaved:
-            # other chunks' micro-batches may still be in flight then, so the larger charge stays.)
+            # micro-batch is in flight; the backwards before it only fold a compute-dtype gradient.
             mem.activations = max(_in_flight_bytes(graph, par, r, chunks, acts) + extra(last=False),
                                   _held_bytes(graph, par, chunks, acts)[0] + extra())
+        elif v > 1 and par.zero < 2:  # the same, when torch reduces each chunk (`schedule.held_at_reductions`),
+            # with that chunk's largest unit's reduction instead of its fold
+            # with that chunk's largest unit's reduction instead of its fold; and each backward with the working
+            # memory of its own chunk's units (the last rank's loss and head are not in flight in a block's backward)
+            held_j = _held_bytes(graph, par, chunks, acts)
+            at = schedule.held_at_reductions(p, v, par.num_microbatches, r, held_j)
+            b = tokens(par)
+            own_extra = [keep(EXTRA.key(par, ((lo, hi),), False), lambda lo=lo, hi=hi: _extra_bytes(
+                graph, par, tp, rebuilt[lo:hi], units.counts[lo:hi], hi == len(graph.units), backward[lo:hi], False))
+                for lo, hi in chunks]
+            mem.activations = schedule.peak_bytes(p, v, par.num_microbatches, r, held_j, [
+                graph.boundary_grad_bytes(hi - 1, b) / par.tp + e for (lo, hi), e in zip(chunks, own_extra)])
+            for j, (lo, hi) in enumerate(chunks):
+                own = units.counts[lo:hi]
+                mem.activations = max(mem.activations, at[j] + own_extra[j] + zero.working_bytes(par, own)
+                                      - zero.working_bytes(par, own, last=False))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem, held
 

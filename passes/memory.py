@@ -179,10 +179,20 @@ def in_flight(par: Parallel, rank: int) -> float:
 
 def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]], acts: Sequence[float]
                 ) -> list[float]:
-    """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`)."""
+    """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`). Under sequence
+    parallelism a block recomputed in full keeps its input, this rank's part of the sequence, which is the
+    received boundary itself (nothing gathers it): counted once."""
     b, t = tokens(par), par.tp
-    return [sum(acts[lo:hi]) + (graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)) / t
-            for lo, hi in chunks]
+
+    def received(lo: int) -> float:
+        got = graph.boundary_bytes(lo - 1, b) / t
+        unit = graph.units[lo] if lo < len(graph.units) else None
+        if (lo > 0 and unit is not None and par.sequence_parallel and recompute_mode(unit, par) == "full"
+                and math.isclose(acts[lo], unit.input_bytes * tokens(par) / t)):  # the split block's input
+            return got - min(got, acts[lo])
+        return got
+
+    return [sum(acts[lo:hi]) + received(lo) + graph.boundary_bytes(hi - 1, b) / t for lo, hi in chunks]
 
 
 def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequence[tuple[int, int]],

@@ -204,8 +204,8 @@ FLOOR_RANK = Reads("floor_rank", ("zero", "global_batch_size", "schedule", "virt
 FLOOR_DP = Reads("floor_dp", ("recompute", "schedule", "virtual_stages", *_SP))  # DP traffic and optimizer at 1/p
 FLOOR_PARAMS = Reads("floor_params", ("dp", "pp", "zero", "micro_batch_size", "recompute", "precision",
                                       "global_batch_size", "schedule", "virtual_stages", *_SP))  # every layer t ways
-STATE_FLOOR = Reads("state_floor", ("micro_batch_size", "recompute", "global_batch_size", "schedule",
-                                    "virtual_stages", *_SP))  # model states at 1/p, and the communicators
+STATE_FLOOR = Reads("state_floor", ("micro_batch_size", "recompute", "global_batch_size", *_SP))  # model states
+# at 1/p (ZeRO-1's gradients read the chunks a rank: `_Costs.state_floor`), and the communicators
 
 
 class _Costs:
@@ -369,7 +369,10 @@ class _Costs:
         floor = self._cache.get(key)
         if floor is None:
             par = make()
-            floor = self._cache[key] = (cost.model_state_bytes(self._floor_params(par) / par.pp, par).total
+            states = cost.model_state_bytes(self._floor_params(par) / par.pp, par)
+            if par.zero == 1 and par.chunks_per_rank > 1:  # at least its largest chunk's accumulation at once
+                states.grads /= par.chunks_per_rank  # (`schedule.most_gradient_bytes`)
+            floor = self._cache[key] = (states.total
                                         + self.cluster.communicator_bytes * cost.communicators(par, False))
         return floor
 

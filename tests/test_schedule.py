@@ -91,3 +91,23 @@ def test_each_chunk_gathered_once_a_step():
             if a.computation_type == UNSHARD:
                 first = next(b for b in out if b.is_compute_op and b.stage_index == a.stage_index)
                 assert out.index(first) > i
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 4, 8), (4, 2, 8), (4, 3, 4), (16, 8, 16), (4, 2, 6)])
+def test_gradients_held_follow_torchs_reductions(p, v, m):
+    """Below ZeRO-2 a chunk's accumulation lives from its first backward to the ``REDUCE_GRAD`` torch schedules right
+    after its last one; then only its shards: the walk of torch's order with those actions gives the same most."""
+    from torch.distributed.pipelining.schedules import _add_reduce_grad
+    acc, shard = [float(10 ** j) for j in range(v)], [0.5 * 10 ** j for j in range(v)]
+    for rank in range(p):
+        held, most = {}, 0.0
+        for a in _add_reduce_grad(torch_order(p, v, m, rank), m):
+            kind, j = a.computation_type.value, a.stage_index // p
+            if kind == "B" and j not in held:
+                held[j] = acc[j]
+            elif kind == "REDUCE_GRAD":
+                held[j] = shard[j]
+            most = max(most, sum(held.values()))
+        assert schedule.most_gradient_bytes(p, v, m, rank, acc, shard) == most, rank
+    if m <= p:  # a chunk's backwards run one after another: never two accumulations at once
+        assert schedule.most_gradient_bytes(p, v, m, 0, [1.0] * v, [0.0] * v) == 1.0
