@@ -49,7 +49,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from partc._torch import TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPRefType, InferenceMode, mod_tracker_module
+from partc._torch import (TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPModMemStats, FSDPRefType, InferenceMode,
+                          mod_tracker_module)
 from partc.cluster import Cluster
 from partc.collectives import set_tp_group
 from partc.value_sized import expected_sizes
@@ -407,6 +408,9 @@ class _Tracker(FSDPMemTracker):
         inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
 
         def post_backward(*args: Any, **kwargs: Any) -> None:
+            if fsdp_mod not in self.memory_tracking:  # packed experts (ep): the stage code reads their tensors
+                # without calling their module, whose forward the torch tracker would have recorded
+                self.memory_tracking[fsdp_mod] = FSDPModMemStats(self._mod_tracker.get_known_fqn(fsdp_mod) or "")
             inner(*args, **kwargs)
             group = fsdp_mod._get_fsdp_state()._fsdp_param_group
             for fsdp_param in group.fsdp_params if group is not None else ():

@@ -343,6 +343,9 @@ def test_trains_like_one_process(runs, model_files, model, name):
     # every rank sends tokens to the other's experts; under pp 2 the ranks of the stages holding an MoE layer
     senders = [step[r].get("ep", 0) > 0 for step in got["comm"] for r in range(len(step))]
     assert all(senders) if RUNS[name][1]["pp"] == 1 else any(senders), got["comm"]
+    if RUNS[name][1]["pp"] == 1:  # dp: FSDP's traffic, the experts' over the dp / ep ranks holding them (ZeRO)
+        dp = json.loads((runs / f"{model}_{name}" / "plan.json").read_text())["predicted"]["ranks"][0]["comm_bytes"]["dp"]
+        assert [r["dp"] for step in got["comm"] for r in step] == [dp] * len(got["comm"]) * RUNS[name][0]
 
 
 @pytest.mark.slow  # uses the runs above
@@ -375,6 +378,15 @@ def test_check_agrees_on_an_ep_plan(runs):
     rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
     assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] > 0
     assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"]
+    # dp 4 ep 2, ZeRO-1 and ZeRO-3: the experts sharded over the 2 ranks holding them, states and traffic as planned
+    for name in ("mixtral_ep2_dp2_z1", "mixtral_ep2_dp2_z3"):
+        result = CliRunner().invoke(main, ["check", str(runs / name), "--format", "json"])
+        assert result.exit_code == 0, result.output
+        record = json.loads(result.stdout)
+        assert record["agrees"], result.output
+        rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+        assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0
+        assert rows["memory optimizer"]["measured"] == pytest.approx(rows["memory optimizer"]["predicted"], rel=1e-3)
 
 
 @pytest.mark.slow  # three compiles
