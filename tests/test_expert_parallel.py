@@ -275,10 +275,12 @@ UNIFORM = """
         return m
 """
 S, GBS, STEPS = 16, 4, 3
-RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks)
+RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks,
+    # which ZeRO shards them over)
     "ep2": (2, dict(dp=2, pp=1, zero=1)),
-    "ep2_dp2_z1": (4, dict(dp=4, pp=1, zero=1)),
-    "ep2_dp2_z3": (4, dict(dp=4, pp=1, zero=3)),
+    # 2 micro-batches: the sharded experts' gradients accumulate (ZeRO-1) or are reduced each (ZeRO-3)
+    "ep2_dp2_z1": (4, dict(dp=4, pp=1, zero=1, global_batch_size=2 * GBS)),
+    "ep2_dp2_z3": (4, dict(dp=4, pp=1, zero=3, global_batch_size=2 * GBS)),
     "ep2_pp2": (4, dict(dp=2, pp=2, zero=1)),
 }
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
@@ -306,8 +308,8 @@ def runs(model_files, tmp_path_factory):
         torch.save(load_model_file(path, seq_len=S).build().state_dict(), tmp / f"{model}.init.pt")
         for name, (ranks, pins) in RUNS.items():
             out = tmp / f"{model}_{name}"
-            compile_program(path, out, global_batch_size=GBS, seq_len=S, tp=1, ep=2, micro_batch_size=1,
-                            schedule="1f1b", recompute="none", precision="fp32", **pins)
+            compile_program(path, out, seq_len=S, tp=1, ep=2, micro_batch_size=1, schedule="1f1b",
+                            recompute="none", precision="fp32", **{"global_batch_size": GBS, **pins})
             jobs.setdefault(ranks, []).append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{model}.init.pt"),
                                                "result": str(tmp / f"{model}_{name}.pt"), **SGD})
     uniform = tmp / "uniform.py"  # the router made uniform: the all-to-all bytes are the plan's exactly
@@ -331,8 +333,8 @@ def test_trains_like_one_process(runs, model_files, model, name):
 
     init = torch.load(runs / f"{model}.init.pt", weights_only=True)
     got = torch.load(runs / f"{model}_{name}.pt", weights_only=True)
-    losses, state = reference_run(model_files[model], init, steps=STEPS, seed=0, global_batch_size=GBS, seq_len=S,
-                                  **SGD)
+    losses, state = reference_run(model_files[model], init, steps=STEPS, seed=0, seq_len=S, **SGD,
+                                  global_batch_size=RUNS[name][1].get("global_batch_size", GBS))
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     assert any(not torch.equal(state[k], init[k]) for k in state if "experts.gate_up_proj" in k), "experts train"
