@@ -199,8 +199,8 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     keep = _Memo(memo)
     shared = shared_weights(graph, par, tp, bounds, local_shapes,
                             tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
-    for r, chunks, idx, params, padded, groups_n, mem, (held, held_padded) in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
-                                                                      local_shapes, shared, keep):
+    for r, chunks, idx, params, padded, groups_n, mem, (held, held_padded) in _rank_memory(
+            graph, cluster, par, tp, bounds, acts, shards, local_shapes, shared, keep):
         ck = tuple(chunks)  # the memo's key of the rank's units
         compute, tp_comm = keep(TIME.key(par, ck), lambda: (
             sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
@@ -232,7 +232,8 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         # What one GPU of the rank passes to collectives in a step, on each mesh axis (`MeshAxis.traffic`; the
         # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
         comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
-                "dp": sum(zero.dp_bytes(par, params - held, *padded).values()) + expert_dp_bytes(held, held_padded, par),
+                "dp": (sum(zero.dp_bytes(par, params - held, *padded).values())
+                       + expert_dp_bytes(held, held_padded, par)),
                 "cp": cp_bytes(graph, par, tp, idx),
                 "tp": tp_payload + gather_bytes(graph, par, chunks)}
         assert tuple(comm) == MESH_AXES, (tuple(comm), MESH_AXES)

@@ -137,9 +137,9 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
 
 
 def expert_groups(world: World, par: Parallel) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[int]]:
-    """(this rank's ``ep`` group, its expert data-parallel group, that group's ranks): the dp ranks of each (pp, tp) coordinate in
-    blocks of ``ep`` neighbours (torchtitan's ``dp_shard_in_ep``), and those holding the same experts, every
-    ``ep``-th (``dp_shard_mod_ep``). Every rank creates every group, in the same order (``new_group`` is
+    """(this rank's ``ep`` group, its expert data-parallel group, that group's ranks): the dp ranks of each (pp, tp)
+    coordinate in blocks of ``ep`` neighbours (torchtitan's ``dp_shard_in_ep``), and those holding the same
+    experts, every ``ep``-th (``dp_shard_mod_ep``). Every rank creates every group, in the same order (``new_group`` is
     collective)."""
     ep_group = expert_dp = None
     members: list[int] = []

@@ -171,12 +171,10 @@ def grad_copies(stages: list[nn.Module], *, tp: int, dp: int, split: set[str], h
                 continue
             c = canon.get(name, name)
             copies = holders.get(c, 1) * (1 if c in split or name in split else tp)
-            if isinstance(p, DTensor) and name in experts:  # sharded over the dp / ep ranks holding them
-                pass
-            elif isinstance(p, DTensor):
+            if isinstance(p, DTensor):  # (packed experts under ZeRO 1-3 ep: sharded over the dp / ep > 1 holders)
                 dp_split = any(isinstance(pl, Shard) and p.device_mesh.size(i) > 1 for i, pl in enumerate(p.placements))
                 copies *= 1 if dp_split else dp
-            else:  # packed experts under ep: held by the dp / ep ranks holding the same experts
+            else:  # packed experts FSDP leaves alone (ZeRO-0, or dp == ep): held by the dp / ep ranks holding them
                 copies *= dp // ep if name in experts else dp
             out.append((p, 1.0 / copies))
     return out

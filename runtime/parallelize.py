@@ -48,9 +48,9 @@ first. The copies start equal and get equal gradients and equal updates, so they
 from __future__ import annotations
 
 import itertools
-from functools import partial
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist

@@ -388,7 +388,8 @@ def test_check_agrees_on_an_ep_plan(runs):
         assert record["agrees"], result.output
         rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
         assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0
-        assert rows["memory optimizer"]["measured"] == pytest.approx(rows["memory optimizer"]["predicted"], rel=1e-3)
+        for what in ("memory params", "memory optimizer"):  # the sharded experts' (and the gathered ones' below
+            assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=1e-3), what  # ZeRO-3)
 
 
 @pytest.mark.slow  # three compiles
