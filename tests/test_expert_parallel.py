@@ -278,8 +278,9 @@ S, GBS, STEPS = 16, 4, 3
 RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks,
     # which ZeRO shards them over)
     "ep2": (2, dict(dp=2, pp=1, zero=1)),
-    # 2 micro-batches: the sharded experts' gradients accumulate (ZeRO-1) or are reduced each (ZeRO-3)
+    # 2 micro-batches: the sharded experts' gradients accumulate (ZeRO-1) or are reduced after each (ZeRO 2, 3)
     "ep2_dp2_z1": (4, dict(dp=4, pp=1, zero=1, global_batch_size=2 * GBS)),
+    "ep2_dp2_z2": (4, dict(dp=4, pp=1, zero=2, global_batch_size=2 * GBS)),
     "ep2_dp2_z3": (4, dict(dp=4, pp=1, zero=3, global_batch_size=2 * GBS)),
     "ep2_pp2": (4, dict(dp=2, pp=2, zero=1)),
 }
