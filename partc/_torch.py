@@ -51,6 +51,7 @@ def storage_key(t: Tensor) -> int:
 _LAZY = {
     "FSDPMemTracker": ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker"),
     "FSDPRefType": ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPRefType"),
+    "FSDPModMemStats": ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPModMemStats"),
     "TRACKER_TOTAL": ("torch.distributed._tools.mem_tracker", "_TOTAL_KEY"),
     "InferenceMode": ("torch.distributed.pipelining._utils", "InferenceMode"),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),

@@ -34,6 +34,7 @@ COPIES = Reads("copies", (*_PER_MICRO_BATCH, "recompute"))  # the TP copies' rea
 UNITS = Reads("units", (*_PER_MICRO_BATCH, "recompute"))  # parameters a unit holds on one GPU: (tp, b)
 PADDED = Reads("padded", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # + dp
 EXPERTS = Reads("experts", (*_PER_MICRO_BATCH, "recompute"))  # packed expert parameters on one GPU: (tp, ep)
+EXPERT_PADDED = Reads("expert_padded", PADDED.ignores)  # FSDP's padded packed experts on one GPU: (tp, dp, ep)
 EP_TIME = Reads("ep_time", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))
 REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp, b, recompute)
 BACKWARD = Reads("backward", (*_PER_MICRO_BATCH, "recompute"))  # what a unit's backward holds: (tp, b)
@@ -113,6 +114,9 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
         sum(zero.padded_numel(x, par.dp_shard) for k, x in shapes.items() if k not in experts) for shapes in local_shapes)])
     expert_sums = keep(EXPERTS.key(par), lambda: [0, *itertools.accumulate(
         sum(n for k, n in s.items() if k in experts) for s in shards)])
+    expert_padded = keep(EXPERT_PADDED.key(par), lambda: [0, *itertools.accumulate(  # over the dp / ep holders
+        sum(zero.padded_numel(x, par.dp // par.ep) for k, x in shapes.items() if k in experts)
+        for shapes in local_shapes)])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
     backward = keep(BACKWARD.key(par), lambda: unit_backward_bytes(graph, par, tp))
     for r in range(p):
@@ -127,7 +131,8 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             params = sum(units.params[hi] - units.params[lo] for lo, hi in chunks)
             padded = (float(sum(padded_sums[hi] - padded_sums[lo] for lo, hi in chunks)), 0.0)
             groups_n = len(idx)
-        held = sum(expert_sums[hi] - expert_sums[lo] for lo, hi in chunks)  # packed experts (ep), not in FSDP
+        held = sum(expert_sums[hi] - expert_sums[lo] for lo, hi in chunks)  # packed experts (ep), FSDP apart
+        held_padded = sum(expert_padded[hi] - expert_padded[lo] for lo, hi in chunks)
         mem = model_state_bytes(params - held, par)
         if par.zero == 1 and v > 1:  # one chunk's accumulation at a time, not all (`schedule.most_gradient_bytes`)
             own = [units.params[hi] - units.params[lo] - expert_sums[hi] + expert_sums[lo] for lo, hi in chunks]
@@ -166,7 +171,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
                 mem.activations = max(mem.activations, at[j] + own_extra[j] + zero.working_bytes(par, own)
                                       - zero.working_bytes(par, own, last=False))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
-        yield r, chunks, idx, params, padded, groups_n, mem, held
+        yield r, chunks, idx, params, padded, groups_n, mem, (held, held_padded)
 
 
 def fits_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
@@ -214,8 +219,8 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
     keep = _Memo(memo)
     shared = shared_weights(graph, par, tp, bounds, local_shapes,
                             tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
-    for r, chunks, idx, params, padded, groups_n, mem, held in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
-                                                                      local_shapes, shared, keep):
+    for r, chunks, idx, params, padded, groups_n, mem, (held, held_padded) in _rank_memory(
+            graph, cluster, par, tp, bounds, acts, shards, local_shapes, shared, keep):
         ck = tuple(chunks)  # the memo's key of the rank's units
         compute, tp_comm = keep(TIME.key(par, ck), lambda: (
             sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
@@ -247,7 +252,8 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         # What one GPU of the rank passes to collectives in a step, on each mesh axis (`MeshAxis.traffic`; the
         # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
         comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
-                "dp": sum(zero.dp_bytes(par, params - held, *padded).values()) + expert_dp_bytes(held, par),
+                "dp": (sum(zero.dp_bytes(par, params - held, *padded).values())
+                       + expert_dp_bytes(held, held_padded, par)),
                 "cp": cp_bytes(graph, par, tp, idx),
                 "tp": tp_payload + gather_bytes(graph, par, chunks)}
         assert tuple(comm) == MESH_AXES, (tuple(comm), MESH_AXES)

@@ -121,24 +121,37 @@ def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
 
 
 def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
-    """The packed expert parameters divided among the ep ranks (none when ``ep`` is 1). FSDP leaves them alone
-    (`partc.runtime.parallelize.apply_zero`): each rank keeps their fp32 weights, gradients and optimizer states
-    whole, their gradients all-reduced over the ``dp / ep`` ranks holding the same experts."""
+    """The packed expert parameters divided among the ep ranks (none when ``ep`` is 1). The dp FSDP groups leave
+    them out (`partc.runtime.parallelize.apply_zero`): under ZeRO 1-3 they are sharded over the ``dp / ep`` ranks
+    holding the same experts, in an FSDP group of their own per module (`shard_experts`); under ZeRO-0 (or where
+    ``dp == ep``) each rank keeps them whole and all-reduces their gradients over those ranks."""
     if par.ep == 1:
         return frozenset()
     return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner)
 
 
 def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
-    """Model states of `num_params` packed expert parameters on one GPU under ep: as ZeRO-0 keeps them (fp32
-    weights, gradients and Adam moments, and the compute-dtype copy the forward casts), whatever the plan's stage."""
+    """Model states of `num_params` packed expert parameters on one GPU under ep: ZeRO's stage over the ``dp /
+    ep`` ranks holding the same experts (`zero.model_state_bytes`); under ZeRO-0, or where each rank holds its
+    experts alone (``dp == ep``), as it keeps them whole (fp32 weights, gradients and Adam moments, and the
+    compute-dtype copy the forward casts)."""
+    if par.zero > 0 and par.dp // par.ep > 1:
+        params, grads, optimizer = zero.model_state_bytes(num_params, par, shards=par.dp // par.ep)
+        return Memory(params=params, grads=grads, optimizer=optimizer)
     params, grads, optimizer = zero.model_state_bytes(num_params, dataclasses.replace(par, zero=0))
     if compute_bytes(par.precision) == zero.MASTER_BYTES:  # fp32: the cast is the weight itself, no copy
         params = num_params * zero.MASTER_BYTES
     return Memory(params=params, grads=grads, optimizer=optimizer)
 
 
-def expert_dp_bytes(num_params: float, par: Parallel) -> float:
-    """Bytes one GPU passes to the all-reduce of its experts' fp32 gradients over the ``dp / ep`` ranks holding
-    the same experts, once a step (nothing in a group of one)."""
-    return zero.MASTER_BYTES * num_params if par.dp // par.ep > 1 else 0.0
+def expert_dp_bytes(num_params: float, padded: float, par: Parallel) -> float:
+    """Bytes one GPU passes to its experts' collectives over the ``dp / ep`` ranks holding the same experts in a
+    step (nothing in a group of one): under ZeRO 1-3 FSDP's all-gathers and reduce-scatters of `padded` elements
+    (each module of experts a group of its own: gathered twice a micro-batch under ZeRO-3, `zero.dp_bytes`);
+    under ZeRO-0 the all-reduce of their `num_params` fp32 gradients."""
+    n = par.dp // par.ep
+    if n == 1:
+        return 0.0
+    if par.zero > 0:
+        return sum(zero.dp_bytes(par, num_params, padded, 0.0, shards=n).values())
+    return zero.MASTER_BYTES * num_params

@@ -47,9 +47,10 @@ ADAM_BYTES = 8
 """Adam's two fp32 moments per parameter."""
 
 
-def model_state_bytes(num_params: float, par: Parallel) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer) bytes per GPU for `num_params` parameters (module docstring's table)."""
-    psi, n, c = float(num_params), par.dp_shard, compute_bytes(par.precision)
+def model_state_bytes(num_params: float, par: Parallel, shards: int | None = None) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes per GPU for `num_params` parameters (module docstring's table),
+    sharded over `shards` ranks (``dp_shard`` unless given: the packed experts' ``dp / ep``)."""
+    psi, n, c = float(num_params), shards or par.dp_shard, compute_bytes(par.precision)
     if par.zero == 0:
         return psi * (MASTER_BYTES + c), psi * MASTER_BYTES, psi * ADAM_BYTES
     if par.zero == 1:
@@ -87,10 +88,12 @@ def padded_numel(shape: tuple[int, ...], n: int) -> int:
     return rows * math.prod(shape[1:])
 
 
-def dp_bytes(par: Parallel, numel: float, unit_padded: float, rest_padded: float) -> dict[str, float]:
+def dp_bytes(par: Parallel, numel: float, unit_padded: float, rest_padded: float,
+             shards: int | None = None) -> dict[str, float]:
     """Collective -> bytes one GPU passes over dp in a step: `numel` parameters on the GPU, `unit_padded` of them
-    (padded) in FSDP units of their own and `rest_padded` in the stage's root group (module docstring)."""
-    if par.dp_shard == 1:
+    (padded) in FSDP units of their own and `rest_padded` in the stage's root group (module docstring), sharded
+    over `shards` ranks (``dp_shard`` unless given: the packed experts' ``dp / ep``)."""
+    if (shards or par.dp_shard) == 1:
         return {}
     c, m = compute_bytes(par.precision), par.num_microbatches
     padded = unit_padded + rest_padded

@@ -48,8 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
 
-from partc._torch import TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPRefType, InferenceMode, mod_tracker_module
+from partc._torch import (TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPModMemStats, FSDPRefType, InferenceMode,
+                          mod_tracker_module)
 from partc.cluster import Cluster
 from partc.collectives import set_tp_group
 from partc.value_sized import expected_sizes
@@ -60,6 +62,7 @@ from partc.runtime.mesh import init_world, rank_record
 from partc.runtime.optim import OptimizerConfig
 from partc.runtime.parallelize import reshard
 from partc.runtime.program import ProgramFiles, read_program
+from partc.runtime.stage import StageModule, UnitModule
 
 TOLERANCE = 0.10
 """A measured number agrees with the plan's when they differ by at most this fraction of the larger."""
@@ -399,6 +402,31 @@ class _Tracker(FSDPMemTracker):
         for optm in self._optms:
             self._track_optimizer_states(FSDPRefType.OPT, optm)
 
+    def _instrument_fsdp_module(self) -> None:
+        # The packed experts' FSDP groups (ep under ZeRO 1-3) are gathered by `FSDPModule.unshard`, not by a forward
+        # of their module (the stage code reads their tensors): their gathered copies are recorded when they arrive.
+        super()._instrument_fsdp_module()
+        self._unshards: list[Any] = []
+        for module in self._root_mod.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            if group is not None and not isinstance(module, (StageModule, UnitModule)):
+                self._unshards.append((group, group.wait_for_unshard))
+                group.wait_for_unshard = self._recorded_unshard(group, group.wait_for_unshard)
+
+    def _recorded_unshard(self, group: Any, orig: Callable) -> Callable:
+        def wait_for_unshard(*args: Any, **kwargs: Any) -> None:
+            orig(*args, **kwargs)
+            for fsdp_param in group.fsdp_params:
+                self._update_and_maybe_create_winfos(fsdp_param.unsharded_param, FSDPRefType.UNSHARDED_PARAM)
+
+        return wait_for_unshard
+
+    def _deregister_module_and_optimizer_hooks(self) -> None:
+        super()._deregister_module_and_optimizer_hooks()
+        for group, orig in self._unshards:
+            group.wait_for_unshard = orig
+        self._unshards.clear()
+
     def _fsdp_param_group_post_backward(self, fsdp_mod: nn.Module, orig: Callable) -> Callable:
         # ZeRO 0 and 1 accumulate each micro-batch's gradient unsharded in fp32 until the last one (FSDP's
         # ``unsharded_accumulated_grad``): the plan's gradients, which the torch tracker leaves as temporaries. They
@@ -407,6 +435,9 @@ class _Tracker(FSDPMemTracker):
         inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
 
         def post_backward(*args: Any, **kwargs: Any) -> None:
+            if fsdp_mod not in self.memory_tracking:  # packed experts (ep): the stage code reads their tensors
+                # without calling their module, whose forward the torch tracker would have recorded
+                self.memory_tracking[fsdp_mod] = FSDPModMemStats(self._mod_tracker.get_known_fqn(fsdp_mod) or "")
             inner(*args, **kwargs)
             group = fsdp_mod._get_fsdp_state()._fsdp_param_group
             for fsdp_param in group.fsdp_params if group is not None else ():

@@ -64,6 +64,9 @@ class World:
     without expert parallelism)."""
     expert_dp_group: dist.ProcessGroup | None = None
     """The ``dp / ep`` ranks holding the same experts as this one: their gradients are reduced over it."""
+    expert_mesh: DeviceMesh | None = None
+    """`expert_dp_group` as a 1-D mesh: under ZeRO 1-3 FSDP shards the packed experts over it (torchtitan's
+    ``dp_shard_mod_ep``)."""
     dp_shard_groups: list[dist.ProcessGroup] = field(default_factory=list)
     """Under context parallelism, the group of ``dp`` x ``cp`` FSDP reduces over (its traffic counts as ``dp``)."""
 
@@ -126,17 +129,20 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
     world.zero_mesh = zero_mesh(world, par)
     if par.ep > 1:
         world.ep_rank = world.dp_rank % par.ep
-        world.ep_group, world.expert_dp_group = expert_groups(world, par)
+        world.ep_group, world.expert_dp_group, members = expert_groups(world, par)
+        world.expert_mesh = DeviceMesh.from_group(world.expert_dp_group, device.type, mesh=torch.tensor(members),
+                                                  mesh_dim_names=("expert_dp",))
     world.tp_dp_mesh = tp_dp_mesh(world)
     return world
 
 
-def expert_groups(world: World, par: Parallel) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(this rank's ``ep`` group, its expert data-parallel group): the dp ranks of each (pp, tp) coordinate in
-    blocks of ``ep`` neighbours (torchtitan's ``dp_shard_in_ep``), and those holding the same experts, every
-    ``ep``-th (``dp_shard_mod_ep``). Every rank creates every group, in the same order (``new_group`` is
+def expert_groups(world: World, par: Parallel) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[int]]:
+    """(this rank's ``ep`` group, its expert data-parallel group, that group's ranks): the dp ranks of each (pp, tp)
+    coordinate in blocks of ``ep`` neighbours (torchtitan's ``dp_shard_in_ep``), and those holding the same
+    experts, every ``ep``-th (``dp_shard_mod_ep``). Every rank creates every group, in the same order (``new_group`` is
     collective)."""
     ep_group = expert_dp = None
+    members: list[int] = []
     others = [axis.name for axis in MESH if axis.name != "dp"]
     for point in itertools.product(*(range(getattr(par, axis)) for axis in others)):
         ranks = [par.rank_of(dp=d, **dict(zip(others, point))) for d in range(par.dp)]
@@ -146,8 +152,9 @@ def expert_groups(world: World, par: Parallel) -> tuple[dist.ProcessGroup, dist.
         for e in range(par.ep):
             same = ranks[e::par.ep]
             group = dist.new_group(same)
-            expert_dp = group if world.rank in same else expert_dp
-    return ep_group, expert_dp
+            if world.rank in same:
+                expert_dp, members = group, same
+    return ep_group, expert_dp, members
 
 
 def tp_dp_mesh(world: World) -> DeviceMesh:

@@ -140,10 +140,13 @@ def param_groups(module: nn.Module, skip: set[str], weight_decay: float) -> list
         if p.requires_grad:
             (plain if name.removeprefix("stage.") in skip else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    # FSDP's sharded parameters (DTensors) apart from plain ones (packed experts under ep, which FSDP leaves
-    # alone): the optimizers' fused updates take one kind a call.
-    groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == dt]}
-              for g in groups for dt in (True, False)]
+    # FSDP's sharded parameters (DTensors) apart from plain ones (packed experts under ZeRO-0 ep, which FSDP
+    # leaves alone), and by mesh (packed experts under ZeRO 1-3 ep are sharded over their own): the optimizers'
+    # fused updates take one kind a call.
+    def mesh_of(p):
+        return p.device_mesh if isinstance(p, DTensor) else None
+    meshes = list(dict.fromkeys(mesh_of(p) for g in groups for p in g["params"]))
+    groups = [{**g, "params": [p for p in g["params"] if mesh_of(p) == mesh]} for g in groups for mesh in meshes]
     return [g for g in groups if g["params"]]
 
 
@@ -168,10 +171,10 @@ def grad_copies(stages: list[nn.Module], *, tp: int, dp: int, split: set[str], h
                 continue
             c = canon.get(name, name)
             copies = holders.get(c, 1) * (1 if c in split or name in split else tp)
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor):  # (packed experts under ZeRO 1-3 ep: sharded over the dp / ep > 1 holders)
                 dp_split = any(isinstance(pl, Shard) and p.device_mesh.size(i) > 1 for i, pl in enumerate(p.placements))
                 copies *= 1 if dp_split else dp
-            else:  # packed experts under ep: held by the dp / ep ranks holding the same experts
+            else:  # packed experts FSDP leaves alone (ZeRO-0, or dp == ep): held by the dp / ep ranks holding them
                 copies *= dp // ep if name in experts else dp
             out.append((p, 1.0 / copies))
     return out

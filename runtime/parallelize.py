@@ -50,6 +50,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -76,8 +77,12 @@ def parallelize(stages: list[StageModule], world: World, par: Parallel, blocks: 
         #    `partc.collectives`).
         apply_recompute(stage, par.recompute, blocks)  # 2.
         # 3. compile: not applied.
+        if par.zero > 0 and par.dp // par.ep > 1 and experts:  # 4. ZeRO of the packed experts over the ranks
+            # holding the same ones (none to shard over when dp is ep: each rank keeps its experts whole)
+            shard_experts(stage, world.expert_mesh, zero=par.zero, precision=par.precision, experts=experts)
         modules.append(apply_zero(stage, world.zero_mesh, zero=par.zero, precision=par.precision,  # 4.
-                                  ignored={p for n, p in stage.named_parameters() if n in experts}))
+                                  ignored={p for n, p in stage.named_parameters()
+                                           if n in experts and not isinstance(p, DTensor)}))
     return modules
 
 
@@ -98,6 +103,44 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=MASTER_DTYPE,
                                 cast_forward_inputs=False)
+
+
+def shard_experts(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision: str,
+                  experts: frozenset[str]) -> None:
+    """FSDP2 on each module holding packed experts, over `mesh` (`World.expert_mesh`: the ``dp / ep`` ranks
+    holding the same experts), under ZeRO stage `zero`: their fp32 weights, gradients and optimizer states are
+    sharded over that group as the other parameters are over ``dp`` (torchtitan's ``dp_shard_mod_ep``). Before
+    `apply_zero`, which then leaves them to these groups.
+
+    The stage code reads the experts' tensors without calling their module, so the unit holding them gathers them
+    before its forward (`FSDPModule.unshard`); FSDP's end-of-backward callback reduce-scatters the gradients of
+    every group left gathered. Each rank's expert gradient sums the tokens of its ep group: FSDP averages it over
+    the ``dp / ep`` holders, and `GradSync` divides it by ``ep`` (``dp`` in all: the mean loss's gradient; a
+    divide factor of FSDP's own would need PREMUL_SUM, which gloo lacks)."""
+    owners: dict[str, nn.Module] = {}
+    for name, _ in stage.named_parameters():
+        if name in experts:
+            owners.setdefault(name.rsplit(".", 1)[0], stage.get_submodule(name.rsplit(".", 1)[0]))
+    for path, owner in owners.items():
+        assert all(f"{path}.{n}" in experts for n, _ in owner.named_parameters()), path
+        fully_shard(owner, mesh=mesh, mp_policy=mixed_precision(precision), reshard_after_forward=zero == 3)
+        unit = next((u for fqn, u in stage.units.items() if path.startswith(fqn + ".")), stage)
+        unit.register_forward_pre_hook(lambda *_, owner=owner: owner.unshard())
+        unit.register_forward_hook(partial(_regather_in_backward, owner=owner, reshard=zero == 3))
+
+
+def _regather_in_backward(module: nn.Module, inputs: tuple, outputs: tuple, *, owner: FSDPModule,
+                          reshard: bool) -> None:
+    """After the forward of a unit holding packed experts: under ZeRO-3 release them (FSDP's
+    ``reshard_after_forward``), and gather them again when the unit's backward begins (the gradient of any of its
+    outputs arrives), as FSDP's pre-backward does for a module it calls; a no-op where they are still gathered."""
+    if not torch.is_grad_enabled():
+        return
+    if reshard:
+        owner.reshard()
+    for t in outputs if isinstance(outputs, tuple) else (outputs,):
+        if isinstance(t, Tensor) and t.requires_grad:
+            t.register_hook(lambda grad: owner.unshard())
 
 
 def apply_zero(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision: str,
@@ -168,10 +211,16 @@ class GradSync:
         `experts`: the packed expert parameters under ep."""
         self.stages = stages
         self.world = world
-        self.experts = [p for st in stages for n, p in st.named_parameters() if n in experts]
+        self.experts = [p for st in stages for n, p in st.named_parameters()
+                        if n in experts and not isinstance(p, DTensor)]
         """This rank's packed expert parameters (ep): each holds the gradient of its experts from every token of
         its ep group; summed over the ranks holding the same experts and divided by dp, it is the gradient of the
-        mean loss, as FSDP's average over dp gives the others."""
+        mean loss, as FSDP's average over dp gives the others. (Under ZeRO 1-3 FSDP reduces them instead,
+        `shard_experts`.)"""
+        self.sharded_experts = [p for st in stages for n, p in st.named_parameters()
+                                if n in experts and isinstance(p, DTensor)]
+        """The packed experts FSDP shards over the ``dp / ep`` ranks holding them (ZeRO 1-3): FSDP averages their
+        gradients over those ranks; divided by ``ep`` here, they are the mean loss's gradient."""
         self.groups: list[dist.ProcessGroup] = []
         """Every group this rank sums shared weights over (the comm counter counts them as ``pp``)."""
         self.shared: list[SharedGroup] = []
@@ -199,6 +248,9 @@ class GradSync:
                 _all_reduce(grads, self.world.expert_dp_group, average=False)
             for g in grads:
                 g.div_(self.world.par.dp)
+        for p in self.sharded_experts:
+            if p.grad is not None:
+                _local(p.grad).div_(self.world.par.ep)
         for sg in self.shared:
             grads = []
             for name in sg.names:

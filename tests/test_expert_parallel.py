@@ -275,10 +275,13 @@ UNIFORM = """
         return m
 """
 S, GBS, STEPS = 16, 4, 3
-RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks)
+RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks,
+    # which ZeRO shards them over)
     "ep2": (2, dict(dp=2, pp=1, zero=1)),
-    "ep2_dp2_z1": (4, dict(dp=4, pp=1, zero=1)),
-    "ep2_dp2_z3": (4, dict(dp=4, pp=1, zero=3)),
+    # 2 micro-batches: the sharded experts' gradients accumulate (ZeRO-1) or are reduced after each (ZeRO 2, 3)
+    "ep2_dp2_z1": (4, dict(dp=4, pp=1, zero=1, global_batch_size=2 * GBS)),
+    "ep2_dp2_z2": (4, dict(dp=4, pp=1, zero=2, global_batch_size=2 * GBS)),
+    "ep2_dp2_z3": (4, dict(dp=4, pp=1, zero=3, global_batch_size=2 * GBS)),
     "ep2_pp2": (4, dict(dp=2, pp=2, zero=1)),
 }
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
@@ -306,8 +309,8 @@ def runs(model_files, tmp_path_factory):
         torch.save(load_model_file(path, seq_len=S).build().state_dict(), tmp / f"{model}.init.pt")
         for name, (ranks, pins) in RUNS.items():
             out = tmp / f"{model}_{name}"
-            compile_program(path, out, global_batch_size=GBS, seq_len=S, tp=1, ep=2, micro_batch_size=1,
-                            schedule="1f1b", recompute="none", precision="fp32", **pins)
+            compile_program(path, out, seq_len=S, tp=1, ep=2, micro_batch_size=1, schedule="1f1b",
+                            recompute="none", precision="fp32", **{"global_batch_size": GBS, **pins})
             jobs.setdefault(ranks, []).append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{model}.init.pt"),
                                                "result": str(tmp / f"{model}_{name}.pt"), **SGD})
     uniform = tmp / "uniform.py"  # the router made uniform: the all-to-all bytes are the plan's exactly
@@ -331,8 +334,8 @@ def test_trains_like_one_process(runs, model_files, model, name):
 
     init = torch.load(runs / f"{model}.init.pt", weights_only=True)
     got = torch.load(runs / f"{model}_{name}.pt", weights_only=True)
-    losses, state = reference_run(model_files[model], init, steps=STEPS, seed=0, global_batch_size=GBS, seq_len=S,
-                                  **SGD)
+    losses, state = reference_run(model_files[model], init, steps=STEPS, seed=0, seq_len=S, **SGD,
+                                  global_batch_size=RUNS[name][1].get("global_batch_size", GBS))
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     assert any(not torch.equal(state[k], init[k]) for k in state if "experts.gate_up_proj" in k), "experts train"
@@ -343,6 +346,9 @@ def test_trains_like_one_process(runs, model_files, model, name):
     # every rank sends tokens to the other's experts; under pp 2 the ranks of the stages holding an MoE layer
     senders = [step[r].get("ep", 0) > 0 for step in got["comm"] for r in range(len(step))]
     assert all(senders) if RUNS[name][1]["pp"] == 1 else any(senders), got["comm"]
+    if RUNS[name][1]["pp"] == 1:  # dp: FSDP's traffic, the experts' over the dp / ep ranks holding them (ZeRO)
+        dp = json.loads((runs / f"{model}_{name}" / "plan.json").read_text())["predicted"]["ranks"][0]["comm_bytes"]["dp"]
+        assert [r["dp"] for step in got["comm"] for r in step] == [dp] * len(got["comm"]) * RUNS[name][0]
 
 
 @pytest.mark.slow  # uses the runs above
@@ -375,6 +381,16 @@ def test_check_agrees_on_an_ep_plan(runs):
     rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
     assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] > 0
     assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"]
+    # dp 4 ep 2, ZeRO-1 and ZeRO-3: the experts sharded over the 2 ranks holding them, states and traffic as planned
+    for name in ("mixtral_ep2_dp2_z1", "mixtral_ep2_dp2_z3"):
+        result = CliRunner().invoke(main, ["check", str(runs / name), "--format", "json"])
+        assert result.exit_code == 0, result.output
+        record = json.loads(result.stdout)
+        assert record["agrees"], result.output
+        rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+        assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0
+        for what in ("memory params", "memory optimizer"):  # the sharded experts' (and the gathered ones' below
+            assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=1e-3), what  # ZeRO-3)
 
 
 @pytest.mark.slow  # three compiles
