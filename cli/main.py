@@ -202,7 +202,11 @@ def print_summary(result, plan_path: Path) -> None:
     t = Table(title="Plan", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("parallel", "  ".join(f"{axis}={par[axis]}" for axis in SHOWN_AXES) + f"  zero={par['zero']}")
+    shown = result.plan.parallel
+    row = "  ".join(f"{axis}={par[axis]}" for axis in shown.shown_axes()) + f"  zero={par['zero']}"
+    row += f"  ep={shown.ep}" if shown.ep > 1 else ""
+    row += "  sequence parallel" if shown.sequence_parallel else ""
+    t.add_row("parallel", row)
     t.add_row("batch", f"global {par['global_batch_size']} = dp {par['dp']} x micro-batch {par['micro_batch_size']} "
                        f"x {par['num_microbatches']} micro-batches")
     sched = par["schedule"] + (f" (v={par['virtual_stages']})" if par["virtual_stages"] > 1 else "")
