@@ -14,13 +14,15 @@ ResNet-50 v1.5 (benchmarks/models/resnet50.py, plain PyTorch) on DGX A100 (8x A1
 - MXNet (MxNet/Classification/RN50v1.5/README.md, same section title, mxnet-22.10-py3): float16, 512 images per
   GPU (``benchmark.py -b 512``), Horovod, DALI decoding on the GPU (the runner's default ``dali-gpu``), total
   images/s with data loading: 1 GPU 3,410.52 and 8 GPUs 26,673.72 (TF32: 1,055.78 and 8,247.44). Its float16 runs
-  fuse batch norm with ReLU and with the residual add and use CUDA graphs (the runner's flags), a different
-  program from the plain PyTorch model partc prices, so only its scaling from 1 to 8 GPUs is compared.
+  fuse batch norm with ReLU and with the residual add and use CUDA graphs (the runner's flags): a faster program
+  than the plain PyTorch model partc prices.
 
-Table 1 compiles the model for ``a100-80g`` with the PyTorch run pinned (``--gpus n --dp n --zero 0
---micro-batch-size 256 --global-batch-size 256n``: DDP is ZeRO-0's fp32 all-reduce of the gradients once a step;
-bf16, as A100's fp16 and bf16 tensor-core rates are equal) and compares the predicted images/s with the published
-ones; a last column shows the plan partc picks with only the global batch given.
+Table 1 compiles the model for ``a100-80g`` with each published run pinned (``--gpus n --dp n --zero 0
+--micro-batch-size B --global-batch-size Bn``: DDP and Horovod are ZeRO-0's fp32 all-reduce of the gradients once a
+step), in bf16 for the mixed-precision runs (A100's fp16 and bf16 tensor-core rates are equal) and in fp32 for the
+TF32 ones (partc prices fp32 convolutions at the TF32 rate, PyTorch's default for cuDNN), and compares the
+predicted images/s with the published ones; a last column shows the plan partc picks with only the global batch
+given.
 
 Table 2 compares each publication's scaling from 1 to 8 GPUs (8-GPU images/s over 8 x the 1-GPU ones) with
 partc's at the same images per GPU, and gives the time each published 8-GPU step takes beyond its 1-GPU step. Every
@@ -75,15 +77,16 @@ MXNET = Published("MXNet DLE (mxnet-22.10)", 512, {1: 3410.52, 8: 26673.72}, {1:
 """NVIDIA Deep Learning Examples, ResNet-50 v1.5, DGX A100 (8x A100 80GB): see the module docstring."""
 
 
-def trace_file(path: Path):
+def trace_file(path: Path, precision: str = "bf16"):
+    from partc.compile import meta_inputs
     from partc.model_file import build_on_meta, load_model_file
     from partc.passes.trace import trace
 
     spec = load_model_file(str(path))
     net = build_on_meta(spec)
-    with torch.device("meta"):
-        args, kwargs = spec.inputs(1)
-    return trace(net, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=str(path), fused_attention=True).graph
+    args, kwargs = meta_inputs(spec, 1, precision)
+    return trace(net, args, kwargs, name=spec.name, seq_len=spec.seq_len, path=str(path), fused_attention=True,
+                 precision=precision).graph
 
 
 def predict(graph, gpus: int, global_batch: int, pins=None, cluster=None):
@@ -96,12 +99,12 @@ def predict(graph, gpus: int, global_batch: int, pins=None, cluster=None):
     return best
 
 
-def ddp(gpus: int, per_gpu_batch: int):
+def ddp(gpus: int, per_gpu_batch: int, precision: str = "bf16"):
     """The published runs' configuration: data parallel, one micro-batch of the per-GPU batch, the gradients
     all-reduced once a step (ZeRO-0)."""
     from partc.parallel import Pins
 
-    return Pins(dp=gpus, zero=0, micro_batch_size=per_gpu_batch)
+    return Pins(dp=gpus, zero=0, micro_batch_size=per_gpu_batch, precision=precision)
 
 
 def plan_text(c) -> str:
@@ -121,20 +124,26 @@ def extra_step_s(rates: dict[int, float], per_gpu_batch: int) -> float:
 
 def main() -> None:
     from partc.cluster import load_cluster
+    from partc.parallel import Pins
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     cluster = load_cluster(CLUSTER)
     resnet = trace_file(RESNET)
+    resnet_fp32 = trace_file(RESNET, "fp32")
     rows = []
-    for gpus, published in PYTORCH.images_per_s.items():
-        gbs = PYTORCH.per_gpu_batch * gpus
-        pinned = predict(resnet, gpus, gbs, ddp(gpus, PYTORCH.per_gpu_batch))
-        free = predict(resnet, gpus, gbs)
+    for pub, precision, gpus in ((pub, precision, gpus) for pub in (PYTORCH, MXNET) for precision in ("bf16", "fp32")
+                                 for gpus in pub.images_per_s):
+        published = (pub.images_per_s if precision == "bf16" else pub.tf32_images_per_s)[gpus]
+        graph = resnet if precision == "bf16" else resnet_fp32
+        gbs = pub.per_gpu_batch * gpus
+        pinned = predict(graph, gpus, gbs, ddp(gpus, pub.per_gpu_batch, precision))
+        free = predict(graph, gpus, gbs, Pins(precision=precision))
         predicted = gbs / pinned.step_time_s
         pred = pinned.prediction
         rows.append({
-            "model": "ResNet-50 v1.5 (224)", "source": PYTORCH.source, "gpus": gpus, "global_batch": gbs,
+            "model": "ResNet-50 v1.5 (224)", "source": pub.source, "gpus": gpus, "global_batch": gbs,
+            "published_precision": "AMP" if precision == "bf16" else "TF32", "precision": precision,
             "published_images_per_s": published, "predicted_images_per_s": predicted,
             "error": predicted / published - 1, "mfu": pred.mfu, "step_s": pinned.step_time_s,
             "compute_s": pred.compute_s, "dp_comm_s": pred.dp_comm_s, "plan": plan_text(pinned),
@@ -176,14 +185,15 @@ def main() -> None:
                 "mfu": u.prediction.mfu, "images_per_s": unet_gbs / u.step_time_s,
                 "model_tflops_per_gpu": u.prediction.model_tflops_per_gpu}
 
-    lines = [f"ResNet-50 v1.5 training on {CLUSTER}: NVIDIA Deep Learning Examples (PyTorch, DGX A100 80GB, AMP, "
-             f"256 images/GPU, DDP) vs partc's prediction",
+    lines = [f"ResNet-50 v1.5 training on {CLUSTER}: NVIDIA Deep Learning Examples (DGX A100 80GB, mixed precision; "
+             f"PyTorch: 256 images/GPU, DDP; MXNet: 512 images/GPU, Horovod) vs partc's prediction",
              "",
-             "| GPUs | batch | published img/s | predicted img/s | error | MFU | plan (pinned as published) | "
-             "partc's pick | its img/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| publication | precision (partc's) | GPUs | batch | published img/s | predicted img/s | error | MFU | "
+             "plan (pinned as published) | partc's pick | its img/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['gpus']} | {r['global_batch']} | {r['published_images_per_s']:,.0f} | "
+        lines.append(f"| {r['source']} | {r['published_precision']} ({r['precision']}) | {r['gpus']} | "
+                     f"{r['global_batch']} | {r['published_images_per_s']:,.0f} | "
                      f"{r['predicted_images_per_s']:,.0f} | {100 * r['error']:+.1f}% | {100 * r['mfu']:.1f}% | "
                      f"{r['plan']} | {r['free_plan']} | {r['free_images_per_s']:,.0f} |")
     lines += ["",
@@ -198,7 +208,8 @@ def main() -> None:
                      f"{100 * s['published_scaling']:.1f}% | {1e3 * s['published_extra_step_s']:.1f} ms | "
                      f"{100 * s['published_tf32_scaling']:.1f}% | {1e3 * s['published_tf32_extra_step_s']:.1f} ms | "
                      f"{100 * s['predicted_scaling']:.1f}% | {1e3 * s['predicted_extra_step_s']:.1f} ms |")
-    pt = rows[-1]["predicted_images_per_s"]
+    pt = next(r for r in rows if r["source"] == PYTORCH.source and r["gpus"] == 8 and r["precision"] == "bf16")[
+        "predicted_images_per_s"]
     lines += ["",
               f"8 GPUs, 256 images/GPU: predicted {pt:,.0f} img/s; with kernel_launch_s 0: {no_launch:,.0f} "
               f"({100 * (no_launch / pt - 1):+.1f}%); with the gradient all-reduce fully overlapped (dp_overlap 1): "
@@ -213,7 +224,8 @@ def main() -> None:
               f"{unet_row['images_per_s']:,.0f} images/s"]
     within = [abs(r["error"]) <= TOLERANCE for r in rows]
     lines.append("")
-    lines.append("within 25%: " + ", ".join(f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} "
+    lines.append("within 25%: " + ", ".join(f"{r['source'].split()[0]} {r['published_precision']} {r['gpus']} "
+                                             f"GPU{'s' if r['gpus'] > 1 else ''} "
                                              f"{'yes' if ok else 'no'}" for r, ok in zip(rows, within))
                  + f" ({time.perf_counter() - t0:.0f} s)")
     print("\n".join(lines))

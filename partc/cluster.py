@@ -44,6 +44,9 @@ class Cluster:
     peak_flops_fp32: float = 19.5e12
     """Dense fp32 FLOP/s without tensor cores (datasheet; PyTorch runs fp32 matmuls without TF32 by default), for
     ``precision: fp32`` plans."""
+    peak_flops_tf32: float = 156e12
+    """Dense TF32 tensor-core FLOP/s (datasheet), for the convolutions of ``precision: fp32`` plans: PyTorch lets
+    cuDNN run fp32 convolutions in TF32 by default (``torch.backends.cudnn.allow_tf32`` is True), unlike matmuls."""
     gemm_efficiency: float = 0.75
     """Fraction of `peak_flops` that a large GEMM reaches when compute-bound, before the tile, wave and
     short-k factors of `passes.hw.gemm_efficiency`. A100: 0.75, fitted on Megatron-LM's Table 1 (fp16,
@@ -145,6 +148,7 @@ _FLOORS = {
     "memory_bytes": (2**20, "1 MiB: it is in bytes"),
     "peak_flops": (1e12, "1 TFLOP/s: it is in FLOP/s"),
     "peak_flops_fp32": (1e11, "0.1 TFLOP/s: it is in FLOP/s"),
+    "peak_flops_tf32": (1e11, "0.1 TFLOP/s: it is in FLOP/s"),
     "memory_bandwidth": (1e10, "10 GB/s: it is in bytes/s"),
     "intra_node_bandwidth": (1e9, "1 GB/s: it is in bytes/s"),
     "inter_node_bandwidth": (1e8, "100 MB/s: it is in bytes/s"),
@@ -188,12 +192,12 @@ PRESETS: dict[str, Cluster] = {
     ),
     "h100-80g": Cluster(
         name="h100-80g", gpu="NVIDIA H100 SXM 80GB", memory_bytes=81559 * MiB,
-        peak_flops=989e12, peak_flops_fp32=67e12, memory_bandwidth=3.35e12, num_sms=132,
+        peak_flops=989e12, peak_flops_fp32=67e12, peak_flops_tf32=494.5e12, memory_bandwidth=3.35e12, num_sms=132,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
     ),
     "h200-141g": Cluster(
         name="h200-141g", gpu="NVIDIA H200 SXM 141GB", memory_bytes=143771 * MiB,
-        peak_flops=989e12, peak_flops_fp32=67e12, memory_bandwidth=4.8e12, num_sms=132,
+        peak_flops=989e12, peak_flops_fp32=67e12, peak_flops_tf32=494.5e12, memory_bandwidth=4.8e12, num_sms=132,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
     ),
 }

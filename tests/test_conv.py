@@ -90,6 +90,24 @@ def test_a_memory_bound_convolution_moves_its_tensors_not_the_im2col_matrix():
     assert hw.gemm_time(A100, gemm, micro_batch_size=b) == pytest.approx(hw.memory_time(A100, nbytes))
 
 
+def test_fp32_convolutions_run_at_the_tf32_rate_and_fp32_matmuls_do_not():
+    """PyTorch's defaults: cuDNN runs fp32 convolutions in TF32 (``torch.backends.cudnn.allow_tf32``), cuBLAS runs
+    fp32 matmuls in fp32 (``torch.backends.cuda.matmul.allow_tf32`` is False)."""
+    conv = nn.Conv2d(256, 256, 3, padding=1, bias=False).to("meta")
+    x = torch.empty(1, 256, 56, 56, device="meta")
+    args = (x, conv.weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    gemm = conv_gemm(args, aten.convolution.default(*args))
+    assert gemm.dtype_bytes == 4
+    b = 64
+    eff = hw.gemm_efficiency(A100, gemm.m * b, gemm.n, gemm.k, gemm.batch)
+    assert hw.gemm_time(A100, gemm, micro_batch_size=b) == pytest.approx(
+        b * gemm.flops / (A100.peak_flops_tf32 * eff))
+    matmul = dataclasses.replace(gemm, io_bytes=0)  # the same product as a matmul
+    assert hw.gemm_time(A100, matmul, micro_batch_size=b) == pytest.approx(
+        b * gemm.flops / (A100.peak_flops_fp32 * eff))
+    assert A100.peak_flops_fp32 < A100.peak_flops_tf32 < A100.peak_flops
+
+
 def test_kernel_launches_floor_a_units_time():
     """A unit of tiny kernels costs the host's time to launch them (forward, twice as many in backward, and the
     forward again under full recomputation); kernel_launch_s 0 turns the floor off."""
