@@ -28,7 +28,7 @@ from torch.fx import Node
 
 from partc import collectives
 from partc.errors import PartcError
-from partc.ir import Layer
+from partc.ir import Layer, RoutedExperts
 from partc.passes.measure import GROUPED_GEMM_OPS, NodeStats, grouped_gemm
 from partc.passes.shard import shard_rule
 
@@ -756,3 +756,17 @@ def _routed_split(start: Node, chain: list[Node], params: dict[Node, str]) -> Ro
                        local=torch.fx.GraphModule(torch.nn.Module(), g),
                        nodes=[n for n in chain[-1].graph.nodes if n in region and n not in keep
                               and n.op == "call_function"])
+
+
+def routed_experts(graph: torch.fx.Graph, params: dict[Node, str], layers: dict[str, Layer]) -> list[RoutedExperts]:
+    """The plain-PyTorch mixtures of experts of `graph` that ep can divide (`routed_splits`), for the cost model
+    and the search; one whose routing cannot be followed is left out (``--ep`` then says why, `rewrite_for_ep`)."""
+    out = []
+    for split in routed_splits(graph, params):
+        if isinstance(split, str):
+            continue
+        first = next(layer for fqn, layer in layers.items() if fqn.startswith(split.experts[0] + "."))
+        out.append(RoutedExperts(fqn=split.fqn, experts=split.experts,
+                                 params=[n for names in split.params for n in names], unit=first.unit,
+                                 rows=int(_val(split.choice).numel()), hidden=int(_val(split.hidden).shape[-1])))
+    return out
