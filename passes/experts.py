@@ -583,12 +583,18 @@ def _expert_module(names: list[str]) -> tuple[str, int] | None:
 
 def _one_expert(y: Node, rows: Node, params: dict[Node, str]) -> list[Node] | str:
     """The nodes computing `y` from `rows` and parameters only (graph order), or what else they read."""
+    reach, todo = set(), [rows]  # what the rows flow into
+    while todo:
+        for u in todo.pop().users:
+            if u not in reach:
+                reach.add(u)
+                todo.append(u)
     found, todo = set(), [y]
     while todo:
         n = todo.pop()
         if n is rows or n in params or n in found:
             continue
-        if n.op != "call_function":
+        if n.op != "call_function" or (n not in reach and n.all_input_nodes):
             return f"reads {n.name} besides its routed rows and its parameters"
         found.add(n)
         todo.extend(n.all_input_nodes)
