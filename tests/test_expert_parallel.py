@@ -379,7 +379,7 @@ def runs(model_files, tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("ep_runs")
     jobs: dict[int, list[dict]] = {}
-    for model, path in model_files.items():
+    for model, path in ((m, model_files[m]) for m in MODELS):
         torch.manual_seed(1234)
         torch.save(load_model_file(path, seq_len=S).build().state_dict(), tmp / f"{model}.init.pt")
         for name, (ranks, pins) in RUNS.items():
