@@ -462,7 +462,8 @@ def rewrite_for_ep(ep: torch.export.ExportedProgram, node_layer: dict[Node, str]
         local = split.num_experts // degree
         routed |= {m: e // local for e, m in enumerate(split.experts)}
     if not done and not routed:
-        raise PartcError(f"--ep {degree}: the model has no layer of packed experts to divide among ep ranks")
+        raise PartcError(f"--ep {degree}: the model has no layer of packed experts, nor an nn.ModuleList of experts "
+                         f"routed by nonzero(choice == e) and summed with index_add, to divide among ep ranks")
     return done, routed
 
 
