@@ -624,7 +624,8 @@ def _tokens(tok: Node, choice_shape) -> tuple[Node, Node | None, object] | str:
 def routed_splits(graph: torch.fx.Graph, params: dict[Node, str]) -> list[RoutedSplit | str]:
     """Every plain-PyTorch mixture of experts of `graph` (`params`: parameter placeholder -> FQN), each divided
     (`RoutedSplit`) or one line saying what of its routing could not be followed (see above). A chain of
-    ``index_add`` into zeros whose added rows read no parameter is not a mixture of experts: left out."""
+    ``index_add`` into zeros at rows no ``nonzero`` picked, or whose added rows read no parameter, is not a mixture
+    of experts: left out."""
     out = []
     for start in graph.nodes:
         if start.op != "call_function" or start.target not in _ZEROS:
@@ -638,10 +639,16 @@ def routed_splits(graph: torch.fx.Graph, params: dict[Node, str]) -> list[Routed
             if not nxt:
                 break
             chain.append(nxt[0])
-        reads_params = any(p in _ancestors(n, set(graph.nodes)) for n in chain[-1:] for p in params)
-        if not reads_params:
+        nodes = set(graph.nodes)
+        before = _ancestors(chain[-1], nodes)
+        routed = any(a.target is aten.nonzero.default for add in chain for a in _ancestors(add.args[2], nodes)
+                     if isinstance(add.args[2], Node))
+        if not routed or not any(p in before for p in params):
             continue
-        out.append(_routed_split(start, chain, params))
+        try:
+            out.append(_routed_split(start, chain, params))
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:  # a shape not expected anywhere
+            out.append(f"{chain[-1].name}: the routing is not followed ({type(e).__name__})")
     return out
 
 
@@ -724,7 +731,8 @@ def _routed_split(start: Node, chain: list[Node], params: dict[Node, str]) -> Ro
     num = len(experts)
     if sorted(experts) != list(range(num)) or any(m[1] != e for e, (m, *_) in experts.items()):
         return f"{where}: the tokens with choice == e do not go to {fqn}.e for every expert e"
-    held = {int(n[len(fqn) + 1:].split(".")[0]) for n in params.values() if n.startswith(fqn + ".")}
+    held = {n[len(fqn) + 1:].split(".")[0] for n in params.values() if n.startswith(fqn + ".")}
+    held = {int(i) if i.isdigit() else i for i in held}
     if held != set(range(num)):
         return f"{fqn} holds {len(held)} experts, {num} of which are routed to"
     router = choice.args[0] if choice.target is operator.getitem and choice.args[1] == 1 else None
