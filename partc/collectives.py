@@ -273,7 +273,7 @@ def set_ep_group(group: dist.ProcessGroup | None) -> None:
 
 
 def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *params: Tensor, num_experts: int,
-                    group: dist.ProcessGroup | None = None) -> Tensor:
+                    group: dist.ProcessGroup | None = None, sizes: bool = False) -> Tensor:
     """A routed mixture of experts over an ``ep`` group: ``out[t] = sum_j weights[t, j] · expert_{index[t, j]}(
     hidden[t])``, as Hugging Face's packed experts compute it (pairs sorted by expert, one grouped GEMM per weight,
     each pair's result scaled by its routing weight, the k results of a token summed).
@@ -282,19 +282,25 @@ def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *pa
     weights. `experts(rows, offsets, *params)` runs this rank's E/ep experts (`params`: its part of the packed
     parameters) on `rows` sorted by local expert, `offsets` the int32 cumulative count of rows per local expert (the
     grouped GEMMs' offsets). The routing weights never leave the rank: the results come back unscaled and are
-    scaled where the token lives. `group`: the ``ep`` group (default: the one `set_ep_group` set)."""
+    scaled where the token lives. `group`: the ``ep`` group (default: the one `set_ep_group` set). `sizes`:
+    `experts` takes the rows of each local expert as a list of ints instead of the offsets (`each_expert`)."""
     group = group or _EP_GROUP
     # Packed experts are this rank's own fp32 master weights under ep (FSDP leaves them alone): cast for compute
     # (a differentiable cast, the gradient comes back in fp32), as FSDP's mixed precision casts the others.
     params = tuple(p.to(hidden.dtype) if p.is_floating_point() else p for p in params)
     run = experts
-    experts = lambda rows, offsets: run(rows, offsets, *params)  # noqa: E731
+
+    def experts(rows, counts):  # counts: rows per local expert (a list of ints, or an int tensor)
+        if sizes:
+            return run(rows, [int(c) for c in counts], *params)
+        counts = torch.as_tensor(counts, device=rows.device)
+        return run(rows, counts.cumsum(0, dtype=torch.int32), *params)
     ep = _size(group)
     tokens, k = index.shape
     if hidden.is_meta:  # shapes only (the runtime learns a stage's shapes on meta): every pair at home
         local = num_experts // ep
-        counts = torch.full((local,), tokens * k // local, dtype=torch.int32, device=hidden.device)
-        y = experts(hidden.new_empty((tokens * k, hidden.shape[-1])), counts.cumsum(0, dtype=torch.int32))
+        y = experts(hidden.new_empty((tokens * k, hidden.shape[-1])),
+                    [tokens * k // local + (e < tokens * k % local) for e in range(local)])
         return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
     if _is_fake(hidden):  # `partc check`: no values to route by; routing taken uniform, as the plan prices it
         return _uniform(hidden, weights, experts, num_experts, group, ep)
@@ -303,7 +309,7 @@ def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *pa
     rows = hidden[order // k]
     counts = torch.bincount(flat, minlength=num_experts)
     if ep == 1:
-        y = experts(rows, counts.cumsum(0, dtype=torch.int32))
+        y = experts(rows, counts.tolist() if sizes else counts)
     else:
         local = num_experts // ep
         assert local * ep == num_experts, (num_experts, ep)
@@ -316,10 +322,32 @@ def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *pa
         # The rows came grouped by source rank, each group sorted by local expert: sort them by local expert.
         ids = torch.arange(local, device=flat.device).repeat(ep)
         perm = torch.argsort(torch.repeat_interleave(ids, received.reshape(-1)), stable=True)
-        y = experts(x[perm], received.sum(0).cumsum(0, dtype=torch.int32))
+        per = received.sum(0)
+        y = experts(x[perm], per.tolist() if sizes else per)
         y = _AllToAll.apply(y[_inverse(perm)], send, recv, group)
     y = y * weights.reshape(-1)[order].unsqueeze(-1)
     return y[_inverse(order)].view(tokens, k, -1).sum(1)
+
+
+def each_expert(expert, per_expert: int):
+    """`expert_parallel`'s `experts` (with ``sizes=True``) for experts written as modules (an ``nn.ModuleList``):
+    ``expert(rows, *its parameters)`` run on each local expert's rows, `per_expert` parameters each, in order."""
+
+    def run(rows: Tensor, sizes: list[int], *params: Tensor) -> Tensor:
+        parts = rows.split(sizes)
+        return torch.cat([expert(part, *params[j * per_expert:(j + 1) * per_expert]) for j, part in enumerate(parts)])
+    return run
+
+
+def held_experts(p: dict[str, Tensor], names: list[str], per_expert: int,
+                 group: dist.ProcessGroup | None = None) -> list[Tensor]:
+    """The parameters of the experts this rank holds, from `p` (the stage's tensors): `names` lists every expert's
+    `per_expert` parameters, expert by expert; rank r of the ``ep`` group holds experts [r·E/ep, (r+1)·E/ep) and
+    only their modules."""
+    group = group or _EP_GROUP
+    ep, rank = _size(group), (0 if _size(group) == 1 else dist.get_rank(group))
+    local = len(names) // per_expert // ep
+    return [p[n] for n in names[rank * local * per_expert:(rank + 1) * local * per_expert]]
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -336,7 +364,7 @@ def _uniform(hidden: Tensor, weights: Tensor, experts, num_experts: int, group, 
     per = [pairs // num_experts + (e < pairs % num_experts) for e in range(num_experts)]
     rows = hidden[torch.arange(pairs, device=device) // k]
     if ep == 1:
-        y = experts(rows, torch.tensor(per, device=device).cumsum(0, dtype=torch.int32))
+        y = experts(rows, per)
     else:
         local = num_experts // ep
         counts = torch.tensor(per, device=device)
@@ -347,8 +375,7 @@ def _uniform(hidden: Tensor, weights: Tensor, experts, num_experts: int, group, 
         x = _AllToAll.apply(rows, recv, send, group)
         ids = [e for _ in range(ep) for e, n in enumerate(mine) for _ in range(n)]
         perm = torch.tensor(sorted(range(len(ids)), key=ids.__getitem__), device=device)
-        offsets = torch.tensor([n * ep for n in mine], device=device).cumsum(0, dtype=torch.int32)
-        y = experts(x[perm], offsets)
+        y = experts(x[perm], [n * ep for n in mine])
         y = _AllToAll.apply(y[_inverse(perm)], send, recv, group)
     return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
 

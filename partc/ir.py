@@ -164,6 +164,25 @@ class Edge:
 
 
 @dataclass(kw_only=True, slots=True)
+class RoutedExperts:
+    """A mixture of experts written in plain PyTorch whose routing partc follows (`partc.passes.experts.
+    routed_splits`): an ``nn.ModuleList`` of identical experts, divided among the ep ranks by module."""
+
+    fqn: str
+    """The ``nn.ModuleList``."""
+    experts: list[str]
+    """Its expert modules, in expert order: rank r of an ep group holds experts [r·E/ep, (r+1)·E/ep)."""
+    params: list[str]
+    """Every expert's parameters."""
+    unit: str
+    """The unit holding the first expert (where the plan charges the layer's all-to-alls)."""
+    rows: int
+    """(token, expert) pairs per sample: tokens x k."""
+    hidden: int
+    """The tokens' hidden size (the width of a row sent)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelGraph:
     """The traced model, summarized for the passes."""
 
@@ -206,6 +225,8 @@ class ModelGraph:
     ``head`` (the output layer's FQN), ``output`` (the flat model output it reads, the head's logits) and ``rows``
     (logit rows per sample it reads); empty when not, and `vocab_loss_why` says why."""
     vocab_loss_why: str = ""
+    routed_experts: list[RoutedExperts] = field(default_factory=list)
+    """Plain-PyTorch mixtures of experts that ep can divide (a layer of packed experts is `Layer.inner`)."""
     sums: list[tuple[str, ...]] = field(default_factory=list)
     """Layers whose outputs are read only through their elementwise sum (a token and a position embedding added,
     `passes.trace._sums`): when every one is colwise, the sum stays split in the program and is converted once

@@ -102,6 +102,9 @@ class TPLayout:
     experts: frozenset[str] = frozenset()
     """Packed expert parameters (every alias), divided among the ep ranks along dim 0 (before any tp split, which
     is along another dim)."""
+    routed: dict[str, int] = field(default_factory=dict)
+    """Expert modules of a plain-PyTorch mixture of experts (an ``nn.ModuleList``'s elements) -> the ep rank
+    holding it: whole, on that rank only (`partc.passes.experts.routed_splits`)."""
 
     @classmethod
     def from_manifest(cls, tp: dict, rank: int, canon: dict[str, str]) -> TPLayout:
@@ -130,7 +133,28 @@ class TPLayout:
         names = {a for n in ep.get("experts", []) for a in aliases.get(canon.get(n, n), [n])}
         self.ep_degree, self.ep_rank = ep.get("degree", 1), rank
         self.experts = frozenset(names if self.ep_degree > 1 else ())
+        self.routed = dict(ep.get("routed", {})) if self.ep_degree > 1 else {}
         return self
+
+    def holder(self, fqn: str) -> int | None:
+        """The ep rank holding the expert module `fqn` is (or is in), for the experts of a plain mixture of
+        experts; None for every other module and tensor."""
+        parts = fqn.split(".")
+        for i in range(len(parts), 0, -1):
+            rank = self.routed.get(".".join(parts[:i]))
+            if rank is not None:
+                return rank
+        return None
+
+    def foreign(self, fqn: str) -> bool:
+        """Whether `fqn` (a module or tensor) belongs to an expert another ep rank holds: not on this rank."""
+        rank = self.holder(fqn)
+        return rank is not None and rank != self.ep_rank
+
+    def expert_params(self, names) -> frozenset[str]:
+        """Of the tensor FQNs `names` (this rank's), the experts' under ep: the packed ones and the parameters of
+        the expert modules this rank holds. Their gradients are reduced over the ranks holding the same experts."""
+        return self.experts | frozenset(n for n in names if self.holder(n) is not None)
 
     def splits(self, fqn: str) -> bool:
         """Whether this rank holds only a part of the parameter (over tp, or its experts over ep)."""

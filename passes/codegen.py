@@ -44,7 +44,7 @@ from partc.plan import Plan
 from partc.passes import tp_rewrite
 from partc.passes.context import ContextSplit, rewrite as context_rewrite
 from partc.passes.constants import constant_values, literal
-from partc.passes.experts import EP_LOCAL, rewrite_for_ep
+from partc.passes.experts import EP_LOCAL, EP_ROUTED, rewrite_for_ep
 from partc.passes.export import GRAD_ENABLED
 from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
 from partc.passes.measure import CORE_OPS, stack_fqns
@@ -132,16 +132,24 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases,
                                 sequence_parallel=plan.parallel.sequence_parallel,
                                 keep_split=None if vocab_loss is None else int(vocab_loss["output"]))
-    experts = {}
+    experts, routed = {}, {}
     if plan.parallel.ep > 1:
-        experts = rewrite_for_ep(ep, a.node_layer, layers, plan.parallel.ep)
+        experts, routed = rewrite_for_ep(ep, a.node_layer, layers, plan.parallel.ep)
     if context is not None:
         context_rewrite(ep, context)
-    if plan.parallel.tp > 1 or experts or context is not None:
+    if plan.parallel.tp > 1 or experts or routed or context is not None:
         a = assign(ep, model)  # the rewrites added nodes
     io = _graph_io(ep)
     nodes = [n for n in a.nodes if n.target not in SKIPPED]
     node_stage = _place(nodes, a, plan)
+    for n in nodes:  # experts written as modules: their stage runs their layer's all-to-alls
+        if EP_ROUTED in n.meta:
+            held = plan.stages[node_stage[n]].modules
+            away = [m for m in n.meta[EP_ROUTED][0] if not any(m == u or m.startswith(u + ".") for u in held)]
+            if away:
+                raise PartcError(f"--ep {plan.parallel.ep}: expert {away[0]} is not on pipeline stage "
+                                 f"{node_stage[n]}, which routes its tokens: a mixture's experts and its routing "
+                                 f"must share a stage")
     nodes = _copy_per_stage(ep.graph, nodes, node_stage, a)
     names = _names(ep)
     if io.constants:  # each use creates the constant again, a literal on the stage's device
@@ -169,9 +177,11 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
                               else None)
         stages.append(code)
     manifest = _manifest(ep, a, io, rw, layers, plan, stages, names, aliases, model_path=model_path, entry=entry)
-    if experts:  # the packed parameters each ep rank holds E/ep experts of (dim 0)
+    if experts or routed:  # the packed parameters each ep rank holds E/ep experts of (dim 0); the expert modules
+        # (plain PyTorch) and the ep rank holding each
         manifest["ep"] = {"degree": plan.parallel.ep, "experts": sorted(
-            alias for fqns in experts.values() for fqn in fqns for alias in aliases.get(fqn, [fqn]))}
+            alias for fqns in experts.values() for fqn in fqns for alias in aliases.get(fqn, [fqn])),
+            **({"routed": routed} if routed else {})}
     if context is not None:
         user_input_names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
         manifest["cp"] = {**context.to_dict(), "input_dims": [context.input_dims.get(user_input_names.index(n.name))
@@ -484,6 +494,17 @@ def _expert_lines(node: torch.fx.Node, em: Emitter, names: dict[torch.fx.Node, s
             lines.append(f"    return {inner.arg(n.args[0])}")
     em.needs |= inner.needs
     hidden, index, weights, *params = (em.arg(a) for a in node.args)
+    if EP_ROUTED in node.meta:  # experts written as modules: this rank's experts looked up, each run on its rows
+        experts, held = node.meta[EP_ROUTED]
+        per = len(held[0])
+        lines[0] = (f"# ep: each (token, expert) pair computed on its expert's rank (all-to-all there and back); this "
+                    f"rank holds {len(experts)}/ep of the experts {experts[0]} ... {experts[-1]}")
+        listed = ", ".join(repr(n) for e in held for n in e)
+        lines.append(f"{names[node]} = {em.function(node)}({hidden}, {index}, {weights}, "
+                     f"tp.each_expert({fn}, {per}), *tp.held_experts(p, [{listed}], {per}), "
+                     f"num_experts={node.kwargs['num_experts']}, sizes=True)")
+        em.needs.add("tp")
+        return lines
     lines.append(f"{names[node]} = {em.function(node)}({hidden}, {index}, {weights}, {fn}, {', '.join(params)}, "
                  f"num_experts={node.kwargs['num_experts']})")
     return lines

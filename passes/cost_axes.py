@@ -87,6 +87,9 @@ def _expert_layers(graph: ModelGraph, units: Sequence[int]):
             first = next((g for g in layer.gemms if g.inner_split == "n"), None) if layer.inner else None
             if first is not None:
                 yield first.batch * first.m, first.k, first.batch
+        for routed in graph.routed_experts:  # experts as modules: their layer's all-to-alls on the first's unit
+            if routed.unit == graph.units[i].fqn:
+                yield routed.rows, routed.hidden, len(routed.experts)
 
 
 def ep_time(graph: ModelGraph, cluster: Cluster, par: Parallel, units: Sequence[int]) -> tuple[float, float]:
@@ -127,7 +130,16 @@ def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
     ``dp == ep``) each rank keeps them whole and all-reduces their gradients over those ranks."""
     if par.ep == 1:
         return frozenset()
-    return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner)
+    return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner) | frozenset(
+        graph.tied.get(n, n) for routed in graph.routed_experts for n in routed.params)
+
+
+def away_experts(graph: ModelGraph, par: Parallel) -> tuple[str, ...]:
+    """The expert modules (of plain mixtures of experts) one GPU does not hold under ep: rank 0 of an ep group
+    holds the first E/ep of each list, and every rank holds as many of the same experts."""
+    if par.ep == 1:
+        return ()
+    return tuple(m for routed in graph.routed_experts for m in routed.experts[len(routed.experts) // par.ep:])
 
 
 def expert_state_bytes(num_params: float, par: Parallel) -> Memory:

@@ -14,6 +14,7 @@ from partc.precision import compute_bytes
 from partc.sharding import param_shard
 from partc.vocab_loss import VOCAB_PARALLEL
 from partc.passes.cost_types import Memory, TPPlan, _unit_list, is_split, recompute_mode, style_of, tokens
+from partc.passes.cost_axes import away_experts
 
 from . import schedule, zero
 
@@ -69,9 +70,12 @@ def _param_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, uni
     whole."""
     out: dict[str, tuple] = {}
     in_layers = 0
+    away = away_experts(graph, par)
     for fqn in unit.layers:
         layer, style = graph.layers[fqn], style_of(tp, fqn)
         in_layers += layer.num_params
+        if any(fqn.startswith(m + ".") for m in away):  # an expert module another ep rank holds
+            continue
         for name, shape in layer.params.items():
             shape = list(shape)
             sh = param_shard(layer, name, style) if par.tp > 1 else None

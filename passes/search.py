@@ -123,7 +123,7 @@ def _expert_counts(graph: ModelGraph) -> list[int]:
     """The expert counts of the model's layers of packed experts (`Layer.inner`: their first grouped product's
     batch), which ep must divide."""
     return [g.batch for layer in graph.layers.values() if layer.inner
-            for g in layer.gemms[:1] if g.inner_split == "n"]
+            for g in layer.gemms[:1] if g.inner_split == "n"] + [len(r.experts) for r in graph.routed_experts]
 
 
 def _ep_degrees(pins: Pins, dp: int, experts: list[int]) -> list[int]:

@@ -28,7 +28,7 @@ from partc.passes.assign import Assignment, assign, layer_outputs, owner
 from partc.value_sized import VALUE_SIZED, expected_sizes
 from partc.passes.context import is_causal_attention, kv_before_repeat
 from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
-from partc.passes.experts import mark_inner, param_placeholders
+from partc.passes.experts import mark_inner, param_placeholders, routed_experts
 from partc.passes.export import export_on_meta, norms_on_any_batch
 from partc.passes.measure import NodeStats, measure
 from partc.passes.shard import ShardAnalysis
@@ -47,6 +47,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     layers = _layers(a, shard, counted)                    # 5. layers: shapes, split groups, fused pieces
     units = _costs(a, stats, layers, shard, layer_out)     # 6. per-node costs into layers and units
     mark_inner(ep.graph, a.node_layer, param_placeholders(ep), layers, stats)  # experts: split inside
+    routed = routed_experts(ep.graph, param_placeholders(ep), layers)  # experts as modules: divided by ep
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
@@ -63,7 +64,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
                       cut_value_sized=sized if any(sized) else [], tied=tied,
                       first_unit_required=first_req,
                       last_unit_required=last_req, info=_model_info(layers, ordered, seq_len),
-                      sums=_sums(a.nodes, a.node_layer, layer_out, layers))
+                      sums=_sums(a.nodes, a.node_layer, layer_out, layers), routed_experts=routed)
 
 
 def _tied(a: Assignment) -> tuple[dict[str, str], set[str]]:

@@ -28,6 +28,7 @@ and shards with `partc.sharding.TPLayout`, so none of it depends on the plan.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -265,7 +266,7 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
     shapes = stage_shapes(files, model, spec, layout)
 
     # 3. Allocate and fill this rank's stages only (of a split parameter, this tp rank's shard only).
-    local = [st for st in files.stages if st.rank == world.pp_rank]
+    local = [_held(st, layout) for st in files.stages if st.rank == world.pp_rank]
     names = [n for st in local for n in stage_tensor_names(st, model)]
     tensors = materialize(model, names, world.device, layout)
     if init_checkpoint is not None:
@@ -290,20 +291,31 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
     untie_across_stages(stages)
 
     # 5. Recomputation and ZeRO (torchtitan's order), optimizers, gradient sync, the pipeline schedule.
-    modules = parallelize(stages, world, par, set(files.blocks), experts=layout.experts)
+    experts = layout.expert_params([n for st in stages for n, _ in st.named_parameters()])
+    modules = parallelize(stages, world, par, set(files.blocks), experts=experts)
     optimizers = build_optimizers(stages, opt_config, no_decay(model))
     holders = shared_holders(files, model, canon)
-    grad_sync = GradSync(stages, world, holders=holders, canon=canon, experts=layout.experts)
+    grad_sync = GradSync(stages, world, holders=holders, canon=canon, experts=experts)
     counter = CommCounter({**{axis: [g] for axis, g in world.groups.items()}, "pp": [world.pp_group, *grad_sync.groups],
                            "dp": [world.dp_group, *world.dp_shard_groups,
                                   *([world.expert_dp_group] if world.expert_dp_group else [])],
                            **({"ep": [world.ep_group]} if world.ep_group else {})})
     runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes, counter)
     split = {n for n in canon if layout.shard(n) is not None}
-    runner.grad_copies = grad_copies(stages, tp=par.tp, dp=par.dp_shard, split=split, experts=layout.experts, ep=par.ep,
+    runner.grad_copies = grad_copies(stages, tp=par.tp, dp=par.dp_shard, split=split, experts=experts, ep=par.ep,
                                      holders={c: len(idx) for c, idx in holders.items()}, canon=canon)
     return Program(files=files, spec=spec, world=world, model=model, stages=stages, optimizers=optimizers,
                    runner=runner, canon=canon, layout=layout, seed=seed, unheld=unheld)
+
+
+def _held(stage: StageFile, layout: TPLayout) -> StageFile:
+    """`stage` as this rank holds it: without the expert modules (of a plain mixture of experts) and their
+    parameters that other ep ranks hold (`TPLayout.foreign`)."""
+    if not layout.routed:
+        return stage
+    return dataclasses.replace(stage, modules=[m for m in stage.modules if not layout.foreign(m)],
+                               parameters=[n for n in stage.parameters if not layout.foreign(n)],
+                               units=[u for u in stage.units if not (isinstance(u, str) and layout.foreign(u))])
 
 
 def stage_tensor_names(stage: StageFile, model: nn.Module) -> list[str]:

@@ -266,7 +266,10 @@ def full_state_dict(states: StateDicts, model_keys: dict[str, Tensor],
             c = _canon_key(k, states.canon)
             if c in local:
                 continue
-            if world.dp_rank == 0 and c not in layout.experts:  # the tp group of dp rank 0 gathers its shards
+            routed = layout.holder(c) is not None  # an expert module of a plain mixture: on its ep rank only
+            if world.dp_rank == 0 and c not in layout.experts and not routed:  # the tp group of dp rank 0 gathers
+                local[c] = layout.gather(c, v.detach(), world.tp_group)  # its shards
+            if routed and world.dp_rank < layout.ep_degree:  # each rank of dp rank 0's ep group its own experts
                 local[c] = layout.gather(c, v.detach(), world.tp_group)
             if c in layout.experts and world.dp_rank < layout.ep_degree:  # and its ep group their experts
                 whole = layout.gather_experts(c, layout.gather(c, v.detach(), world.tp_group), world.ep_group)
@@ -274,7 +277,7 @@ def full_state_dict(states: StateDicts, model_keys: dict[str, Tensor],
                     local[c] = whole
             if c in local:
                 local[c] = local[c].cpu()
-    sender = world.dp_rank == 0 and world.tp_rank == 0
+    sender = world.tp_rank == 0 and (world.dp_rank == 0 or (bool(layout.routed) and world.dp_rank < layout.ep_degree))
     gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local if sender else None, gathered, dst=0)
     if dist.get_rank() != 0:

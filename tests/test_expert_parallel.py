@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,6 +275,71 @@ UNIFORM = """
             layer.mlp.gate = UniformRouter(64, 4, 2)
         return m
 """
+# Mixtures of experts as plain PyTorch writes them (`passes.experts.routed_splits`): an nn.ModuleList of expert
+# modules, routed with nonzero(choice == e) and combined with index_add. "user_moe" is tests/user_models.py's (top-1,
+# index_select, index_add); "swiglu_top2" a second layout (SwiGLU experts without biases, top-2 renormalized, the
+# rows gathered by x[tok], the weights by weight[tok, slot], in-place index_add_).
+PLAIN = {
+    "swiglu_top2": """
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+
+
+        class Expert(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w1 = nn.Linear(16, 32, bias=False)
+                self.w2 = nn.Linear(32, 16, bias=False)
+                self.w3 = nn.Linear(16, 32, bias=False)
+
+            def forward(self, x):
+                return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+        class MoE(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate = nn.Linear(16, 4, bias=False)
+                self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+            def forward(self, x):
+                flat = x.reshape(-1, 16)
+                weight, choice = self.gate(flat).softmax(-1).topk(2, dim=-1)
+                weight = weight / weight.sum(-1, keepdim=True)
+                out = torch.zeros_like(flat)
+                for e, expert in enumerate(self.experts):
+                    hit = torch.nonzero(choice == e)
+                    tok, slot = hit[:, 0], hit[:, 1]
+                    out.index_add_(0, tok, expert(flat[tok]) * weight[tok, slot, None])
+                return x + out.reshape(x.shape)
+
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(32, 16)
+                self.moe = MoE()
+                self.head = nn.Linear(16, 32)
+
+            def forward(self, ids):
+                return self.head(self.moe(self.embed(ids)))
+
+
+        def model():
+            return Net()
+
+
+        def example_inputs(batch_size):
+            return (torch.randint(0, 32, (batch_size, 6)),)
+    """,
+}
+PLAIN_RUNS = ("ep2", "ep2_dp2_z1")
+UNIFORM_PLAIN = ("weight, choice = self.router(flat).softmax(-1).max(-1)",
+                 "t = torch.arange(flat.shape[0], device=flat.device)\n"
+                 "        uniform = (t.unsqueeze(-1) % 4 == torch.arange(4, device=flat.device)) * 10.0\n"
+                 "        weight, choice = (self.router(flat) * 0.0 + uniform).softmax(-1).max(-1)")
+"""The user MoE's router made uniform: token t of a micro-batch picks expert t % 4 (12 tokens: 3 for each)."""
 S, GBS, STEPS = 16, 4, 3
 RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks,
     # which ZeRO shards them over)
@@ -289,10 +355,19 @@ SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
 
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory):
+    from user_models import write_user_model
+
     tmp = tmp_path_factory.mktemp("ep_models")
-    for name, text in MODELS.items():
+    for name, text in {**MODELS, **PLAIN}.items():
         (tmp / f"{name}.py").write_text(textwrap.dedent(text))
-    return {name: str(tmp / f"{name}.py") for name in MODELS}
+    files = {name: str(tmp / f"{name}.py") for name in {**MODELS, **PLAIN}}
+    files["user_moe"] = write_user_model(tmp, "moe")
+    uniform = tmp / "user_moe_uniform.py"
+    text = Path(files["user_moe"]).read_text()
+    assert UNIFORM_PLAIN[0] in text
+    uniform.write_text(text.replace(*UNIFORM_PLAIN))
+    files["user_moe_uniform"] = str(uniform)
+    return files
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +379,7 @@ def runs(model_files, tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("ep_runs")
     jobs: dict[int, list[dict]] = {}
-    for model, path in model_files.items():
+    for model, path in ((m, model_files[m]) for m in MODELS):
         torch.manual_seed(1234)
         torch.save(load_model_file(path, seq_len=S).build().state_dict(), tmp / f"{model}.init.pt")
         for name, (ranks, pins) in RUNS.items():
@@ -313,6 +388,21 @@ def runs(model_files, tmp_path_factory):
                             recompute="none", precision="fp32", **{"global_batch_size": GBS, **pins})
             jobs.setdefault(ranks, []).append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{model}.init.pt"),
                                                "result": str(tmp / f"{model}_{name}.pt"), **SGD})
+    for model in ("user_moe", *PLAIN):  # plain-PyTorch experts (tokens from the model's own example_inputs)
+        path = model_files[model]
+        torch.manual_seed(1234)
+        torch.save(load_model_file(path).build().state_dict(), tmp / f"{model}.init.pt")
+        for name in PLAIN_RUNS:
+            ranks, pins = RUNS[name]
+            out = tmp / f"{model}_{name}"
+            compile_program(path, out, tp=1, ep=2, micro_batch_size=1, schedule="1f1b", recompute="none",
+                            precision="fp32", **{"global_batch_size": GBS, **pins})
+            jobs[ranks].append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{model}.init.pt"),
+                                "result": str(tmp / f"{model}_{name}.pt"), **SGD})
+    compile_program(model_files["user_moe_uniform"], tmp / "plain_uniform_ep2", global_batch_size=GBS, tp=1, ep=2,
+                    dp=2, pp=1, zero=1, micro_batch_size=2, schedule="1f1b", recompute="none", precision="fp32")
+    jobs[2].append({"out": str(tmp / "plain_uniform_ep2"), "steps": 2, "result": str(tmp / "plain_uniform_ep2.pt"),
+                    **SGD})
     uniform = tmp / "uniform.py"  # the router made uniform: the all-to-all bytes are the plan's exactly
     uniform.write_text(textwrap.dedent(UNIFORM))
     compile_program(str(uniform), tmp / "uniform_ep2", global_batch_size=GBS, seq_len=S, tp=1, ep=2, dp=2, pp=1,
@@ -351,6 +441,30 @@ def test_trains_like_one_process(runs, model_files, model, name):
         assert [r["dp"] for step in got["comm"] for r in step] == [dp] * len(got["comm"]) * RUNS[name][0]
 
 
+@pytest.mark.slow  # uses the launches above
+@pytest.mark.parametrize("name", PLAIN_RUNS)
+@pytest.mark.parametrize("model", ["user_moe", *PLAIN])
+def test_plain_experts_train_like_one_process(runs, model_files, model, name):
+    """A mixture of experts written in plain PyTorch: each rank holds 2 of the 4 expert modules (their parameters
+    nowhere else), tokens travel to them and back; losses and the gathered weights after 3 SGD steps equal one
+    process's within 1e-5 (fp32), and the data-parallel bytes the plan's in every step."""
+    from helpers import assert_close_losses, assert_close_states
+    from partc.runtime.testing import reference_run
+
+    init = torch.load(runs / f"{model}.init.pt", weights_only=True)
+    got = torch.load(runs / f"{model}_{name}.pt", weights_only=True)
+    losses, state = reference_run(model_files[model], init, steps=STEPS, seed=0, **SGD,
+                                  global_batch_size=RUNS[name][1].get("global_batch_size", GBS))
+    assert_close_losses(got["losses"], losses)
+    assert_close_states(got["state"], state)
+    assert all(not torch.equal(state[k], init[k]) for k in state if k.startswith("moe.experts.")), "experts train"
+    manifest = json.loads((runs / f"{model}_{name}" / "program" / "manifest.json").read_text())
+    assert manifest["ep"]["routed"] == {f"moe.experts.{e}": e // 2 for e in range(4)}
+    plan = json.loads((runs / f"{model}_{name}" / "plan.json").read_text())["predicted"]["ranks"][0]["comm_bytes"]
+    assert all(r["ep"] > 0 for step in got["comm"] for r in step), got["comm"]
+    assert [r["dp"] for step in got["comm"] for r in step] == [plan["dp"]] * len(got["comm"]) * RUNS[name][0]
+
+
 @pytest.mark.slow  # uses the runs above
 def test_uniform_routing_sends_the_planned_bytes(runs):
     """With every expert getting the same share of every rank's tokens, each rank's measured all-to-all bytes in
@@ -381,6 +495,29 @@ def test_check_agrees_on_an_ep_plan(runs):
     rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
     assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] > 0
     assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"]
+    # plain-PyTorch experts, their router made uniform: the all-to-all bytes measured in training and by the check
+    plan = json.loads((runs / "plain_uniform_ep2" / "plan.json").read_text())["predicted"]["ranks"][0]["comm_bytes"]
+    assert plan["ep"] == 12 * 16 * 4 * 2 + 2 * 8  # 12 rows a micro-batch, half leave, there and back, twice
+    got = torch.load(runs / "plain_uniform_ep2.pt", weights_only=True)
+    assert [r["ep"] for step in got["comm"] for r in step] == [plan["ep"]] * 4
+    assert [r["dp"] for step in got["comm"] for r in step] == [plan["dp"]] * 4
+    result = CliRunner().invoke(main, ["check", str(runs / "plain_uniform_ep2"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["agrees"], result.output
+    rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+    assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] == plan["ep"]
+    assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"]
+    # dp 4 ep 2 ZeRO-1: each expert module sharded over the 2 ranks holding it (the other 2 experts nowhere on the
+    # rank); the optimizer row within Adam's step counters (4 bytes a tensor, not priced)
+    result = CliRunner().invoke(main, ["check", str(runs / "user_moe_ep2_dp2_z1"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["agrees"], result.output
+    rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+    assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0
+    assert rows["memory params"]["measured"] == pytest.approx(rows["memory params"]["predicted"], rel=1e-3)
+    assert rows["memory optimizer"]["measured"] == pytest.approx(rows["memory optimizer"]["predicted"], rel=1e-2)
     # dp 4 ep 2, ZeRO-1 and ZeRO-3: the experts sharded over the 2 ranks holding them, states and traffic as planned
     for name in ("mixtral_ep2_dp2_z1", "mixtral_ep2_dp2_z3"):
         result = CliRunner().invoke(main, ["check", str(runs / name), "--format", "json"])
@@ -396,7 +533,7 @@ def test_check_agrees_on_an_ep_plan(runs):
 @pytest.mark.slow  # three compiles
 def test_ep_is_refused_where_it_cannot_apply(tmp_path, model_files):
     """One line each: a model without packed experts, experts that do not divide among the ep ranks, an ep that
-    does not divide dp."""
+    does not divide dp, a plain mixture of experts whose routing cannot be followed."""
     from click.testing import CliRunner
 
     from partc.cli.main import main
@@ -408,13 +545,68 @@ def test_ep_is_refused_where_it_cannot_apply(tmp_path, model_files):
         ([str(llama), "--gpus", "2", "--dp", "2", "--ep", "2"], "the model has no layer of packed experts"),
         ([model_files["mixtral"], "--gpus", "8", "--dp", "8", "--ep", "8"], "has 4 experts, which do not divide"),
         ([model_files["mixtral"], "--gpus", "4", "--dp", "2", "--tp", "2", "--ep", "4"], "--ep 4 does not divide --dp 2"),
+        ([plain_refused(tmp_path), "--gpus", "2", "--dp", "2", "--ep", "2"],
+         "--ep 2: a mixture of experts cannot be divided: the computation of an expert (add) reads mean besides"),
     ]
     for args, why in cases:
-        result = CliRunner().invoke(main, ["compile", *args, "--seq-len", str(S), "--precision", "fp32",
+        seq = [] if "user_moe" in args[0] else ["--seq-len", str(S)]  # a user model sets its tokens itself
+        result = CliRunner().invoke(main, ["compile", *args, *seq, "--precision", "fp32",
                                            "--global-batch-size", "8", "--micro-batch-size", "1", "-o",
                                            str(tmp_path / "out")])
         assert result.exit_code == 2 and why in result.output, result.output
         assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("model", ["user_moe", "swiglu_top2"])
+def test_plain_experts_are_followed(model_files, model):
+    """A mixture of experts written in plain PyTorch is found in the trace: its 4 expert modules, (token, expert)
+    rows per sample (6 tokens x k) and hidden size for the cost model, its expert count for the search; expert 0's
+    ops, run on another expert's parameters, compute that expert."""
+    from helpers import trace_file
+    from partc.model_file import load_model_file
+    from partc.passes.experts import routed_splits
+    from partc.passes.search import _expert_counts
+
+    torch.manual_seed(0)
+    _, traced = trace_file(model_files[model])
+    (routed,) = traced.graph.routed_experts
+    k = {"user_moe": 1, "swiglu_top2": 2}[model]
+    assert (routed.fqn, routed.experts, routed.unit) == ("moe.experts", [f"moe.experts.{e}" for e in range(4)],
+                                                         "moe.experts.0")
+    assert (routed.rows, routed.hidden) == (6 * k, 16) and _expert_counts(traced.graph) == [4]
+    (split,) = routed_splits(traced.exported.graph, param_placeholders(traced.exported))
+    net = load_model_file(model_files[model]).build()
+    params = dict(net.named_parameters())
+    rows = torch.randn(5, 16)
+    for e in range(4):
+        got = split.local(rows, *(params[n] for n in split.params[e]))
+        torch.testing.assert_close(got, net.moe.experts[e](rows), rtol=0, atol=0)
+
+
+def test_plain_routing_it_cannot_follow_is_refused(tmp_path):
+    """An expert that reads the whole batch besides its routed rows cannot run where its tokens are sent: the
+    mixture is refused in one line naming what it reads (and `--ep` says it, `test_ep_is_refused_where_it_cannot_
+    apply`)."""
+    from helpers import trace_file
+    from partc.passes.experts import routed_splits
+
+    path = plain_refused(tmp_path)
+    _, traced = trace_file(path)
+    assert traced.graph.routed_experts == []
+    (why,) = routed_splits(traced.exported.graph, param_placeholders(traced.exported))
+    assert why == "the computation of an expert (add) reads mean besides its routed rows and its parameters", why
+
+
+def plain_refused(tmp_path) -> str:
+    """The user MoE whose experts add the mean of every token to their own rows' results."""
+    from user_models import write_user_model
+
+    path = Path(write_user_model(tmp_path, "moe"))
+    text = path.read_text()
+    old = "y = expert(flat.index_select(0, idx))"
+    assert old in text
+    path.write_text(text.replace(old, "y = (expert(flat.index_select(0, idx)) + flat.mean(0))"))
+    return str(path)
 
 
 def test_search_tries_ep_where_the_experts_divide(model_files):
