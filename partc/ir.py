@@ -161,6 +161,9 @@ class Edge:
     routed: bool = False
     """`dst` reads a part of `src`'s output whose size depends on values (the tokens routed to one expert,
     `partc.value_sized`), `bytes` at its expected size: the program converts that part for `dst` alone."""
+    index_bytes: int = 0
+    """Bytes per sample of the integer tensors `dst` reads from `src` besides (a router's choice of experts): they
+    carry no gradient and TP never converts them, but sequence parallelism all-gathers them with the tokens."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -122,6 +122,9 @@ class _Rewriter:
         batch first)."""
         self.inner = self._inner_states()
         """Nodes of the layers split inside (``inner``) -> their state (`partc.passes.experts.InnerSplit.states`)."""
+        self.routers = self._routers() if self.sp else set()
+        """Under sequence parallelism, the replicated layers a layer split inside reads (a mixture of experts'
+        router): they run on this rank's part of the sequence (`_router_op`)."""
 
     # ------------------------------------------------------------------ helpers
     def _insert(self, after: Node, fn, args: tuple, why: str, anchor: Node, local: torch.Tensor, state) -> Node:
@@ -162,16 +165,7 @@ class _Rewriter:
             node = self._insert(x, C.gather_from_tp, (x, d),
                                 f"{user.name} ({self._where(user)}) needs {x.name} whole: all-gather its split dim {d}",
                                 user, local, R)
-            pieces = self.pieces.get(x, 1)
-            if pieces > 1:  # ranks' parts [r0: p0 p1 p2, r1: p0 p1 p2] -> pieces [p0: r0 r1, p1: r0 r1, ...]
-                shape = list(local.shape)
-                parts = shape[:d] + [self.t, pieces, shape[d] // (self.t * pieces)] + shape[d + 1:]
-                why = f"put the {pieces} pieces of {x.name} back in order after the gather"
-                node = self._insert(node, aten.view.default, (node, parts), why, user,
-                                    local.view(parts), R)
-                node = self._insert(node, aten.transpose.int, (node, d, d + 1), why, user,
-                                    self.val[node].transpose(d, d + 1), R)
-                node = self._insert(node, aten.reshape.default, (node, shape), why, user, local, R)
+            node = self._in_order(node, x, d, user)
         elif isinstance(want, int) and have == R:
             d = want
             local = torch.empty(_local_shape(v.shape, d, self.t, x.name), dtype=v.dtype, device="meta")
@@ -185,6 +179,70 @@ class _Rewriter:
             raise AssertionError((have, want))
         self.memo[key] = node
         return node
+
+    def _in_order(self, node: Node, x: Node, d: int, user: Node) -> Node:
+        """`node`, the ranks' parts of `x` gathered along `d`, with the pieces of a split held in several
+        (`pieces`) put back in order: ranks' parts [r0: p0 p1 p2, r1: p0 p1 p2] -> pieces [p0: r0 r1, p1: r0 r1,
+        ...]."""
+        pieces = self.pieces.get(x, 1)
+        if pieces == 1:
+            return node
+        local = self.val[node]
+        shape = list(local.shape)
+        parts = shape[:d] + [self.t, pieces, shape[d] // (self.t * pieces)] + shape[d + 1:]
+        why = f"put the {pieces} pieces of {x.name} back in order after the gather"
+        node = self._insert(node, aten.view.default, (node, parts), why, user, local.view(parts), R)
+        node = self._insert(node, aten.transpose.int, (node, d, d + 1), why, user,
+                            self.val[node].transpose(d, d + 1), R)
+        return self._insert(node, aten.reshape.default, (node, shape), why, user, local, R)
+
+    def _gather_sequence(self, x: Node, user: Node, what: str) -> Node:
+        """`x`, split along the sequence, all-gathered before `user` (in its unit and pipeline stage): a floating
+        value through `gather_from_sp` (its gradient, a partial sum on each rank, reduce-scattered back), an
+        integer one (a router's choice of experts) through `gather_from_tp`. Once per value."""
+        key = (x, "gather_sp")
+        if key not in self.memo:
+            v, d = self.val[x], self.state[x]
+            fn = C.gather_from_sp if v.is_floating_point() else C.gather_from_tp
+            with self.graph.inserting_before(user):
+                g = self.graph.call_function(fn, (x, d))
+            g.meta = {k: user.meta[k] for k in ("nn_module_stack", "stack_trace") if k in user.meta}
+            why = (f"{what}: all-gather the sequence forward, reduce-scatter its gradient backward"
+                   if fn is C.gather_from_sp else f"{what}: all-gather the sequence forward")
+            g.meta["partc_why"] = why
+            g.meta["val"] = self.val[g] = torch.empty(
+                [n * (self.t if i == d else 1) for i, n in enumerate(v.shape)], dtype=v.dtype, device="meta")
+            self.state[g] = R
+            self.result.collectives.append((fn.__name__, why))
+            self.memo[key] = self._in_order(g, x, d, user)
+        return self.memo[key]
+
+    def _partial_to_sequence(self, x: Node, what: str) -> Node | None:
+        """The partial sums `x` (a layer split inside) reduce-scattered along the sequence: along its sequence dim,
+        or, for tokens flattened in front ([b·s, ...], a mixture of experts' rows), viewed as [b, s, ...] for the
+        reduce-scatter and flattened again (this rank's part of each sample's sequence: b pieces). None when `x`
+        holds no sequence."""
+        d = self.seq_dim(x)
+        if d is not None:
+            return self._to_sequence(x, d, what)
+        v, s = self.val[x], self.seq_len
+        if s is None or v.dim() < 2 or v.shape[0] % s:
+            return None
+        b = v.shape[0] // s
+        why = f"the partial outputs of {what} as [samples, sequence, ...] for the reduce-scatter"
+        shape = [b, s, *v.shape[1:]]
+        view = self._insert(x, aten.view.default, (x, shape), why, x, v.view(shape), P)
+        if s % self.t:
+            raise PartcError(f"sequence parallelism: the sequence ({s} tokens) does not divide over tp={self.t}; "
+                             f"compile with --no-sequence-parallel or another --tp")
+        part = self._to_sequence(view, 1, what)
+        flat = [b * s // self.t, *v.shape[1:]]
+        out = self._insert(part, aten.view.default, (part, flat), f"this rank's part of {what}'s output, its tokens "
+                           f"flattened again", x, self.val[part].reshape(flat), 0)
+        self.seq.add(out)
+        if b > 1:
+            self.pieces[out] = b
+        return out
 
     def seq_dim(self, node: Node) -> int | None:
         """The sequence dim of `node`'s whole value under sequence parallelism: the one dim between the batch (0)
@@ -316,9 +374,9 @@ class _Rewriter:
             kind = self._weight_op(node, layer)
             if kind is not None:
                 return self._split_layer(node, layer, style, kind)
-        if self.sp and layer is not None and layer.kind == "norm" and \
+        if self.sp and layer is not None and (layer.kind == "norm" or layer_name in self.routers) and \
                 any(a in self.seq for a in node.all_input_nodes):
-            return self._generic(node)  # a norm of each position: on this rank's part of the sequence
+            return self._generic(node)  # a norm (a router) of each position: on this rank's part of the sequence
         if layer is not None and style == "replicate" and layer.kind != "other":
             # A whole layer (norm, replicated Linear) takes whole inputs.
             self._replace_inputs(node, {a: self.need(a, R, node) for a in node.all_input_nodes})
@@ -343,6 +401,39 @@ class _Rewriter:
             out.update(split.states)
         return out
 
+    def _routers(self) -> set[str]:
+        """The replicated layers (not norms) whose outputs a layer split inside reads: a mixture of experts' router.
+        Under sequence parallelism it runs on this rank's part of the sequence, as Megatron-Core's router does, its
+        parameters read through `copy_to_tp` (their gradients, partial sums, all-reduced over tp); the experts then
+        all-gather the tokens, the routing weights and the chosen experts (`_inner_node`)."""
+        out = set()
+        for n in self.graph.nodes:
+            fqn = self.node_layer.get(n)
+            if n.op != "call_function" or self.styles.get(fqn) != "inner":
+                continue
+            for a in n.all_input_nodes:
+                src = self.node_layer.get(a)
+                if src and src != fqn and src in self.layers and self.layers[src].kind != "norm" and \
+                        self.styles.get(src, "replicate") == "replicate":
+                    out.add(src)
+        return out
+
+    def _router_op(self, node: Node, d: int):
+        """(out dim, why-not) of an op of a router (`_routers`) on a tensor split along the sequence dim `d`: its
+        product with the whole weight (a linear of the features) and the choice of the top experts of each token are
+        per position."""
+        x = node.args[0].meta["val"]
+        if not isinstance(d, int):
+            return None, "unsupported input"
+        if node.target is aten.linear.default and d < x.dim() - 1 and \
+                not any(self.state.get(a, R) != R for a in node.args[1:] if isinstance(a, Node)):
+            return d, ""
+        if node.target is aten.topk.default:
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+            if _norm(dim, x.dim()) != d:
+                return _Multi((d, d)), ""
+        return None, "op not known to be per-position"
+
     def _inner_node(self, node: Node, layer: Layer) -> None:
         """One op of a layer split inside (`partc.passes.experts`): its inputs from outside the layer whole, the
         floating ones through `copy_to_tp` (their gradients are partial sums); split ops on local shapes; a partial
@@ -352,6 +443,10 @@ class _Rewriter:
             return None  # an assertion on the traced tensor (`_assert_tensor_metadata`): the program skips it
         for a in node.all_input_nodes:
             if a in self.inner or a in self.param_of or not isinstance(self.val.get(a), torch.Tensor):
+                continue
+            if a in self.seq and isinstance(self.state.get(a), int):  # Megatron-Core's MoE under SP: the tokens,
+                # the routing weights and the chosen experts all-gathered; the gradients, partial sums, scattered
+                node.replace_input_with(a, self._gather_sequence(a, node, f"input of split-inside {layer.fqn}"))
                 continue
             whole = self.need(a, R, node)
             node.replace_input_with(a, self.copy_to_tp(whole, node, "split-inside")
@@ -373,9 +468,14 @@ class _Rewriter:
                                  f"shape {list(local.shape)}, expected {want}; set tp[{layer.fqn!r}] to 'replicate'")
         outside = [u for u in node.users if u not in self.inner]
         if state == P and outside:
-            out = self._insert(node, C.reduce_from_tp, (node,),
-                               f"sum the partial outputs of {layer.fqn}, split inside (all-reduce forward, identity "
-                               f"backward)", node, local, R)
+            out = self._partial_to_sequence(node, f"{layer.fqn}, split inside") if self.sp else None
+            if out is None and self.sp:
+                self.result.sequence_gathers.append(
+                    f"{layer.fqn}'s output {node.name} has no sequence dim: all-reduced (tensor parallelism)")
+            if out is None:
+                out = self._insert(node, C.reduce_from_tp, (node,),
+                                   f"sum the partial outputs of {layer.fqn}, split inside (all-reduce forward, "
+                                   f"identity backward)", node, local, R)
             for u in outside:
                 u.replace_input_with(node, out)
         return None
@@ -417,6 +517,8 @@ class _Rewriter:
         out_dim, _groups, fused, why = shard_rule(node, dims, ins)
         if why and node.target in _NORMS and all(a in self.seq for a in ins):
             out_dim, why = self._norm_of_positions(node, dims[ins[0]])
+        elif why and self.node_layer.get(node) in self.routers and all(a in self.seq for a in ins):
+            out_dim, why = self._router_op(node, dims[ins[0]])
         # Pieces: an op taking one of `fused` pieces finds it in this rank's part only if the source was split in
         # that many pieces (`Shard.fused`); operands split in different pieces do not line up.
         pieces = {self.pieces.get(a, 1) for a in ins}
@@ -431,7 +533,7 @@ class _Rewriter:
         # part of them (a replicated K/V under GQA). An elementwise op meeting a whole tensor (the residual add
         # of a split embedding output) gathers its split inputs instead: the residual stream stays whole, as the
         # TP solver's cost model assumes (one conversion at the source, not one per block).
-        if isinstance(glob, torch.Tensor) and isinstance(out_dim, int):
+        if isinstance(glob, torch.Tensor) and isinstance(out_dim, int) and node.target is not aten.linear.default:
             whole = []
             for a in node.all_input_nodes:
                 va = self.val.get(a)

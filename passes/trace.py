@@ -228,6 +228,14 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
                 nbytes = _read_bytes(layers[s].out_bytes, a, n)
                 found[(s, dst)] = Edge(src=s, dst=dst, bytes=min(nbytes, val_bytes(a)) if routed else nbytes,
                                        shard_ok=ok, routed=routed)
+    counted = set()
+    for n in nodes:  # integers read straight from another layer (a router's choice of experts)
+        dst = node_layer.get(n)
+        for a in n.all_input_nodes if dst is not None else ():
+            src = node_layer.get(a)
+            if _is_index(a) and src not in (None, dst) and (src, dst) in found and a not in counted:
+                counted.add(a)
+                found[(src, dst)].index_bytes += val_bytes(a)
     return list(found.values())
 
 

@@ -55,6 +55,15 @@ HF_MODELS = {
                                               max_position_embeddings=128, hidden_dropout_prob=0.0,
                                               attention_probs_dropout_prob=0.0))
     """,
+    "mixtral": """
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        def model():
+            return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2, num_local_experts=4,
+                                                    num_experts_per_tok=2, max_position_embeddings=128))
+    """,
     "vit": """
         from transformers import ViTConfig, ViTForImageClassification
 
