@@ -133,11 +133,49 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
             out.append((c.kind, c.phase, n))
     if params:
         out.append(("all_reduce", "bwd", float(params * compute_bytes(par.precision))))
+    out += _stream_ends(graph, par, tp, unit, b)
     if any(style_of(tp, f) in ("rowwise", "colwise") and graph.layers[f].kind == "embedding" for f in graph.layers):
         for f in unit.layers:
             layer = graph.layers[f]
             if layer.kind == "embedding" and style_of(tp, f) == "replicate":
                 out.append(("all_gather", "bwd", float(layer.out_bytes)))
+    return out
+
+
+def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit, b: int) -> list[tuple[str, str, float]]:
+    """Under sequence parallelism, where the stream enters and leaves the split without a split layer
+    (`passes.tp_rewrite`): a norm whose every input is whole (a vision transformer's patches and class token,
+    made by replicated layers) has it scattered along the sequence, its gradient all-gathered backward; a
+    replicated head reading fewer rows than the sequence from a norm (the class token, the tokens' mean) has the
+    norm's output all-gathered forward (backward, each rank keeps its part of the same gradient), and that norm,
+    read by no split layer, has its parameters' gradients all-reduced (it ran on each rank's part)."""
+    into: dict[str, list[str]] = {}
+    outof: dict[str, list[str]] = {}
+    mine = set(unit.layers)
+    for e in graph.edges:
+        if e.dst in mine:
+            into.setdefault(e.dst, []).append(e.src)
+        if e.src in mine:
+            outof.setdefault(e.src, []).append(e.dst)
+
+    def pools(f: str) -> bool:
+        layer = graph.layers[f]
+        return layer.kind != "norm" and style_of(tp, f) == "replicate" and bool(layer.gemms) and \
+            max(g.m for g in layer.gemms) < graph.seq_len and not routes(graph, tp, f)
+
+    out = []
+    for f in unit.layers:
+        layer = graph.layers[f]
+        if layer.kind == "norm":
+            if all(style_of(tp, s) == "replicate" and graph.layers[s].kind != "norm" and not routes(graph, tp, s)
+                   for s in into.get(f, [])):
+                out.append(("all_gather", "bwd", float(layer.out_bytes * b)))
+            if outof.get(f) and all(pools(d) for d in outof[f]):
+                out.append(("all_reduce", "bwd", float(sum(math.prod(s) for s in layer.params.values())
+                                                       * compute_bytes(par.precision))))
+        elif pools(f):
+            out += [("all_gather", "fwd", float(graph.layers[s].out_bytes * b)) for s in dict.fromkeys(into.get(f, []))
+                    if graph.layers[s].kind == "norm"]
     return out
 
 

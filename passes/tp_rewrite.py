@@ -93,7 +93,7 @@ class _Multi(tuple):
 class _Rewriter:
     def __init__(self, ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
                  styles: dict[str, str], t: int, aliases: dict[str, list[str]], sequence_parallel: bool = False,
-                 keep_split: int | None = None):
+                 keep_split: int | None = None, seq_len: int | None = None):
         self.ep, self.graph, self.aliases = ep, ep.graph, aliases
         self.sp = sequence_parallel and t > 1
         self.seq: set[Node] = set()
@@ -117,9 +117,11 @@ class _Rewriter:
         inputs = [placeholders.get(getattr(s.arg, "name", None)) for s in ep.graph_signature.input_specs
                   if s.kind == InputKind.USER_INPUT]
         vals = [x.meta.get("val") for x in inputs if x is not None]
-        self.seq_len = next((int(v.shape[1]) for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
-        """Tokens per sample: dim 1 of the model's first input of two or more dims (the model file's contract:
-        batch first)."""
+        self.seq_len = seq_len if seq_len and seq_len > 1 else \
+            next((int(v.shape[1]) for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+        """Tokens per sample: the traced graph's (`ModelGraph.seq_len`: a vision transformer's patches and class
+        token, which its input, an image, does not have), else dim 1 of the model's first input of two or more dims
+        (the model file's contract: batch first)."""
         self.inner = self._inner_states()
         """Nodes of the layers split inside (``inner``) -> their state (`partc.passes.experts.InnerSplit.states`)."""
         self.routers = self._routers() if self.sp else set()
@@ -156,7 +158,7 @@ class _Rewriter:
         v = self.val[x]
         if want == R and isinstance(have, int):
             d = have
-            if x in self.seq:
+            if x in self.seq and not self._pools(x, user):
                 self.result.sequence_gathers.append(
                     f"{user.target} ({user.name}, in {self._where(user)}) takes {x.name} whole (a whole layer, or "
                     f"an op not proven per-position): all-gathered over the sequence")
@@ -374,6 +376,8 @@ class _Rewriter:
             kind = self._weight_op(node, layer)
             if kind is not None:
                 return self._split_layer(node, layer, style, kind)
+        if self.sp and layer is not None and layer.kind == "norm":
+            self._enter_sequence(node)
         if self.sp and layer is not None and (layer.kind == "norm" or layer_name in self.routers) and \
                 any(a in self.seq for a in node.all_input_nodes):
             return self._generic(node)  # a norm (a router) of each position: on this rank's part of the sequence
@@ -400,6 +404,30 @@ class _Rewriter:
             assert split.params == layer.inner, (fqn, split.params, layer.inner)
             out.update(split.states)
         return out
+
+    def _enter_sequence(self, node: Node) -> None:
+        """Under sequence parallelism, an op of a norm reading the stream whole from outside its layer (a vision
+        transformer's patches and class token, where no token embedding splits it): the stream is scattered along
+        the sequence first, each rank keeping its part (backward: the gradient all-gathered), once for every reader
+        (the residual add reads the same part)."""
+        for a in node.all_input_nodes:
+            v = self.val.get(a)
+            if a in self.param_of or self.state.get(a, R) != R or not isinstance(v, torch.Tensor) or \
+                    not v.is_floating_point() or self.node_layer.get(a) == self.node_layer.get(node):
+                continue
+            d = self.seq_dim(a)
+            if d is not None:
+                part = self.need(a, d, node)
+                self.seq.add(part)
+                node.replace_input_with(a, part)
+
+    def _pools(self, x: Node, user: Node) -> bool:
+        """Whether gathering `x` (split along the sequence) for `user` is a classifier head's: the output of a norm
+        read by an op outside the layers that is not per-position (the class token taken, the tokens averaged).
+        The plan charges it (`passes.cost.unit_collectives`): an all-gather forward, nothing backward (the head is
+        whole, its gradient the same on every rank)."""
+        src = self.layers.get(self.node_layer.get(x, ""))
+        return src is not None and src.kind == "norm" and self.node_layer.get(user) is None
 
     def _routers(self) -> set[str]:
         """The replicated layers (not norms) whose outputs a layer split inside reads: a mixture of experts' router.
@@ -752,10 +780,11 @@ class _Rewriter:
 
 def rewrite(ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
             styles: dict[str, str], t: int, aliases: dict[str, list[str]], *,
-            sequence_parallel: bool = False, keep_split: int | None = None) -> Rewrite:
+            sequence_parallel: bool = False, keep_split: int | None = None, seq_len: int | None = None) -> Rewrite:
     """Rewrite `ep.graph` in place for TP degree `t` (with sequence parallelism where asked); returns the parameter
     splits and collectives. `aliases` maps a parameter FQN to every FQN of the same (tied) tensor; `keep_split`: the
-    flat output left split over its last dimension (a colwise output layer's logits, for the vocab-parallel loss)."""
+    flat output left split over its last dimension (a colwise output layer's logits, for the vocab-parallel loss);
+    `seq_len`: the tokens per sample (`ModelGraph.seq_len`), where the sequence parallelism looks for them."""
     if t == 1:
         return Rewrite()
-    return _Rewriter(ep, node_layer, layers, styles, t, aliases, sequence_parallel, keep_split).run()
+    return _Rewriter(ep, node_layer, layers, styles, t, aliases, sequence_parallel, keep_split, seq_len).run()
