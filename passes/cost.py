@@ -145,7 +145,7 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
 def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit, b: int) -> list[tuple[str, str, float]]:
     """Under sequence parallelism, where the stream enters and leaves the split without a split layer
     (`passes.tp_rewrite`): a norm whose every input is whole (a vision transformer's patches and class token,
-    made by replicated layers) has it scattered along the sequence, its gradient all-gathered backward; a
+    made by replicated layers, not the model's inputs) has it scattered along the sequence, its gradient all-gathered backward; a
     replicated head reading fewer rows than the sequence from a norm (the class token, the tokens' mean) has the
     norm's output all-gathered forward (backward, each rank keeps its part of the same gradient), and that norm,
     read by no split layer, has its parameters' gradients all-reduced (it ran on each rank's part)."""
@@ -167,8 +167,8 @@ def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit
     for f in unit.layers:
         layer = graph.layers[f]
         if layer.kind == "norm":
-            if all(style_of(tp, s) == "replicate" and graph.layers[s].kind != "norm" and not routes(graph, tp, s)
-                   for s in into.get(f, [])):
+            if into.get(f) and all(style_of(tp, s) == "replicate" and graph.layers[s].kind != "norm" and
+                                   not routes(graph, tp, s) for s in into[f]):
                 out.append(("all_gather", "bwd", float(layer.out_bytes * b)))
             if outof.get(f) and all(pools(d) for d in outof[f]):
                 out.append(("all_reduce", "bwd", float(sum(math.prod(s) for s in layer.params.values())
