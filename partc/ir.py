@@ -125,7 +125,8 @@ class Unit:
     saved_bytes_replicated_linear: int = 0
     """The part of `saved_bytes_replicated` that linear layers save: the whole inputs of colwise layers, which stay
     whole under sequence parallelism (the program's Linear saves the all-gathered input; Megatron-Core gathers it
-    again in backward instead)."""
+    again in backward instead); and what a layer of packed experts saves (`Layer.inner`: it runs on the tokens
+    all-gathered)."""
     op_saved_bytes: int = 0
     """The part of `saved_bytes` that the ops outside layers save (norms, activations, dropout, attention)."""
     op_saved_bytes_replicated: int = 0

@@ -47,6 +47,11 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     layers = _layers(a, shard, counted)                    # 5. layers: shapes, split groups, fused pieces
     units = _costs(a, stats, layers, shard, layer_out)     # 6. per-node costs into layers and units
     mark_inner(ep.graph, a.node_layer, param_placeholders(ep), layers, stats)  # experts: split inside
+    for layer in layers.values():  # they run on the whole tokens, all-gathered under sequence parallelism
+        unit = units.get(layer.unit)
+        if layer.inner and unit is not None:
+            unit.saved_bytes_replicated_linear += min(
+                layer.saved_bytes, unit.saved_bytes_replicated - unit.saved_bytes_replicated_linear)
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
