@@ -142,13 +142,15 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     return out
 
 
-def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit, b: int) -> list[tuple[str, str, float]]:
+def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit,
+                 b: int) -> list[tuple[str, str, float]]:
     """Under sequence parallelism, where the stream enters and leaves the split without a split layer
     (`passes.tp_rewrite`): a norm whose every input is whole (a vision transformer's patches and class token,
-    made by replicated layers, not the model's inputs) has it scattered along the sequence, its gradient all-gathered backward; a
-    replicated head reading fewer rows than the sequence from a norm (the class token, the tokens' mean) has the
-    norm's output all-gathered forward (backward, each rank keeps its part of the same gradient), and that norm,
-    read by no split layer, has its parameters' gradients all-reduced (it ran on each rank's part)."""
+    made by replicated layers, not the model's inputs) has it scattered along the sequence, its gradient
+    all-gathered backward; a replicated head reading fewer rows than the sequence from a norm (the class token,
+    the tokens' mean) has the norm's output all-gathered forward (backward, each rank keeps its part of the same
+    gradient), and that norm, read by no split layer, has its parameters' gradients all-reduced (it ran on each
+    rank's part)."""
     into: dict[str, list[str]] = {}
     outof: dict[str, list[str]] = {}
     mine = set(unit.layers)

@@ -22,6 +22,10 @@ backward a reduce-scatter) instead of `copy_to_tp`. A parameter applied to the l
 weight, a rowwise bias added after the reduce-scatter) has a partial gradient on each rank: it is read through
 `copy_to_tp`, whose backward all-reduces it. A whole operand spanning the sequence (learned positions) is sliced
 to the local part. An op that cannot be proven per-position gathers its input (`gather_from_tp`), as today.
+A mixture of experts split inside runs as Megatron-Core's: its router on the local part (`_routers`), the experts'
+inputs all-gathered (`_gather_sequence`), their partial output reduce-scattered (`_partial_to_sequence`). A stream
+that enters whole (a vision transformer's patches) is scattered at the first norm (`_enter_sequence`); a pooled
+head's norm output is gathered (`_pools`).
 
 Between layers each op keeps a split when `passes.shard.shard_rule` proves it per-shard (elementwise, views that
 split features into heads, transposes, attention over heads, softmax over another dim): its size arguments are
@@ -407,8 +411,8 @@ class _Rewriter:
 
     def _enter_sequence(self, node: Node) -> None:
         """Under sequence parallelism, an op of a norm reading the stream whole from outside its layer (a vision
-        transformer's patches and class token, where no token embedding splits it; not a model input): the stream is scattered along
-        the sequence first, each rank keeping its part (backward: the gradient all-gathered), once for every reader
+        transformer's patches and class token, where no token embedding splits it; not a model input): the stream
+        is scattered along the sequence first, each rank keeping its part (backward: the gradient all-gathered), once for every reader
         (the residual add reads the same part)."""
         for a in node.all_input_nodes:
             v = self.val.get(a)
