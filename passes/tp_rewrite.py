@@ -412,8 +412,8 @@ class _Rewriter:
     def _enter_sequence(self, node: Node) -> None:
         """Under sequence parallelism, an op of a norm reading the stream whole from outside its layer (a vision
         transformer's patches and class token, where no token embedding splits it; not a model input): the stream
-        is scattered along the sequence first, each rank keeping its part (backward: the gradient all-gathered), once for every reader
-        (the residual add reads the same part)."""
+        is scattered along the sequence first, each rank keeping its part (backward: the gradient all-gathered),
+        once for every reader (the residual add reads the same part)."""
         for a in node.all_input_nodes:
             v = self.val.get(a)
             if a.op == "placeholder" or self.state.get(a, R) != R or not isinstance(v, torch.Tensor) or \
