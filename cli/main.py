@@ -213,8 +213,10 @@ def print_summary(result, plan_path: Path) -> None:
     t.add_row("schedule", f"{sched}, recompute {par['recompute']}")
     inner = [f for f, style in plan["tp"].items() if style == "inner"]
     if inner:  # a mixture of experts (`partc.passes.experts`)
+        out = "the tokens all-gathered, the output reduce-scattered" if par.get("sequence_parallel") else \
+            "the output all-reduced once"
         t.add_row("experts", f"{len(inner)} layers split inside over tp={par['tp']} (gate and up colwise, down "
-                             f"rowwise, the output all-reduced once)")
+                             f"rowwise, {out})")
     t.add_row("step time", f"{pred['step_time_s']:.3f} s")
     unit = model.get("throughput_unit", "tokens")
     t.add_row("throughput", f"{pred[f'{unit}_per_s']:,.0f} {unit}/s")

@@ -125,7 +125,8 @@ class Unit:
     saved_bytes_replicated_linear: int = 0
     """The part of `saved_bytes_replicated` that linear layers save: the whole inputs of colwise layers, which stay
     whole under sequence parallelism (the program's Linear saves the all-gathered input; Megatron-Core gathers it
-    again in backward instead)."""
+    again in backward instead); and what a layer of packed experts saves (`Layer.inner`: it runs on the tokens
+    all-gathered)."""
     op_saved_bytes: int = 0
     """The part of `saved_bytes` that the ops outside layers save (norms, activations, dropout, attention)."""
     op_saved_bytes_replicated: int = 0
@@ -161,6 +162,9 @@ class Edge:
     routed: bool = False
     """`dst` reads a part of `src`'s output whose size depends on values (the tokens routed to one expert,
     `partc.value_sized`), `bytes` at its expected size: the program converts that part for `dst` alone."""
+    index_bytes: int = 0
+    """Bytes per sample of the integer tensors `dst` reads from `src` besides (a router's choice of experts): they
+    carry no gradient and TP never converts them, but sequence parallelism all-gathers them with the tokens."""
 
 
 @dataclass(kw_only=True, slots=True)

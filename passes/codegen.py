@@ -119,19 +119,21 @@ class _GraphIO:
 
 def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Plan, *, model_path: str,
              entry: str, layers: dict[str, Layer], vocab_loss: dict | None = None,
-             context: ContextSplit | None = None) -> GeneratedProgram:
+             context: ContextSplit | None = None, seq_len: int | None = None) -> GeneratedProgram:
     """Rewrite the exported graph for the plan's TP styles (in place), split it by the plan's stages and units
     and write each stage as Python. `vocab_loss` (`ModelGraph.vocab_loss`, where the plan's ``tp_loss`` is
     vocab-parallel): the last stage returns that output as this rank's vocabulary columns, not gathered; the
     manifest's ``tp.vocab_loss`` tells the runtime. `context` (a cp plan: `ep` is the graph at the rank's s/cp
     tokens): its position ops and causal attention are rewritten for context parallelism (`partc.passes.context`),
-    and the manifest's ``cp`` tells the runtime how to cut the inputs and targets."""
+    and the manifest's ``cp`` tells the runtime how to cut the inputs and targets. `seq_len`: the tokens per sample
+    (`ModelGraph.seq_len`), which sequence parallelism splits."""
     a = assign(ep, model)
     aliases = {n: names for names in a.by_id.values() for n in names}  # parameter FQN -> every name of its tensor
     with SameShapes():  # the rewrite runs each op on local shapes: once per distinct op and shapes
         rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases,
                                 sequence_parallel=plan.parallel.sequence_parallel,
-                                keep_split=None if vocab_loss is None else int(vocab_loss["output"]))
+                                keep_split=None if vocab_loss is None else int(vocab_loss["output"]),
+                                seq_len=seq_len)
     experts, routed = {}, {}
     if plan.parallel.ep > 1:
         experts, routed = rewrite_for_ep(ep, a.node_layer, layers, plan.parallel.ep)

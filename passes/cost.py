@@ -99,7 +99,11 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     feeding colwise layers and the rowwise layers' biases), the backward all-gather of a colwise embedding's output
     (gathered over its features, then each rank's part of the sequence kept), and the backward all-gather of a
     replicated embedding's
-    output added to the sequence-split stream (learned positions: [s, h], the same for every micro-batch size)."""
+    output added to the sequence-split stream (learned positions: [s, h], the same for every micro-batch size).
+    A mixture of experts split inside (``inner``) is Megatron-Core's under sequence parallelism: its router runs on
+    each rank's part of the sequence (its weight's gradient all-reduced backward), the tokens, the routing weights
+    and the chosen experts are all-gathered before the experts (the routing weights' gradient reduce-scattered
+    back), and the experts' output is reduce-scattered (all-gathered backward) in place of its all-reduce."""
     b = tokens(par)
     colls = [] if tp is None else tp.collectives.get(unit.fqn, [])
     if not (par.sequence_parallel and par.tp > 1):
@@ -108,7 +112,7 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     for c in colls:
         layer = graph.layers.get(c.src)
         n = float(c.nbytes * b)
-        if c.kind == "all_reduce" and c.phase == "fwd" and style_of(tp, c.src) == "rowwise":
+        if c.kind == "all_reduce" and c.phase == "fwd" and style_of(tp, c.src) in ("rowwise", "inner"):
             out += [("reduce_scatter", "fwd", n), ("all_gather", "bwd", n)]
             if layer is not None and layer.kind == "linear":
                 params += sum(math.prod(shape) for name, shape in layer.params.items() if name.endswith(".bias"))
@@ -119,16 +123,70 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
             # a colwise embedding's output gathered, then each rank's part of the sequence kept: the backward
             # all-gathers the gradient over the sequence (`tp_rewrite._colwise_embedding_to_sequence`)
             out += [("all_gather", "fwd", n), ("all_gather", "bwd", n)]
+        elif c.kind == "all_reduce" and c.phase == "bwd" and layer is not None and routes(graph, tp, c.src):
+            # a router's output (the routing weights) read by experts split inside, and the experts they chose
+            index = sum(e.index_bytes for e in graph.edges if e.src == c.src and style_of(tp, e.dst) == "inner")
+            out += [("all_gather", "fwd", n), ("reduce_scatter", "bwd", n)]
+            out += [("all_gather", "fwd", float(index * b))] if index else []
+            params += sum(math.prod(shape) for shape in layer.params.values())
         else:
             out.append((c.kind, c.phase, n))
     if params:
         out.append(("all_reduce", "bwd", float(params * compute_bytes(par.precision))))
+    out += _stream_ends(graph, par, tp, unit, b)
     if any(style_of(tp, f) in ("rowwise", "colwise") and graph.layers[f].kind == "embedding" for f in graph.layers):
         for f in unit.layers:
             layer = graph.layers[f]
             if layer.kind == "embedding" and style_of(tp, f) == "replicate":
                 out.append(("all_gather", "bwd", float(layer.out_bytes)))
     return out
+
+
+def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit,
+                 b: int) -> list[tuple[str, str, float]]:
+    """Under sequence parallelism, where the stream enters and leaves the split without a split layer
+    (`passes.tp_rewrite`): a norm whose every input is whole (a vision transformer's patches and class token,
+    made by replicated layers, not the model's inputs) has it scattered along the sequence, its gradient
+    all-gathered backward; a replicated head reading fewer rows than the sequence from a norm (the class token,
+    the tokens' mean) has the norm's output all-gathered forward (backward, each rank keeps its part of the same
+    gradient), and that norm, read by no split layer, has its parameters' gradients all-reduced (it ran on each
+    rank's part)."""
+    into: dict[str, list[str]] = {}
+    outof: dict[str, list[str]] = {}
+    mine = set(unit.layers)
+    for e in graph.edges:
+        if e.dst in mine:
+            into.setdefault(e.dst, []).append(e.src)
+        if e.src in mine:
+            outof.setdefault(e.src, []).append(e.dst)
+
+    def pools(f: str) -> bool:
+        layer = graph.layers[f]
+        return layer.kind != "norm" and style_of(tp, f) == "replicate" and bool(layer.gemms) and \
+            max(g.m for g in layer.gemms) < graph.seq_len and not routes(graph, tp, f)
+
+    out = []
+    for f in unit.layers:
+        layer = graph.layers[f]
+        if layer.kind == "norm":
+            if into.get(f) and all(style_of(tp, s) == "replicate" and graph.layers[s].kind != "norm" and
+                                   not routes(graph, tp, s) for s in into[f]):
+                out.append(("all_gather", "bwd", float(layer.out_bytes * b)))
+            if outof.get(f) and all(pools(d) for d in outof[f]):
+                out.append(("all_reduce", "bwd", float(sum(math.prod(s) for s in layer.params.values())
+                                                       * compute_bytes(par.precision))))
+        elif pools(f):
+            out += [("all_gather", "fwd", float(graph.layers[s].out_bytes * b)) for s in dict.fromkeys(into.get(f, []))
+                    if graph.layers[s].kind == "norm"]
+    return out
+
+
+def routes(graph: ModelGraph, tp: TPPlan | None, fqn: str) -> bool:
+    """Whether layer `fqn` is a router: replicated, not a norm, its output read by a layer split inside (under
+    sequence parallelism it runs on each rank's part of the sequence, `passes.tp_rewrite`)."""
+    layer = graph.layers[fqn]
+    return layer.kind != "norm" and style_of(tp, fqn) == "replicate" and \
+        any(e.src == fqn and style_of(tp, e.dst) == "inner" for e in graph.edges)
 
 
 def launch_time(cluster: Cluster, unit: Unit, mode: str) -> float:

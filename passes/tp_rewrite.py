@@ -22,6 +22,10 @@ backward a reduce-scatter) instead of `copy_to_tp`. A parameter applied to the l
 weight, a rowwise bias added after the reduce-scatter) has a partial gradient on each rank: it is read through
 `copy_to_tp`, whose backward all-reduces it. A whole operand spanning the sequence (learned positions) is sliced
 to the local part. An op that cannot be proven per-position gathers its input (`gather_from_tp`), as today.
+A mixture of experts split inside runs as Megatron-Core's: its router on the local part (`_routers`), the experts'
+inputs all-gathered (`_gather_sequence`), their partial output reduce-scattered (`_partial_to_sequence`). A stream
+that enters whole (a vision transformer's patches) is scattered at the first norm (`_enter_sequence`); a pooled
+head's norm output is gathered (`_pools`).
 
 Between layers each op keeps a split when `passes.shard.shard_rule` proves it per-shard (elementwise, views that
 split features into heads, transposes, attention over heads, softmax over another dim): its size arguments are
@@ -93,7 +97,7 @@ class _Multi(tuple):
 class _Rewriter:
     def __init__(self, ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
                  styles: dict[str, str], t: int, aliases: dict[str, list[str]], sequence_parallel: bool = False,
-                 keep_split: int | None = None):
+                 keep_split: int | None = None, seq_len: int | None = None):
         self.ep, self.graph, self.aliases = ep, ep.graph, aliases
         self.sp = sequence_parallel and t > 1
         self.seq: set[Node] = set()
@@ -117,11 +121,16 @@ class _Rewriter:
         inputs = [placeholders.get(getattr(s.arg, "name", None)) for s in ep.graph_signature.input_specs
                   if s.kind == InputKind.USER_INPUT]
         vals = [x.meta.get("val") for x in inputs if x is not None]
-        self.seq_len = next((int(v.shape[1]) for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
-        """Tokens per sample: dim 1 of the model's first input of two or more dims (the model file's contract:
-        batch first)."""
+        self.seq_len = seq_len if seq_len and seq_len > 1 else \
+            next((int(v.shape[1]) for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+        """Tokens per sample: the traced graph's (`ModelGraph.seq_len`: a vision transformer's patches and class
+        token, which its input, an image, does not have), else dim 1 of the model's first input of two or more dims
+        (the model file's contract: batch first)."""
         self.inner = self._inner_states()
         """Nodes of the layers split inside (``inner``) -> their state (`partc.passes.experts.InnerSplit.states`)."""
+        self.routers = self._routers() if self.sp else set()
+        """Under sequence parallelism, the replicated layers a layer split inside reads (a mixture of experts'
+        router): they run on this rank's part of the sequence (`_router_op`)."""
 
     # ------------------------------------------------------------------ helpers
     def _insert(self, after: Node, fn, args: tuple, why: str, anchor: Node, local: torch.Tensor, state) -> Node:
@@ -153,7 +162,7 @@ class _Rewriter:
         v = self.val[x]
         if want == R and isinstance(have, int):
             d = have
-            if x in self.seq:
+            if x in self.seq and not self._pools(x, user):
                 self.result.sequence_gathers.append(
                     f"{user.target} ({user.name}, in {self._where(user)}) takes {x.name} whole (a whole layer, or "
                     f"an op not proven per-position): all-gathered over the sequence")
@@ -162,16 +171,7 @@ class _Rewriter:
             node = self._insert(x, C.gather_from_tp, (x, d),
                                 f"{user.name} ({self._where(user)}) needs {x.name} whole: all-gather its split dim {d}",
                                 user, local, R)
-            pieces = self.pieces.get(x, 1)
-            if pieces > 1:  # ranks' parts [r0: p0 p1 p2, r1: p0 p1 p2] -> pieces [p0: r0 r1, p1: r0 r1, ...]
-                shape = list(local.shape)
-                parts = shape[:d] + [self.t, pieces, shape[d] // (self.t * pieces)] + shape[d + 1:]
-                why = f"put the {pieces} pieces of {x.name} back in order after the gather"
-                node = self._insert(node, aten.view.default, (node, parts), why, user,
-                                    local.view(parts), R)
-                node = self._insert(node, aten.transpose.int, (node, d, d + 1), why, user,
-                                    self.val[node].transpose(d, d + 1), R)
-                node = self._insert(node, aten.reshape.default, (node, shape), why, user, local, R)
+            node = self._in_order(node, x, d, user)
         elif isinstance(want, int) and have == R:
             d = want
             local = torch.empty(_local_shape(v.shape, d, self.t, x.name), dtype=v.dtype, device="meta")
@@ -185,6 +185,70 @@ class _Rewriter:
             raise AssertionError((have, want))
         self.memo[key] = node
         return node
+
+    def _in_order(self, node: Node, x: Node, d: int, user: Node) -> Node:
+        """`node`, the ranks' parts of `x` gathered along `d`, with the pieces of a split held in several
+        (`pieces`) put back in order: ranks' parts [r0: p0 p1 p2, r1: p0 p1 p2] -> pieces [p0: r0 r1, p1: r0 r1,
+        ...]."""
+        pieces = self.pieces.get(x, 1)
+        if pieces == 1:
+            return node
+        local = self.val[node]
+        shape = list(local.shape)
+        parts = shape[:d] + [self.t, pieces, shape[d] // (self.t * pieces)] + shape[d + 1:]
+        why = f"put the {pieces} pieces of {x.name} back in order after the gather"
+        node = self._insert(node, aten.view.default, (node, parts), why, user, local.view(parts), R)
+        node = self._insert(node, aten.transpose.int, (node, d, d + 1), why, user,
+                            self.val[node].transpose(d, d + 1), R)
+        return self._insert(node, aten.reshape.default, (node, shape), why, user, local, R)
+
+    def _gather_sequence(self, x: Node, user: Node, what: str) -> Node:
+        """`x`, split along the sequence, all-gathered before `user` (in its unit and pipeline stage): a floating
+        value through `gather_from_sp` (its gradient, a partial sum on each rank, reduce-scattered back), an
+        integer one (a router's choice of experts) through `gather_from_tp`. Once per value."""
+        key = (x, "gather_sp")
+        if key not in self.memo:
+            v, d = self.val[x], self.state[x]
+            fn = C.gather_from_sp if v.is_floating_point() else C.gather_from_tp
+            with self.graph.inserting_before(user):
+                g = self.graph.call_function(fn, (x, d))
+            g.meta = {k: user.meta[k] for k in ("nn_module_stack", "stack_trace") if k in user.meta}
+            why = (f"{what}: all-gather the sequence forward, reduce-scatter its gradient backward"
+                   if fn is C.gather_from_sp else f"{what}: all-gather the sequence forward")
+            g.meta["partc_why"] = why
+            g.meta["val"] = self.val[g] = torch.empty(
+                [n * (self.t if i == d else 1) for i, n in enumerate(v.shape)], dtype=v.dtype, device="meta")
+            self.state[g] = R
+            self.result.collectives.append((fn.__name__, why))
+            self.memo[key] = self._in_order(g, x, d, user)
+        return self.memo[key]
+
+    def _partial_to_sequence(self, x: Node, what: str) -> Node | None:
+        """The partial sums `x` (a layer split inside) reduce-scattered along the sequence: along its sequence dim,
+        or, for tokens flattened in front ([b·s, ...], a mixture of experts' rows), viewed as [b, s, ...] for the
+        reduce-scatter and flattened again (this rank's part of each sample's sequence: b pieces). None when `x`
+        holds no sequence."""
+        d = self.seq_dim(x)
+        if d is not None:
+            return self._to_sequence(x, d, what)
+        v, s = self.val[x], self.seq_len
+        if s is None or v.dim() < 2 or v.shape[0] % s:
+            return None
+        b = v.shape[0] // s
+        why = f"the partial outputs of {what} as [samples, sequence, ...] for the reduce-scatter"
+        shape = [b, s, *v.shape[1:]]
+        view = self._insert(x, aten.view.default, (x, shape), why, x, v.view(shape), P)
+        if s % self.t:
+            raise PartcError(f"sequence parallelism: the sequence ({s} tokens) does not divide over tp={self.t}; "
+                             f"compile with --no-sequence-parallel or another --tp")
+        part = self._to_sequence(view, 1, what)
+        flat = [b * s // self.t, *v.shape[1:]]
+        out = self._insert(part, aten.view.default, (part, flat), f"this rank's part of {what}'s output, its tokens "
+                           f"flattened again", x, self.val[part].reshape(flat), 0)
+        self.seq.add(out)
+        if b > 1:
+            self.pieces[out] = b
+        return out
 
     def seq_dim(self, node: Node) -> int | None:
         """The sequence dim of `node`'s whole value under sequence parallelism: the one dim between the batch (0)
@@ -316,9 +380,11 @@ class _Rewriter:
             kind = self._weight_op(node, layer)
             if kind is not None:
                 return self._split_layer(node, layer, style, kind)
-        if self.sp and layer is not None and layer.kind == "norm" and \
+        if self.sp and layer is not None and layer.kind == "norm":
+            self._enter_sequence(node)
+        if self.sp and layer is not None and (layer.kind == "norm" or layer_name in self.routers) and \
                 any(a in self.seq for a in node.all_input_nodes):
-            return self._generic(node)  # a norm of each position: on this rank's part of the sequence
+            return self._generic(node)  # a norm (a router) of each position: on this rank's part of the sequence
         if layer is not None and style == "replicate" and layer.kind != "other":
             # A whole layer (norm, replicated Linear) takes whole inputs.
             self._replace_inputs(node, {a: self.need(a, R, node) for a in node.all_input_nodes})
@@ -343,6 +409,63 @@ class _Rewriter:
             out.update(split.states)
         return out
 
+    def _enter_sequence(self, node: Node) -> None:
+        """Under sequence parallelism, an op of a norm reading the stream whole from outside its layer (a vision
+        transformer's patches and class token, where no token embedding splits it; not a model input): the stream
+        is scattered along the sequence first, each rank keeping its part (backward: the gradient all-gathered),
+        once for every reader (the residual add reads the same part)."""
+        for a in node.all_input_nodes:
+            v = self.val.get(a)
+            if a.op == "placeholder" or self.state.get(a, R) != R or not isinstance(v, torch.Tensor) or \
+                    not v.is_floating_point() or self.node_layer.get(a) == self.node_layer.get(node):
+                continue
+            d = self.seq_dim(a)
+            if d is not None:
+                part = self.need(a, d, node)
+                self.seq.add(part)
+                node.replace_input_with(a, part)
+
+    def _pools(self, x: Node, user: Node) -> bool:
+        """Whether gathering `x` (split along the sequence) for `user` is a classifier head's: the output of a norm
+        read by an op outside the layers that is not per-position (the class token taken, the tokens averaged).
+        The plan charges it (`passes.cost.unit_collectives`): an all-gather forward, nothing backward (the head is
+        whole, its gradient the same on every rank)."""
+        src = self.layers.get(self.node_layer.get(x, ""))
+        return src is not None and src.kind == "norm" and self.node_layer.get(user) is None
+
+    def _routers(self) -> set[str]:
+        """The replicated layers (not norms) whose outputs a layer split inside reads: a mixture of experts' router.
+        Under sequence parallelism it runs on this rank's part of the sequence, as Megatron-Core's router does, its
+        parameters read through `copy_to_tp` (their gradients, partial sums, all-reduced over tp); the experts then
+        all-gather the tokens, the routing weights and the chosen experts (`_inner_node`)."""
+        out = set()
+        for n in self.graph.nodes:
+            fqn = self.node_layer.get(n)
+            if n.op != "call_function" or self.styles.get(fqn) != "inner":
+                continue
+            for a in n.all_input_nodes:
+                src = self.node_layer.get(a)
+                if src and src != fqn and src in self.layers and self.layers[src].kind != "norm" and \
+                        self.styles.get(src, "replicate") == "replicate":
+                    out.add(src)
+        return out
+
+    def _router_op(self, node: Node, d: int):
+        """(out dim, why-not) of an op of a router (`_routers`) on a tensor split along the sequence dim `d`: its
+        product with the whole weight (a linear of the features) and the choice of the top experts of each token are
+        per position."""
+        x = node.args[0].meta["val"]
+        if not isinstance(d, int):
+            return None, "unsupported input"
+        if node.target is aten.linear.default and d < x.dim() - 1 and \
+                not any(self.state.get(a, R) != R for a in node.args[1:] if isinstance(a, Node)):
+            return d, ""
+        if node.target is aten.topk.default:
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+            if _norm(dim, x.dim()) != d:
+                return _Multi((d, d)), ""
+        return None, "op not known to be per-position"
+
     def _inner_node(self, node: Node, layer: Layer) -> None:
         """One op of a layer split inside (`partc.passes.experts`): its inputs from outside the layer whole, the
         floating ones through `copy_to_tp` (their gradients are partial sums); split ops on local shapes; a partial
@@ -352,6 +475,10 @@ class _Rewriter:
             return None  # an assertion on the traced tensor (`_assert_tensor_metadata`): the program skips it
         for a in node.all_input_nodes:
             if a in self.inner or a in self.param_of or not isinstance(self.val.get(a), torch.Tensor):
+                continue
+            if a in self.seq and isinstance(self.state.get(a), int):  # Megatron-Core's MoE under SP: the tokens,
+                # the routing weights and the chosen experts all-gathered; the gradients, partial sums, scattered
+                node.replace_input_with(a, self._gather_sequence(a, node, f"input of split-inside {layer.fqn}"))
                 continue
             whole = self.need(a, R, node)
             node.replace_input_with(a, self.copy_to_tp(whole, node, "split-inside")
@@ -373,9 +500,14 @@ class _Rewriter:
                                  f"shape {list(local.shape)}, expected {want}; set tp[{layer.fqn!r}] to 'replicate'")
         outside = [u for u in node.users if u not in self.inner]
         if state == P and outside:
-            out = self._insert(node, C.reduce_from_tp, (node,),
-                               f"sum the partial outputs of {layer.fqn}, split inside (all-reduce forward, identity "
-                               f"backward)", node, local, R)
+            out = self._partial_to_sequence(node, f"{layer.fqn}, split inside") if self.sp else None
+            if out is None and self.sp:
+                self.result.sequence_gathers.append(
+                    f"{layer.fqn}'s output {node.name} has no sequence dim: all-reduced (tensor parallelism)")
+            if out is None:
+                out = self._insert(node, C.reduce_from_tp, (node,),
+                                   f"sum the partial outputs of {layer.fqn}, split inside (all-reduce forward, "
+                                   f"identity backward)", node, local, R)
             for u in outside:
                 u.replace_input_with(node, out)
         return None
@@ -417,6 +549,8 @@ class _Rewriter:
         out_dim, _groups, fused, why = shard_rule(node, dims, ins)
         if why and node.target in _NORMS and all(a in self.seq for a in ins):
             out_dim, why = self._norm_of_positions(node, dims[ins[0]])
+        elif why and self.node_layer.get(node) in self.routers and all(a in self.seq for a in ins):
+            out_dim, why = self._router_op(node, dims[ins[0]])
         # Pieces: an op taking one of `fused` pieces finds it in this rank's part only if the source was split in
         # that many pieces (`Shard.fused`); operands split in different pieces do not line up.
         pieces = {self.pieces.get(a, 1) for a in ins}
@@ -431,7 +565,7 @@ class _Rewriter:
         # part of them (a replicated K/V under GQA). An elementwise op meeting a whole tensor (the residual add
         # of a split embedding output) gathers its split inputs instead: the residual stream stays whole, as the
         # TP solver's cost model assumes (one conversion at the source, not one per block).
-        if isinstance(glob, torch.Tensor) and isinstance(out_dim, int):
+        if isinstance(glob, torch.Tensor) and isinstance(out_dim, int) and node.target is not aten.linear.default:
             whole = []
             for a in node.all_input_nodes:
                 va = self.val.get(a)
@@ -650,10 +784,11 @@ class _Rewriter:
 
 def rewrite(ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
             styles: dict[str, str], t: int, aliases: dict[str, list[str]], *,
-            sequence_parallel: bool = False, keep_split: int | None = None) -> Rewrite:
+            sequence_parallel: bool = False, keep_split: int | None = None, seq_len: int | None = None) -> Rewrite:
     """Rewrite `ep.graph` in place for TP degree `t` (with sequence parallelism where asked); returns the parameter
     splits and collectives. `aliases` maps a parameter FQN to every FQN of the same (tied) tensor; `keep_split`: the
-    flat output left split over its last dimension (a colwise output layer's logits, for the vocab-parallel loss)."""
+    flat output left split over its last dimension (a colwise output layer's logits, for the vocab-parallel loss);
+    `seq_len`: the tokens per sample (`ModelGraph.seq_len`), where the sequence parallelism looks for them."""
     if t == 1:
         return Rewrite()
-    return _Rewriter(ep, node_layer, layers, styles, t, aliases, sequence_parallel, keep_split).run()
+    return _Rewriter(ep, node_layer, layers, styles, t, aliases, sequence_parallel, keep_split, seq_len).run()

@@ -48,6 +48,11 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     units = _costs(a, stats, layers, shard, layer_out)     # 6. per-node costs into layers and units
     mark_inner(ep.graph, a.node_layer, param_placeholders(ep), layers, stats)  # experts: split inside
     routed = routed_experts(ep.graph, param_placeholders(ep), layers)  # experts as modules: divided by ep
+    for layer in layers.values():  # they run on the whole tokens, all-gathered under sequence parallelism
+        unit = units.get(layer.unit)
+        if layer.inner and unit is not None:
+            unit.saved_bytes_replicated_linear += min(
+                layer.saved_bytes, unit.saved_bytes_replicated - unit.saved_bytes_replicated_linear)
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
@@ -229,6 +234,14 @@ def _edges(nodes, node_layer, node_unit, unit_index, layers, shard, layer_out, b
                 nbytes = _read_bytes(layers[s].out_bytes, a, n)
                 found[(s, dst)] = Edge(src=s, dst=dst, bytes=min(nbytes, val_bytes(a)) if routed else nbytes,
                                        shard_ok=ok, routed=routed)
+    counted = set()
+    for n in nodes:  # integers read straight from another layer (a router's choice of experts)
+        dst = node_layer.get(n)
+        for a in n.all_input_nodes if dst is not None else ():
+            src = node_layer.get(a)
+            if _is_index(a) and src not in (None, dst) and (src, dst) in found and a not in counted:
+                counted.add(a)
+                found[(src, dst)].index_bytes += val_bytes(a)
     return list(found.values())
 
 

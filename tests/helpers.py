@@ -70,10 +70,25 @@ HF_MODELS = {
 program can be compared with one process exactly."""
 
 
+HF_EXPERT_MODELS = {
+    "mixtral": """
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        def model():
+            return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2, num_local_experts=4,
+                                                    num_experts_per_tok=2, max_position_embeddings=128))
+    """,
+}
+"""Tiny mixtures of experts, as `HF_MODELS` (4 experts, top 2, intermediate 96): kept apart, so that the tests
+compiling every Hugging Face model do not compile them too."""
+
+
 def write_hf_model(directory: Path, name: str) -> str:
-    """HF_MODELS[name] as DIRECTORY/hf_NAME.py; returns the path."""
+    """HF_MODELS[name] (or HF_EXPERT_MODELS[name]) as DIRECTORY/hf_NAME.py; returns the path."""
     path = Path(directory) / f"hf_{name}.py"
-    path.write_text(textwrap.dedent(HF_MODELS[name]))
+    path.write_text(textwrap.dedent({**HF_MODELS, **HF_EXPERT_MODELS}[name]))
     return str(path)
 
 

@@ -150,15 +150,21 @@ def test_sequence_parallel_collectives():
         plain, sp = par(tp=t, micro_batch_size=b), par(tp=t, micro_batch_size=b, sequence_parallel=True)
         colls = cost.unit_collectives(g, sp, tp, g.units[1])
         params = (4 * h + 2 * h) * ACTIVATION_BYTES  # ln_1 and ln_2, and the biases of proj and fc2
+        # the token embedding is replicated here: the stream enters blocks.0's ln_1 whole and is scattered along
+        # the sequence there, its gradient all-gathered backward
+        enter = ("all_gather", "bwd", 2 * s * h * b)
         assert sorted(colls) == sorted([("reduce_scatter", "fwd", 2 * s * h * b), ("all_gather", "bwd", 2 * s * h * b)]
                                        * 2 + [("all_gather", "fwd", 2 * s * h * b),
                                               ("reduce_scatter", "bwd", 2 * s * h * b)] * 2
-                                       + [("all_reduce", "bwd", params)])
-        assert cost.unit_time_parts(g, A100, sp, tp)[1].tp_comm_s == pytest.approx(
-            cost.unit_time_parts(g, A100, plain, tp)[1].tp_comm_s + hw.collective_time(A100, "all_reduce", params, t))
+                                       + [("all_reduce", "bwd", params), enter])
+        later = sorted(colls)
+        later.remove(enter)
+        assert sorted(cost.unit_collectives(g, sp, tp, g.units[2])) == later
+        assert cost.unit_time_parts(g, A100, sp, tp)[2].tp_comm_s == pytest.approx(
+            cost.unit_time_parts(g, A100, plain, tp)[2].tp_comm_s + hw.collective_time(A100, "all_reduce", params, t))
         blocks = [i for i, u in enumerate(g.units) if u.kind == "block"]
         assert cost.tp_bytes(g, sp, tp, blocks) == pytest.approx(
-            2 * cost.tp_bytes(g, plain, tp, blocks) + len(blocks) * params * sp.num_microbatches)
+            2 * cost.tp_bytes(g, plain, tp, blocks) + (len(blocks) * params + enter[2]) * sp.num_microbatches)
 
 
 def test_sequence_parallel_needs_tp():

@@ -149,6 +149,30 @@ def test_experts_split_inside_cost_a_megatron_mlp(mixtral_file, tmp_path):
         [hw.gemm_time(cluster, g, split=g.inner_split, degree=2) for g in experts.gemms]
 
 
+def test_experts_under_sequence_parallelism_move_what_megatron_core_moves(mixtral_file):
+    """Under sequence parallelism (Megatron-Core's MoE): each all-reduce of a Mixtral block becomes a reduce-scatter
+    and an all-gather of the same tensor (the experts' output; the tokens before the experts and attention, the
+    routing weights), twice the payload as the plan counts it; the chosen experts (S x k int64) are all-gathered
+    with the tokens, and the router's and the norms' weights, applied to each rank's part of the sequence, have
+    their gradients all-reduced."""
+    from partc.parallel import Parallel
+    from partc.passes import cost
+    graph = trace_file(mixtral_file)
+    styles = {f: megatron_styles(graph).get(f, "replicate") for f in graph.layers}
+    sol = evaluate_tp(graph, 2, styles, PRESETS["h100-80g"], 1)
+    plain = Parallel(dp=1, tp=2, pp=1, zero=0, micro_batch_size=1, global_batch_size=1, precision="bf16")
+    sp = Parallel(dp=1, tp=2, pp=1, zero=0, micro_batch_size=1, global_batch_size=1, precision="bf16",
+                  sequence_parallel=True)
+    block = graph.units[1]
+    tp_colls = cost.unit_collectives(graph, plain, sol, block)
+    sp_colls = cost.unit_collectives(graph, sp, sol, block)
+    assert sorted(k for k, *_ in tp_colls) == ["all_reduce"] * 5
+    assert {k for k, *_ in sp_colls} == {"all_gather", "reduce_scatter", "all_reduce"}
+    norms_and_router = (2 * H + E * H) * 2  # input and post-attention RMSNorm weights, the router's [E, H], bf16
+    assert sum(n for *_, n in sp_colls) == 2 * sum(n for *_, n in tp_colls) + S * K * 8 + norms_and_router
+    assert ("all_gather", "fwd", S * K * 8) in sp_colls and ("all_gather", "fwd", S * K * 4) in sp_colls
+
+
 def test_solver_splits_experts_when_it_pays(tmp_path, mixtral_file):
     """At a realistic width the solver splits the experts inside; at the tiny one the all-reduces cost more than
     the GEMMs they save, and tp_why says so."""

@@ -5,6 +5,7 @@ on `tp` gloo ranks in one pipeline stage and compares logits and every gradient 
 the unsharded model. The cases of one tp share one spawn (`tp_runs`): starting the ranks costs more than a case.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import EXAMPLES, VOCAB, compile_program, load_stage, megatron_style, model_file
+from helpers import EXAMPLES, VOCAB, compile_program, load_stage, megatron_style, model_file, trace_file
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import load_model_file
@@ -548,3 +549,18 @@ def test_search_keeps_sequence_parallelism_only_where_the_program_does(tmp_path,
     first = compile_model(path, gpus=2, pins=pinned, global_batch_size=2)
     first.plan.tp = {f: megatron_style(f, vocab=True) or "replicate" for f in first.plan.tp}
     assert real(first.spec, first.spec.build(), first.traced, first.plan, path=path, entry="model") == []
+
+
+def test_vision_transformer_tokens_come_from_the_trace(tmp_path):
+    """A vision transformer's tokens appear after the patch embedding (its input is an image): sequence
+    parallelism splits the graph's tokens (16 patches and the class token in the bundled ViT), not the image's
+    channels. 17 do not divide over tp 2: the search does not weigh it, and a pin is refused in one line."""
+    from partc.passes.search import sequence_parallel_choices
+    path = str(EXAMPLES / "vit.py")
+    graph = trace_file(path)[1].graph
+    assert graph.seq_len == 17 and sequence_parallel_choices(graph, 2, Pins()) == (False,)
+    pins = Pins(tp=2, pp=1, dp=1, zero=0, micro_batch_size=1, precision="fp32")
+    with pytest.raises(PartcError, match=r"^sequence parallelism: the sequence \(17 tokens\) does not divide over "
+                                         r"tp=2; compile with --no-sequence-parallel or another --tp$"):
+        compile_model(path, gpus=2, pins=dataclasses.replace(pins, sequence_parallel=True), global_batch_size=2,
+                      out_dir=tmp_path / "vit")
