@@ -76,6 +76,10 @@ def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPla
             continue
         for g in layer.gemms:
             fwd += hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT[style], degree=t)
+        if layer.inner and par.imbalance != 1.0:  # packed experts under a skewed ep routing: the busiest rank
+            # runs F times the mean rows through them (`Parallel.imbalance`), F - 1 times more than the above
+            fwd += (par.imbalance - 1) * (hw.memory_time(cluster, layer.memory_bytes * b / mem_div) + sum(
+                hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT[style], degree=t) for g in layer.gemms))
     # Attention scores/context: Megatron TP splits them over heads, i.e. the bmm batch (Narayanan et al.).
     core = sum(hw.gemm_time(cluster, g, micro_batch_size=b, split="batch" if split else None, degree=t)
                for g in unit.core_gemms)
