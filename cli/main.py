@@ -71,10 +71,12 @@ def _pin_options(command):
             kind = click.IntRange(min(meta["choices"]), max(meta["choices"]))
         elif meta["choices"] is not None:
             kind = click.Choice(meta["choices"])
+        elif f.type in ("float", float):  # finite, from its minimum (`partc.parallel._check_value` says why not)
+            kind = click.FloatRange(min=meta["min"])
         else:
             kind = int
         command = click.option(f"--{f.name.replace('_', '-')}", f.name, type=kind, default=None, help=meta["help"],
-                               callback=_pos_int if meta["min"] == 1 else None)(command)
+                               callback=_pos_int if meta["min"] == 1 and kind is int else None)(command)
     return command
 
 

@@ -32,6 +32,9 @@ group every function is the identity.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -264,12 +267,29 @@ def _inverse(perm: Tensor) -> Tensor:
 
 
 _EP_GROUP: dist.ProcessGroup | None = None
+_EP_IMBALANCE = 1.0
+_EP_ROWS: list[int] | None = None
 
 
-def set_ep_group(group: dist.ProcessGroup | None) -> None:
-    """The default ``ep`` group (the runtime sets it once the mesh exists; None: one rank holds every expert)."""
-    global _EP_GROUP
-    _EP_GROUP = group
+def set_ep_group(group: dist.ProcessGroup | None, imbalance: float = 1.0) -> None:
+    """The default ``ep`` group (the runtime sets it once the mesh exists; None: one rank holds every expert) and
+    the routing imbalance the plan prices (`partc.parallel.Parallel.imbalance`), which `partc check` routes its
+    fake tensors by (`_uniform`)."""
+    global _EP_GROUP, _EP_IMBALANCE
+    _EP_GROUP, _EP_IMBALANCE = group, imbalance
+
+
+@contextlib.contextmanager
+def counting_expert_rows() -> Iterator[list[int]]:
+    """Yields a list to which every `expert_parallel` call under ep > 1 in the block appends the rows this rank's
+    experts received (a recomputed forward once more): the measured side of the plan's routing imbalance (the
+    runtime compares the ep ranks' lists, `partc.runtime.api.Program.expert_imbalance`)."""
+    global _EP_ROWS
+    outer, _EP_ROWS = _EP_ROWS, []
+    try:
+        yield _EP_ROWS
+    finally:
+        _EP_ROWS = outer
 
 
 def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *params: Tensor, num_experts: int,
@@ -318,6 +338,8 @@ def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *pa
         received = received.view(ep, local)
         send = counts.view(ep, local).sum(1).tolist()
         recv = received.sum(1).tolist()
+        if _EP_ROWS is not None:
+            _EP_ROWS.append(sum(recv))
         x = _AllToAll.apply(rows, recv, send, group)
         # The rows came grouped by source rank, each group sorted by local expert: sort them by local expert.
         ids = torch.arange(local, device=flat.device).repeat(ep)
@@ -356,12 +378,23 @@ def _is_fake(t: Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def _spread(n: int, parts: int) -> list[int]:
+    """`n` as `parts` integers differing by at most one, the larger first."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
 def _uniform(hidden: Tensor, weights: Tensor, experts, num_experts: int, group, ep: int) -> Tensor:
     """`expert_parallel` without tensor values (fake tensors): every expert gets an equal share of every rank's
-    (token, expert) pairs, the same collectives with the splits that gives."""
+    (token, expert) pairs, the same collectives with the splits that gives. Under the plan's imbalance F
+    (`set_ep_group`), the routing it prices: every rank sends the share F/ep of its pairs to ep rank 0's experts
+    (the busiest rank, the one `partc check` measures) and spreads the rest evenly over the others'."""
     tokens, k = weights.shape
     pairs, device = tokens * k, hidden.device
-    per = [pairs // num_experts + (e < pairs % num_experts) for e in range(num_experts)]
+    per = _spread(pairs, num_experts)
+    if ep > 1 and _EP_IMBALANCE != 1.0:
+        local = num_experts // ep
+        busy = min(pairs, round(pairs * min(_EP_IMBALANCE, ep) / ep))
+        per = _spread(busy, local) + _spread(pairs - busy, num_experts - local)
     rows = hidden[torch.arange(pairs, device=device) // k]
     if ep == 1:
         y = experts(rows, per)
@@ -372,6 +405,8 @@ def _uniform(hidden: Tensor, weights: Tensor, experts, num_experts: int, group, 
         send = [sum(per[r * local:(r + 1) * local]) for r in range(ep)]
         mine = per[dist.get_rank(group) * local:(dist.get_rank(group) + 1) * local]  # from each rank alike
         recv = [sum(mine)] * ep
+        if _EP_ROWS is not None:
+            _EP_ROWS.append(sum(recv))
         x = _AllToAll.apply(rows, recv, send, group)
         ids = [e for _ in range(ep) for e, n in enumerate(mine) for _ in range(n)]
         perm = torch.tensor(sorted(range(len(ids)), key=ids.__getitem__), device=device)

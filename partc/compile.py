@@ -409,7 +409,17 @@ def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batc
     return Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
 
 
-def _predicted(pred: cost.Prediction, global_batch_size: int) -> dict:
+def expert_routing(imbalance: float) -> str:
+    """The plan's ``predicted.expert_routing`` under ep: the routing its numbers assume, and whose they are."""
+    if imbalance == 1.0:
+        return "uniform: every expert gets an equal share of every rank's (token, expert) pairs"
+    return (f"skewed: the busiest rank of each ep group receives {imbalance:g} times the mean (token, expert) rows, "
+            f"every rank sending it {imbalance:g}/ep of its own; predicted.ranks[] are that rank's: its experts' "
+            f"compute and activations {imbalance:g} times the mean rows', its all-to-alls as long as its share takes "
+            f"to arrive, and comm_bytes.ep the bytes that leave it, as the runtime counts them")
+
+
+def _predicted(pred: cost.Prediction, global_batch_size: int, imbalance: float = 1.0) -> dict:
     return {
         "step_time_s": pred.step_time_s, "tokens_per_s": pred.tokens_per_s,
         "samples_per_s": global_batch_size / pred.step_time_s,
@@ -425,7 +435,7 @@ def _predicted(pred: cost.Prediction, global_batch_size: int) -> dict:
                    "timeline_s": r.timeline_s}  # what the step's walk takes (`partc.timeline`, report.html)
                   for r in pred.ranks],
         # Under ep, the routing the all-to-alls and the experts' GEMMs are priced at (docs/expert-parallel.md).
-        **({"expert_routing": "uniform: every expert gets an equal share of every rank's (token, expert) pairs"}
+        **({"expert_routing": expert_routing(imbalance)}
            if any("ep" in r.comm_bytes for r in pred.ranks) else {}),
     }
 
@@ -448,7 +458,7 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
                              "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
                              "mfu": c.prediction.mfu})
     return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
-                predicted=_predicted(pred, par.global_batch_size), alternatives=alternatives, tp_why=dict(best.tp.why),
+                predicted=_predicted(pred, par.global_batch_size, par.imbalance), alternatives=alternatives, tp_why=dict(best.tp.why),
                 tp_loss=cost.tp_loss(graph, par, best.tp))
 
 

@@ -151,9 +151,20 @@ class Parallel:
     all-to-all (`partc.collectives.expert_parallel`). Not a mesh axis: its groups split the ``dp`` groups. Expert
     gradients are reduced (and, with ZeRO, sharded) over the ``dp / ep`` ranks holding the same experts,
     everything else over ``dp`` as without it (docs/expert-parallel.md)."""
+    expert_imbalance: float = field(default=1.0, metadata=_choice(
+        "Price a skewed routing under ep: the busiest ep rank receives this many times the mean (token, expert) "
+        "rows (>= 1.0; 1.0: uniform).", minimum=1.0, maximum=MAX_GPUS))
+    """The routing the plan prices under ``ep > 1`` (not a choice of the search: an assumption the user states,
+    from a run's measured imbalance, `partc run --log-jsonl`): the busiest rank of every ep group receives F times
+    the mean (token, expert) rows, every rank sending it the same share ``F/ep`` of its own (a popular expert's
+    rank); capped at ``ep``, all rows to one rank. The plan's ``predicted.ranks`` are that rank's: its experts'
+    compute and activations F times, its all-to-alls as long as its F-times share takes to arrive, and the bytes that
+    leave it (`partc.passes.cost_axes`). 1.0: uniform routing. Written to the plan only when not 1.0."""
 
     def __post_init__(self) -> None:
         self.validate()
+        if type(self.expert_imbalance) is not float:  # 2 in a plan's JSON: the number 2.0
+            object.__setattr__(self, "expert_imbalance", float(self.expert_imbalance))
 
     # -- validation ----------------------------------------------------------------------------------------------
 
@@ -213,6 +224,12 @@ class Parallel:
         """v: model chunks per pipeline rank (1 unless interleaved)."""
         return self.virtual_stages if self.schedule == "interleaved-1f1b" else 1
 
+    @property
+    def imbalance(self) -> float:
+        """The routing imbalance priced: `expert_imbalance` under ep, capped at ``ep`` (the busiest rank receiving
+        every row); 1.0 without ep (each rank runs its own rows through every expert)."""
+        return min(self.expert_imbalance, float(self.ep)) if self.ep > 1 else 1.0
+
     # -- the mesh ------------------------------------------------------------------------------------------------
 
     def degrees(self) -> dict[str, int]:
@@ -253,7 +270,10 @@ class Parallel:
 
     def to_dict(self) -> dict:
         """The plan's ``parallel`` section (also each alternative's): every field, and the micro-batches."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "num_microbatches": self.num_microbatches}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.expert_imbalance == 1.0:  # the default routing (uniform) leaves the plan as it was
+            del out["expert_imbalance"]
+        return {**out, "num_microbatches": self.num_microbatches}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "parallel") -> Parallel:
@@ -294,6 +314,7 @@ class Parallel:
         text += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         text += " sp" if self.sequence_parallel else ""
         text += f" ep={self.ep}" if self.ep > 1 else ""
+        text += f" imbalance={self.imbalance:g}" if self.imbalance != 1.0 else ""
         return text + (f" {self.precision}" if self.precision != "bf16" else "")
 
 
@@ -356,7 +377,8 @@ def _value_rule(f: dataclasses.Field) -> tuple[type, Any, Any, Any]:
     """(type, choices, min, max) of a field, read from its metadata once (the search validates every
     configuration it considers: 62,244 at 529.6B)."""
     meta = f.metadata
-    typ = int if f.type in ("int", int) else bool if f.type in ("bool", bool) else str
+    typ = (int if f.type in ("int", int) else bool if f.type in ("bool", bool) else float if f.type in ("float", float)
+           else str)
     return typ, meta.get("choices"), meta.get("min"), meta.get("max")
 
 
@@ -365,6 +387,14 @@ def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
     if (type(value) is typ and (choices is None or value in choices) and (lo is None or lo <= value)
             and (hi is None or value <= hi)):
         return  # the common case: every test passes
+    if typ is float:  # a number (an integer in JSON is one too), finite, in range
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise PartcError(f"{where}.{f.name} must be a finite number, got {value!r}")
+        if lo is not None and value < lo:
+            raise PartcError(f"{where}.{f.name} must be >= {lo}, got {value}")
+        if hi is not None and value > hi:
+            raise PartcError(f"{where}.{f.name} must be <= {hi:,}, got {value:,}")
+        return
     if typ is int and (not isinstance(value, int) or isinstance(value, bool)):
         raise PartcError(f"{where}.{f.name} must be an integer, got {value!r}")
     if typ is bool and not isinstance(value, bool):
@@ -443,6 +473,9 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
         dp = f"--dp {pins.dp}" if pins.dp else f"the GPU count {gpus}"
         raise PartcError(f"--ep {pins.ep} does not divide {dp} (the expert-parallel ranks are carved from the "
                          f"data-parallel ones)")
+    if pins.ep is not None and pins.expert_imbalance is not None and 1 < pins.ep < pins.expert_imbalance:
+        raise PartcError(f"--expert-imbalance {pins.expert_imbalance:g} is more than --ep {pins.ep} allows: the "
+                         f"busiest of {pins.ep} ranks receives at most {pins.ep} times the mean (every row)")
     if pins.pp is not None and pins.pp > num_units:
         raise PartcError(f"--pp {pins.pp} asks for more pipeline stages than the model has units ({num_units})")
     if pins.pp is not None and max_stages is not None and pins.pp > max_stages:

@@ -41,7 +41,7 @@ from partc.passes.memory import (LOSS_BYTES, _cp_saved_bytes, _extra_bytes, _hel
                                  in_flight, model_state_bytes, stage_extra_bytes, stage_param_count, tp_loss,
                                  unit_activation_bytes, unit_backward_bytes, unit_local_shapes, unit_param_counts,
                                  unit_param_shards, vocab_loss_bytes)
-from partc.passes.cost_axes import (_expert_layers, cp_bytes, cp_time, ep_alltoall_bytes, ep_bytes, ep_time,
+from partc.passes.cost_axes import (_expert_layers, routed_rows_layers, cp_bytes, cp_time, ep_alltoall_bytes, ep_bytes, ep_time,
                                     expert_dp_bytes, expert_keys, expert_state_bytes)
 
 from . import hw, zero
@@ -66,6 +66,7 @@ def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPla
     t, b = par.tp, tokens(par)
     split = is_split(par, tp, unit)
     fwd = 0.0
+    skewed = routed_rows_layers(graph) if par.imbalance != 1.0 else frozenset()
     for fqn in unit.layers:
         layer, style = graph.layers[fqn], style_of(tp, fqn)
         # A colwise layer's output (and so its bias add / elementwise traffic) is sharded; a rowwise output is the
@@ -76,6 +77,10 @@ def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPla
             continue
         for g in layer.gemms:
             fwd += hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT[style], degree=t)
+        if fqn in skewed:  # experts under a skewed ep routing: the busiest rank runs F times the mean rows
+            # through them (`Parallel.imbalance`), F - 1 times more than the above
+            fwd += (par.imbalance - 1) * (hw.memory_time(cluster, layer.memory_bytes * b / mem_div) + sum(
+                hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT[style], degree=t) for g in layer.gemms))
     # Attention scores/context: Megatron TP splits them over heads, i.e. the bmm batch (Narayanan et al.).
     core = sum(hw.gemm_time(cluster, g, micro_batch_size=b, split="batch" if split else None, degree=t)
                for g in unit.core_gemms)

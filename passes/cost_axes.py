@@ -12,7 +12,7 @@ from partc.cluster import Cluster
 from partc.ir import ModelGraph
 from partc.parallel import Parallel, group_spans_nodes
 from partc.precision import compute_bytes
-from partc.passes.cost_types import Memory, TPPlan, style_of
+from partc.passes.cost_types import Memory, TPPlan, recompute_mode, style_of
 
 from . import hw, zero
 
@@ -64,62 +64,82 @@ def cp_time(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
 # --- 2. Expert parallelism ---------------------------------------------------------------------------------------
 
 def ep_alltoall_bytes(tokens: int, k: int, hidden: int, nbytes: int, ep: int, num_experts: int,
-                      *, backward: bool = True) -> float:
+                      *, backward: bool = True, imbalance: float = 1.0, forwards: int = 1) -> float:
     """Bytes one rank passes to the ``ep`` all-to-alls of one layer of routed experts for one micro-batch of
-    `tokens` tokens (`partc.collectives.expert_parallel`), under uniform routing: the share ``(ep - 1) / ep`` of its
-    ``tokens x k`` (token, expert) rows of `hidden` elements of `nbytes` bytes leaves the rank, once to the experts
-    and once back; the backward sends their gradients the same two ways. The split counts (`num_experts` int64, the
-    same share leaving) are exchanged once, in the forward. Nothing when ``ep`` is 1."""
+    `tokens` tokens (`partc.collectives.expert_parallel`): the rows that leave the rank, as the runtime counts an
+    all-to-all (`partc.runtime.comm`). Under uniform routing the share ``(ep - 1) / ep`` of its ``tokens x k``
+    (token, expert) rows of `hidden` elements of `nbytes` bytes leaves the rank, once to the experts and once
+    back; the backward sends their gradients the same two ways. The split counts (`num_experts` int64, the same
+    share leaving) are exchanged once, in the forward. Nothing when ``ep`` is 1.
+
+    Under an `imbalance` F (`Parallel.imbalance`), the busiest rank's: every rank sends it the share ``F/ep`` of its
+    rows, so of its own rows ``1 - F/ep`` leave to the experts, and the ``F·(ep - 1)/ep`` rows (of its size) it
+    received from the others leave on their way back: ``(1 + F - 2F/ep)`` of its rows instead of ``2·(ep - 1)/ep``
+    (the same at ep 2, where what it receives is what the other rank does not keep).
+
+    `forwards`: 2 where the layer's block is recomputed in full, its forward (all-to-alls and counts) replayed in
+    the backward."""
     if ep == 1:
         return 0.0
     leaving = (ep - 1) / ep
-    rows = tokens * k * leaving * hidden * nbytes * 2 * (2 if backward else 1)
-    return rows + num_experts * leaving * 8
+    share = 2 * leaving if imbalance == 1.0 else (1 - imbalance / ep) + imbalance * leaving
+    rows = tokens * k * share * hidden * nbytes * (forwards + (1 if backward else 0))
+    return rows + num_experts * leaving * 8 * forwards
 
 
-def _expert_layers(graph: ModelGraph, units: Sequence[int]):
-    """(rows per sample, hidden size, experts) of each layer of packed experts of `units` (`Layer.inner`: its
-    first grouped product holds E experts of ``m`` rows each per sample, ``m·E`` = s·k at uniform routing, and
-    multiplies the tokens' hidden size ``k``)."""
+def _expert_layers(graph: ModelGraph, units: Sequence[int], par: Parallel):
+    """(rows per sample, hidden size, experts, forwards) of each layer of packed experts of `units` (`Layer.inner`:
+    its first grouped product holds E experts of ``m`` rows each per sample, ``m·E`` = s·k at uniform routing, and
+    multiplies the tokens' hidden size ``k``; forwards: 2 where its block is recomputed in full, its forward
+    replayed in the backward, all-to-alls included)."""
     for i in units:
+        forwards = 2 if recompute_mode(graph.units[i], par) == "full" else 1
         for fqn in graph.units[i].layers:
             layer = graph.layers[fqn]
             first = next((g for g in layer.gemms if g.inner_split == "n"), None) if layer.inner else None
             if first is not None:
-                yield first.batch * first.m, first.k, first.batch
+                yield first.batch * first.m, first.k, first.batch, forwards
         for routed in graph.routed_experts:  # experts as modules: their layer's all-to-alls on the first's unit
             if routed.unit == graph.units[i].fqn:
-                yield routed.rows, routed.hidden, len(routed.experts)
+                yield routed.rows, routed.hidden, len(routed.experts), forwards
 
 
 def ep_time(graph: ModelGraph, cluster: Cluster, par: Parallel, units: Sequence[int]) -> tuple[float, float]:
     """(forward, backward) seconds of the ep all-to-alls of one micro-batch on one GPU of `units`: per layer of
     packed experts two all-to-alls each way (to the experts and back), each moving the share of the (token,
     expert) rows that leaves the rank, over NVLink or InfiniBand by where the ep group sits (neighbouring dp
-    ranks, ``tp`` apart). Not overlapped with compute."""
+    ranks, ``tp`` apart), the forward's again in the backward where a block is recomputed in full. Not overlapped
+    with compute. Under an imbalance F (`Parallel.imbalance`) every rank waits
+    for the busiest: it receives F times the uniform share on the way to the experts and sends as much back, so
+    each all-to-all takes as long as F times the uniform share takes through its link."""
     if par.ep == 1:
         return 0.0, 0.0
     stride = par.tp  # dp's neighbours are tp ranks apart (`Parallel.coords`)
     spans = group_spans_nodes(par.ep, stride, cluster.gpus_per_node)
     per_node = max(1, min(par.ep, cluster.gpus_per_node // stride))
     c, total = compute_bytes(par.precision), 0.0
-    for rows, hidden, _ in _expert_layers(graph, units):
+    fwd = 0.0
+    for rows, hidden, _, forwards in _expert_layers(graph, units, par):
         leaving = par.micro_batch_size * rows * (par.ep - 1) / par.ep * hidden * c
-        total += 2 * hw.collective_time(cluster, "all_to_all", leaving, par.ep, spans_nodes=spans,
-                                        ranks_per_node=per_node)
-    return total, total
+        leaving *= par.imbalance
+        once = 2 * hw.collective_time(cluster, "all_to_all", leaving, par.ep, spans_nodes=spans,
+                                      ranks_per_node=per_node)
+        fwd += once
+        total += once * forwards  # the backward's, and the forward's again where the block is recomputed in full
+    return fwd, total
 
 
 def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
     """What one GPU passes to the ``ep`` all-to-alls in a step, for its `units`: `ep_alltoall_bytes` of each layer of
     packed experts (`Layer.inner`: its first grouped product holds E experts of ``m`` rows each per sample, ``m·E``
     = s·k at uniform routing, and multiplies the tokens' hidden size ``k``), per micro-batch, times the
-    micro-batches. Under uniform routing the runtime measures exactly this; otherwise its per-step record shows it
-    next to this."""
+    micro-batches; under an imbalance (`Parallel.imbalance`) the busiest rank's. Under the routing priced the
+    runtime measures exactly this (on the busiest rank); otherwise its per-step record shows it next to this."""
     if par.ep == 1:
         return 0.0
     total = sum(ep_alltoall_bytes(par.micro_batch_size * rows, 1, hidden, compute_bytes(par.precision), par.ep,
-                                  experts) for rows, hidden, experts in _expert_layers(graph, units))
+                                  experts, imbalance=par.imbalance, forwards=forwards)
+                for rows, hidden, experts, forwards in _expert_layers(graph, units, par))
     return total * par.num_microbatches
 
 
@@ -132,6 +152,13 @@ def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
         return frozenset()
     return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner) | frozenset(
         graph.tied.get(n, n) for routed in graph.routed_experts for n in routed.params)
+
+
+def routed_rows_layers(graph: ModelGraph) -> frozenset[str]:
+    """The layers whose rows the routing decides: packed experts (`Layer.inner`) and the layers of a plain mixture's
+    expert modules (`ModelGraph.routed_experts`). A skewed routing scales their work on the busiest ep rank."""
+    prefixes = tuple(f"{m}." for routed in graph.routed_experts for m in routed.experts)
+    return frozenset(f for f, layer in graph.layers.items() if layer.inner or (prefixes and f.startswith(prefixes)))
 
 
 def away_experts(graph: ModelGraph, par: Parallel) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from partc.precision import compute_bytes
 from partc.sharding import param_shard
 from partc.vocab_loss import VOCAB_PARALLEL
 from partc.passes.cost_types import Memory, TPPlan, _unit_list, is_split, recompute_mode, style_of, tokens
-from partc.passes.cost_axes import away_experts
+from partc.passes.cost_axes import away_experts, routed_rows_layers
 
 from . import schedule, zero
 
@@ -138,7 +138,19 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
     Checked against autograd's saved tensors on the CPU (tests/test_activations.py): exact at b = 1 for a GPT and
     a LLaMA, none / selective / full; at b >= 2 the GPT saves 4·s·b·h less a block (matmul copies attention's V
     instead of keeping the fused QKV output alive), so this is high by that much."""
-    return [_saved_bytes(par, tp, u, recompute_mode(u, par)) for u in graph.units]
+    return [_saved_bytes(par, tp, u, recompute_mode(u, par)) + _skew_saved_bytes(graph, par, u)
+            for u in graph.units]
+
+
+def _skew_saved_bytes(graph: ModelGraph, par: Parallel, unit: Unit) -> float:
+    """What the busiest ep rank keeps beyond the trace's share under a skewed routing (`Parallel.imbalance` F): its
+    experts' layers (`routed_rows_layers`) save F times what they save for the mean rows, F - 1 times more (all
+    they save counted as the experts' rows: the rows received, their intermediate products). Nothing under full
+    recomputation (the block keeps its input) or uniform routing."""
+    if par.imbalance == 1.0 or recompute_mode(unit, par) == "full":
+        return 0.0
+    routed = routed_rows_layers(graph)
+    return (par.imbalance - 1) * sum(graph.layers[f].saved_bytes for f in unit.layers if f in routed) * tokens(par)
 
 
 def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> float:

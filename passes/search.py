@@ -90,6 +90,7 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
     n_units = len(graph.units)
     pinned = pins.pinned().items()
     precision = pins.precision or "bf16"
+    imbalance = pins.expert_imbalance or 1.0  # an assumption stated, not searched
     experts = _expert_counts(graph)
     for dp, tp, pp, cp in _degrees(cluster, gpus, global_batch, pins, n_units, cp_degrees(graph, gpus, pins)):
         sp_choices = sequence_parallel_choices(graph, tp, pins) if cp == 1 else (False,)
@@ -102,7 +103,8 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
                     for sp in sp_choices:
                         values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
                                       global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
-                                      recompute=recompute, precision=precision, sequence_parallel=sp, ep=ep)
+                                      recompute=recompute, precision=precision, sequence_parallel=sp, ep=ep,
+                                      expert_imbalance=imbalance)
                         if all(values[name] == value for name, value in pinned):
                             yield values
 

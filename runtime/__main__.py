@@ -106,7 +106,8 @@ def train(args: argparse.Namespace) -> None:
                         log.write(json.dumps({"step": k, "loss": loss, "grad_norm": last["grad_norm"],
                                               "lr": last["lr"], "clipped": last["clipped"],
                                               f"{unit}_per_s": tokens / dt, "step_time_s": dt, "mfu": mfu,
-                                              "predicted_mfu": planned, "ranks": ranks}, allow_nan=False) + "\n")
+                                              "predicted_mfu": planned, **expert_imbalance(ranks),
+                                              "ranks": ranks}, allow_nan=False) + "\n")
                         log.flush()
                 done = k + 1
                 if args.checkpoint_dir and (done == args.steps or
@@ -141,6 +142,17 @@ def _gather_records(prog) -> list[dict] | None:
     records = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(prog.step_record(), records, dst=0)
     return records
+
+
+def expert_imbalance(records: list[dict]) -> dict:
+    """Under ep, the step's measured routing imbalance (the largest of the ep groups', `Program.expert_imbalance`)
+    next to the plan's (``predicted_expert_imbalance``): what to pin as ``--expert-imbalance`` to price this routing.
+    Empty without ep."""
+    if not records or "predicted_expert_imbalance" not in records[0]:
+        return {}
+    measured = [r["expert_imbalance"] for r in records if r.get("expert_imbalance") is not None]
+    return {"expert_imbalance": max(measured, default=None),
+            "predicted_expert_imbalance": records[0]["predicted_expert_imbalance"]}
 
 
 def on_rank0(fn) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partc.collectives import set_cp_group, set_ep_group, set_tp_group
+from partc.collectives import counting_expert_rows, set_cp_group, set_ep_group, set_tp_group
 from partc.deferred_init import InitRecord
 from partc.errors import PartcError
 from partc.model_file import ModelSpec, load_model_file
@@ -80,6 +80,8 @@ class Program:
         """What the loaded checkpoint recorded of the data (`partc.runtime.data.data_state`; None: none)."""
         self.loader: Loader | None = None
         """The last `data_loader` (its position goes into `save`'s checkpoint)."""
+        self.expert_rows: list[int] = []
+        """Under ep: the rows this rank's experts received in each ep all-to-all of the last `step`, in order."""
 
     @property
     def last_step(self) -> dict:
@@ -132,12 +134,13 @@ class Program:
         device = self.world.device
         if device.type != "cpu":
             torch.accelerator.reset_peak_memory_stats(device)
-        if isinstance(inputs, Batch):
-            self.next_step = inputs.step
-            loss = self.runner.step_local(inputs.inputs, inputs.targets, step=inputs.step)
-        else:
-            args, kwargs = _as_args(inputs)
-            loss = self.runner.step(args, kwargs, targets, step=self.next_step)
+        with counting_expert_rows() as self.expert_rows:
+            if isinstance(inputs, Batch):
+                self.next_step = inputs.step
+                loss = self.runner.step_local(inputs.inputs, inputs.targets, step=inputs.step)
+            else:
+                args, kwargs = _as_args(inputs)
+                loss = self.runner.step(args, kwargs, targets, step=self.next_step)
         self.next_step += 1
         return loss
 
@@ -154,14 +157,36 @@ class Program:
     def step_record(self) -> dict:
         """What this rank did in the last `step`, next to what the plan predicted for its pipeline rank: collective
         payload by mesh axis (`partc.runtime.comm`; ``predicted.ranks[].comm_bytes`` defines the quantity) and the
-        peak of allocated device memory (None on a CPU, which does not report it)."""
+        peak of allocated device memory (None on a CPU, which does not report it). Under ep, also the rows its
+        experts received (``expert_rows``) and its ep group's measured routing imbalance (``expert_imbalance``,
+        `expert_imbalance`), next to the one the plan priced: collective (every rank calls it)."""
         device = self.world.device
         predicted = self.files.predicted_ranks
         mine = predicted[self.world.pp_rank] if predicted else {}
-        return {**self.world.record(), "comm_bytes": dict(self.runner.comm_bytes),
-                "predicted_comm_bytes": mine.get("comm_bytes"),
-                "peak_memory_bytes": None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device),
-                "predicted_memory_bytes": (mine.get("memory_bytes") or {}).get("total")}
+        record = {**self.world.record(), "comm_bytes": dict(self.runner.comm_bytes),
+                  "predicted_comm_bytes": mine.get("comm_bytes"),
+                  "peak_memory_bytes": None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device),
+                  "predicted_memory_bytes": (mine.get("memory_bytes") or {}).get("total")}
+        if self.plan.parallel.ep > 1:
+            record.update(expert_rows=sum(self.expert_rows), expert_imbalance=self.expert_imbalance(),
+                          predicted_expert_imbalance=self.plan.parallel.imbalance)
+        return record
+
+    def expert_imbalance(self) -> float | None:
+        """The last `step`'s routing imbalance in this rank's ep group, as the plan prices it
+        (`partc.parallel.Parallel.imbalance`): each all-to-all waits for the rank receiving the most rows, so it is
+        the sum over the step's all-to-alls of the most rows a rank of the group received over the sum of the mean
+        (1.0: uniform; ep: every row to one rank). None without ep or where this stage has no experts. Collective
+        over the ep group (outside the step: not counted as its traffic)."""
+        group = self.world.ep_group
+        if group is None or self.plan.parallel.ep == 1 or not self.expert_rows:  # the same on the whole group
+            return None
+        mine = torch.tensor(self.expert_rows, dtype=torch.float64, device=self.world.device)
+        rows = [torch.empty_like(mine) for _ in range(self.plan.parallel.ep)]
+        torch.distributed.all_gather(rows, mine, group=group)
+        rows = torch.stack(rows)
+        mean = rows.mean(0).sum().item()
+        return rows.max(0).values.sum().item() / mean if mean > 0 else None
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for st in self.stages for p in st.parameters()]
@@ -255,7 +280,7 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
     opt_config = optimizer or OptimizerConfig()
     # The stage files find the tp group through `collectives`.
     set_tp_group(world.tp_group)
-    set_ep_group(world.ep_group)
+    set_ep_group(world.ep_group, par.imbalance)
     set_cp_group(world.cp_group)
 
     # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes

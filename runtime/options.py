@@ -55,7 +55,9 @@ def parser() -> argparse.ArgumentParser:
                    help="rank 0 writes a line per step: {step, loss, grad_norm, lr, clipped, tokens_per_s (or "
                         "samples_per_s), step_time_s, mfu, predicted_mfu, ranks: [{rank, "
                         f"{', '.join(a.rank_key for a in MESH)}, comm_bytes {{{', '.join(MESH_AXES)}}}, "
-                        "predicted_comm_bytes, peak_memory_bytes, predicted_memory_bytes}, ...]}")
+                        "predicted_comm_bytes, peak_memory_bytes, predicted_memory_bytes}, ...]}; under ep also "
+                        "expert_imbalance (measured: the most rows an ep rank received over the mean) and "
+                        "predicted_expert_imbalance (the plan's), and each rank's expert_rows")
     p.add_argument("--save-full-state-dict", default=None,
                    help="at the end, gather the model's state_dict() and torch.save it here (rank 0)")
     p.add_argument("--checkpoint-dir", default=None,

@@ -8,7 +8,8 @@ JOBS.json is a list of jobs: ``{"out": OUT, "steps": N, "seed": S, "optimizer": 
 "data": true (optional: train on the model file's dataset() through `Program.data_loader`), "init": FILE (a full state dict, loaded with Program.load_state_dict), "init_checkpoint":
 FILE (the same, passed to load() as --init-checkpoint is), "result": FILE, "save": DIR (optional: a checkpoint
 after the run), "load": DIR (optional: resume from it first), "initial": true (optional: also the full state dict
-before the first step)}``. Rank 0 writes ``{"losses": [...], "state": full state dict, "start": step resumed from,
+before the first step), "records": true (optional: every rank's `Program.step_record` per step, under
+"records")}``. Rank 0 writes ``{"losses": [...], "state": full state dict, "start": step resumed from,
 "comm": per step, every rank's comm bytes by axis, "replica_diff": the largest difference between tp ranks' copies
 of a parameter the program does not split (0.0: they stay identical), "initial": the full state dict before the
 first step, if asked, and with "data": "grad_norms", "lrs", "clipped" per step and "read": every rank's dataset
@@ -170,6 +171,10 @@ def run_job(job: dict[str, Any]) -> None:
         ranks: list = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, prog.runner.comm_bytes)
         comm.append(ranks)
+        if job.get("records"):  # `Program.step_record` of every rank, as `partc run --log-jsonl` gathers them
+            records: list = [None] * dist.get_world_size()
+            dist.all_gather_object(records, prog.step_record())
+            extra.setdefault("records", []).append(records)
     if job.get("data"):
         read: list = [None] * dist.get_world_size()
         dist.all_gather_object(read, {"read": list(prog.loader.read), "pp_rank": prog.world.pp_rank,

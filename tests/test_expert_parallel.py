@@ -340,6 +340,12 @@ UNIFORM_PLAIN = ("weight, choice = self.router(flat).softmax(-1).max(-1)",
                  "        uniform = (t.unsqueeze(-1) % 4 == torch.arange(4, device=flat.device)) * 10.0\n"
                  "        weight, choice = (self.router(flat) * 0.0 + uniform).softmax(-1).max(-1)")
 """The user MoE's router made uniform: token t of a micro-batch picks expert t % 4 (12 tokens: 3 for each)."""
+SKEWED = UNIFORM.replace('''\"\"\"Token t picks experts t % E and (t + 1) % E: every expert gets the same share of every rank's tokens.\"\"\"''',
+                         '''\"\"\"Token t picks expert 0 and expert 1 + t % 4 % 3 (the same for any batch of sequences of 16):
+        expert 0 gets half of every rank's (token, expert) pairs, the busiest of 4 ep ranks (one expert each)
+        twice the mean.\"\"\"''').replace(
+    "index = torch.stack([(t + j) % self.num_experts for j in range(self.top_k)], dim=-1)",
+    "index = torch.stack([torch.zeros_like(t), 1 + t % 4 % 3], dim=-1)").replace("UniformRouter", "SkewedRouter")
 S, GBS, STEPS = 16, 4, 3
 RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep groups, each expert held by 2 ranks,
     # which ZeRO shards them over)
@@ -407,7 +413,17 @@ def runs(model_files, tmp_path_factory):
     uniform.write_text(textwrap.dedent(UNIFORM))
     compile_program(str(uniform), tmp / "uniform_ep2", global_batch_size=GBS, seq_len=S, tp=1, ep=2, dp=2, pp=1,
                     zero=1, micro_batch_size=1, schedule="1f1b", recompute="none", precision="fp32")
-    jobs[2].append({"out": str(tmp / "uniform_ep2"), "steps": 2, "result": str(tmp / "uniform_ep2.pt"), **SGD})
+    jobs[2].append({"out": str(tmp / "uniform_ep2"), "steps": 2, "result": str(tmp / "uniform_ep2.pt"),
+                    "records": True, **SGD})
+    skewed = tmp / "skewed.py"  # the router made skewed: ep rank 0 receives twice the mean rows, as the plan prices
+    skewed.write_text(textwrap.dedent(SKEWED))
+    torch.manual_seed(1234)
+    torch.save(load_model_file(str(skewed), seq_len=S).build().state_dict(), tmp / "skewed.init.pt")
+    compile_program(str(skewed), tmp / "skewed_ep4", global_batch_size=2 * GBS, seq_len=S, tp=1, ep=4, dp=4, pp=1,
+                    zero=1, micro_batch_size=1, schedule="1f1b", recompute="none", precision="fp32",
+                    expert_imbalance=2.0)
+    jobs[4].append({"out": str(tmp / "skewed_ep4"), "steps": 2, "init": str(tmp / "skewed.init.pt"),
+                    "result": str(tmp / "skewed_ep4.pt"), "records": True, **SGD})
     for ranks, batch in sorted(jobs.items()):
         run_jobs(ranks, batch, tmp)
     return tmp
@@ -482,6 +498,39 @@ def test_uniform_routing_sends_the_planned_bytes(runs):
     assert [r["dp"] for step in got["comm"] for r in step] == [dp] * 4
 
 
+@pytest.mark.slow  # uses the runs above
+def test_skewed_routing_sends_and_computes_as_planned(runs):
+    """ep 4, one expert a rank, the router sending half of every rank's (token, expert) pairs to expert 0, and the
+    plan priced at ``--expert-imbalance 2``: rank 0 (the busiest) receives twice the mean rows, and its measured
+    all-to-all bytes equal the plan's in every step (`ep_alltoall_bytes` at F 2: of its 32 rows a micro-batch, 16
+    leave for the other experts and the 48 it received from the others go back, there and back again in backward;
+    uniform routing would be 48 in all). The step records show the measured imbalance (2.0) next to the plan's;
+    with the uniform router of the ep 2 run, 1.0. It trains like one process (ep 4 holds one expert a rank)."""
+    from helpers import assert_close_losses
+    from partc.runtime.__main__ import expert_imbalance
+    from partc.runtime.testing import reference_run
+
+    plan = json.loads((runs / "skewed_ep4" / "plan.json").read_text())
+    assert plan["parallel"]["expert_imbalance"] == 2.0 and plan["predicted"]["expert_routing"].startswith("skewed")
+    want = plan["predicted"]["ranks"][0]["comm_bytes"]["ep"]
+    rows = 16 * 2  # a micro-batch's (token, expert) pairs on a rank
+    assert want == 2 * 2 * (rows * (1 - 2 / 4 + 2 * 3 / 4) * 64 * 4 * 2 + 4 * 8 * 3 / 4)  # 2 layers x 2 micro-batches
+    assert want > 2 * 2 * (rows * 2 * 3 / 4 * 64 * 4 * 2 + 4 * 8 * 3 / 4)  # more than under uniform routing
+    got = torch.load(runs / "skewed_ep4.pt", weights_only=True)
+    assert [step[0]["ep"] for step in got["comm"]] == [want] * 2
+    assert all(step[r]["ep"] < want for step in got["comm"] for r in (1, 2, 3)), got["comm"]
+    for records in got["records"]:
+        assert [r["expert_rows"] for r in records] == [2 * 2 * 64, 2 * 2 * 32, 2 * 2 * 16, 2 * 2 * 16]
+        assert [r["expert_imbalance"] for r in records] == [2.0] * 4
+        assert expert_imbalance(records) == {"expert_imbalance": 2.0, "predicted_expert_imbalance": 2.0}
+    uniform = torch.load(runs / "uniform_ep2.pt", weights_only=True)["records"]
+    assert [expert_imbalance(records) for records in uniform] == [
+        {"expert_imbalance": 1.0, "predicted_expert_imbalance": 1.0}] * 2
+    losses, _ = reference_run(str(runs / "skewed.py"), torch.load(runs / "skewed.init.pt", weights_only=True),
+                              steps=2, seed=0, seq_len=S, **SGD, global_batch_size=2 * GBS)
+    assert_close_losses(got["losses"], losses)
+
+
 @pytest.mark.slow  # `partc check` of the plan above (one process, fake tensors)
 def test_check_agrees_on_an_ep_plan(runs):
     from click.testing import CliRunner
@@ -518,6 +567,12 @@ def test_check_agrees_on_an_ep_plan(runs):
     assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0
     assert rows["memory params"]["measured"] == pytest.approx(rows["memory params"]["predicted"], rel=1e-3)
     assert rows["memory optimizer"]["measured"] == pytest.approx(rows["memory optimizer"]["predicted"], rel=1e-2)
+    # the skewed plan (ep 4, F 2): the check routes its fake tokens as the plan prices them and measures the busiest
+    result = CliRunner().invoke(main, ["check", str(runs / "skewed_ep4"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["what"]: row for row in json.loads(result.stdout)["ranks"][0]["rows"]}
+    assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] == json.loads(
+        (runs / "skewed_ep4" / "plan.json").read_text())["predicted"]["ranks"][0]["comm_bytes"]["ep"]
     # dp 4 ep 2, ZeRO-1 and ZeRO-3: the experts sharded over the 2 ranks holding them, states and traffic as planned
     for name in ("mixtral_ep2_dp2_z1", "mixtral_ep2_dp2_z3"):
         result = CliRunner().invoke(main, ["check", str(runs / name), "--format", "json"])
@@ -533,7 +588,8 @@ def test_check_agrees_on_an_ep_plan(runs):
 @pytest.mark.slow  # three compiles
 def test_ep_is_refused_where_it_cannot_apply(tmp_path, model_files):
     """One line each: a model without packed experts, experts that do not divide among the ep ranks, an ep that
-    does not divide dp, a plain mixture of experts whose routing cannot be followed."""
+    does not divide dp, a plain mixture of experts whose routing cannot be followed, a routing imbalance below 1,
+    not finite, or above ep."""
     from click.testing import CliRunner
 
     from partc.cli.main import main
@@ -547,6 +603,11 @@ def test_ep_is_refused_where_it_cannot_apply(tmp_path, model_files):
         ([model_files["mixtral"], "--gpus", "4", "--dp", "2", "--tp", "2", "--ep", "4"], "--ep 4 does not divide --dp 2"),
         ([plain_refused(tmp_path), "--gpus", "2", "--dp", "2", "--ep", "2"],
          "--ep 2: a mixture of experts cannot be divided: the computation of an expert (add) reads mean besides"),
+        # a routing imbalance below uniform, not a number, or more than the ep ranks can receive
+        ([model_files["mixtral"], "--gpus", "4", "--expert-imbalance", "0.5"], "0.5 is not in the range x>=1.0"),
+        ([model_files["mixtral"], "--gpus", "4", "--expert-imbalance", "nan"], "must be a finite number, got nan"),
+        ([model_files["mixtral"], "--gpus", "4", "--dp", "4", "--ep", "2", "--expert-imbalance", "3"],
+         "--expert-imbalance 3 is more than --ep 2 allows"),
     ]
     for args, why in cases:
         seq = [] if "user_moe" in args[0] else ["--seq-len", str(S)]  # a user model sets its tokens itself
@@ -621,3 +682,58 @@ def test_search_tries_ep_where_the_experts_divide(model_files):
     assert _ep_degrees(Pins(), 8, _expert_counts(graph)) == [1, 2, 4]
     assert _ep_degrees(Pins(ep=2), 8, [4, 4]) == [2] and _ep_degrees(Pins(ep=2), 3, [4]) == []
     assert _ep_degrees(Pins(), 8, []) == [1]
+
+
+def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
+    """``--expert-imbalance F``: the busiest ep rank receives F times the mean rows. At F 1 nothing changes (the
+    default plan is the uniform one); at F 2 and ep 4 its experts' compute and what they keep are twice the mean
+    rows', each all-to-all takes as long as twice the uniform share, and the bytes that leave it are
+    ``1 + F - 2F/ep`` of its rows (2 at F 2 against 1.5); capped at ep; nothing changes without ep. Under full
+    recomputation the forward's all-to-alls count twice."""
+    import dataclasses
+
+    from helpers import trace_file
+    from partc.parallel import Parallel
+    from partc.passes import cost, hw
+    from partc.passes.assemble import predict
+    from partc.cluster import load_cluster
+
+    graph = trace_file(model_files["mixtral"], seq_len=S)[1].graph
+    cluster = load_cluster("a100-80g")
+    units = range(len(graph.units))
+    base = Parallel(dp=4, tp=1, pp=1, zero=1, micro_batch_size=1, global_batch_size=8, ep=4, precision="fp32")
+    skew = dataclasses.replace(base, expert_imbalance=2.0)
+    assert (base.imbalance, skew.imbalance, dataclasses.replace(skew, expert_imbalance=9.0).imbalance) == (1, 2, 4)
+    assert dataclasses.replace(skew, dp=4, ep=1).imbalance == 1.0 and "expert_imbalance" not in base.to_dict()
+    assert Parallel.from_dict(skew.to_dict()) == skew and Parallel.from_dict({**skew.to_dict(), "expert_imbalance": 2}) == skew
+    rows, layers, m = S * 2, 2, 2  # (token, expert) rows per sample, MoE layers, micro-batches
+    counts = 4 * 8 * 3 / 4
+    assert cost.ep_bytes(graph, base, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 2 + counts)
+    assert cost.ep_bytes(graph, skew, units) == layers * m * (rows * (1 - 2 / 4 + 2 * 3 / 4) * 64 * 4 * 2 + counts)
+    full = dataclasses.replace(base, recompute="full")
+    assert cost.ep_bytes(graph, full, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 3 + 2 * counts)
+    once = lambda f: 2 * hw.collective_time(cluster, "all_to_all", f * rows * 3 / 4 * 64 * 4, 4, spans_nodes=False,
+                                            ranks_per_node=4)
+    assert cost.ep_time(graph, cluster, base, units) == pytest.approx((layers * once(1), layers * once(1)))
+    assert cost.ep_time(graph, cluster, skew, units) == pytest.approx((layers * once(2), layers * once(2)))
+    assert cost.ep_time(graph, cluster, full, units) == pytest.approx((layers * once(1), 2 * layers * once(1)))
+    # the experts' compute: a MoE block's forward grows by its experts layer's own time, and it keeps twice what
+    # that layer saves (once more)
+    tp = None  # every layer whole
+    acts = {p: cost.unit_activation_bytes(graph, p, tp) for p in (base, skew)}
+    for i, u in enumerate(graph.units):
+        experts = [graph.layers[f] for f in u.layers if graph.layers[f].inner]
+        own = sum(hw.memory_time(cluster, e.memory_bytes) + sum(hw.gemm_time(cluster, g, micro_batch_size=1)
+                                                              for g in e.gemms) for e in experts)
+        fwd = [cost._forward_times(graph, cluster, p, tp, u)[0] for p in (base, skew)]
+        assert fwd[1] - fwd[0] == pytest.approx(own, abs=1e-15)
+        assert acts[skew][i] - acts[base][i] == sum(e.saved_bytes for e in experts)
+    assert sum(bool(graph.layers[f].inner) for u in graph.units for f in u.layers) == layers
+    unskewed = dataclasses.replace(base, ep=1)
+    assert (cost.unit_time_parts(graph, cluster, unskewed, tp)
+            == cost.unit_time_parts(graph, cluster, dataclasses.replace(unskewed, expert_imbalance=2.0), tp))
+    # the whole plan: slower, more activations, more bytes on the busiest rank
+    bounds = [(0, len(graph.units))]
+    a, b = predict(graph, cluster, base, tp, bounds), predict(graph, cluster, skew, tp, bounds)
+    assert b.step_time_s > a.step_time_s and b.memory_per_gpu.activations > a.memory_per_gpu.activations
+    assert b.ranks[0].comm_bytes["ep"] > a.ranks[0].comm_bytes["ep"]
