@@ -642,6 +642,24 @@ def test_plain_experts_are_followed(model_files, model):
     for e in range(4):
         got = split.local(rows, *(params[n] for n in split.params[e]))
         torch.testing.assert_close(got, net.moe.experts[e](rows), rtol=0, atol=0)
+    # a skewed routing (`--expert-imbalance`) scales the expert modules' layers, and only those, on the busiest rank
+    import dataclasses
+
+    from partc.cluster import load_cluster
+    from partc.parallel import Parallel
+    from partc.passes import cost
+
+    graph = traced.graph
+    assert cost.routed_rows_layers(graph) == {f for f in graph.layers if f.startswith("moe.experts.")} != set()
+    base = Parallel(dp=4, tp=1, pp=1, zero=1, micro_batch_size=1, global_batch_size=8, ep=4, precision="fp32")
+    skew = dataclasses.replace(base, expert_imbalance=2.0)
+    cluster = load_cluster("a100-80g")
+    for i, u in enumerate(graph.units):
+        fwd = [cost._forward_times(graph, cluster, p, None, u)[0] for p in (base, skew)]
+        experts = [f for f in u.layers if f.startswith("moe.experts.")]
+        assert (fwd[1] > fwd[0]) == bool(experts), u.fqn
+    acts = [sum(cost.unit_activation_bytes(graph, p, None)) for p in (base, skew)]
+    assert acts[1] - acts[0] == sum(graph.layers[f].saved_bytes for f in cost.routed_rows_layers(graph))
 
 
 def test_plain_routing_it_cannot_follow_is_refused(tmp_path):
