@@ -100,11 +100,13 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
             for b in divisors(per_replica):
                 for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
                     for sp in sp_choices:
-                        values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
-                                      global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
-                                      recompute=recompute, precision=precision, sequence_parallel=sp, ep=ep)
-                        if all(values[name] == value for name, value in pinned):
-                            yield values
+                        for regather in regather_choices(sp, pins):
+                            values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
+                                          global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
+                                          recompute=recompute, precision=precision, sequence_parallel=sp, ep=ep,
+                                          sp_regather=regather)
+                            if all(values[name] == value for name, value in pinned):
+                                yield values
 
 
 def sequence_parallel_choices(graph: ModelGraph, tp: int, pins: Pins) -> tuple[bool, ...]:
@@ -117,6 +119,15 @@ def sequence_parallel_choices(graph: ModelGraph, tp: int, pins: Pins) -> tuple[b
     if tp > 1 and graph.seq_len > 1 and graph.seq_len % tp == 0:
         return (False, True)
     return (False,)
+
+
+def regather_choices(sequence_parallel: bool, pins: Pins) -> tuple[bool, ...]:
+    """The values of ``sp_regather`` the search weighs: off without sequence parallelism; the pin, where given; else
+    both. Neither dominates: gathering the colwise layers' inputs again in backward divides what they keep by t,
+    for one more all-gather each (hidden behind the input gradient's GEMMs where those are longer)."""
+    if not sequence_parallel:
+        return (False,)
+    return (pins.sp_regather,) if pins.sp_regather is not None else (False, True)
 
 
 def _expert_counts(graph: ModelGraph) -> list[int]:
@@ -190,7 +201,8 @@ def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):
 # independent of it. A quantity that depends on a function of ignored fields (say, whether the pipeline has more
 # than one rank) adds that value to its key explicitly.
 _PIPELINE = ("pp", "global_batch_size", "schedule", "virtual_stages")
-_SP = ("sequence_parallel",)  # the TP map and the parameters do not depend on it; activations and traffic do
+_SP = ("sequence_parallel", "sp_regather")  # the TP map and the parameters do not depend on them; activations and
+# traffic do
 TP = Reads("tp", ("dp", "zero", "recompute", *_PIPELINE, *_SP))  # the TP solve: (tp, b)
 PARTS = Reads("parts", ("dp", "zero", *_PIPELINE))  # unit times: (tp, b, recompute)
 SHARDS = Reads("shards", ("dp", "zero", "recompute", *_PIPELINE, *_SP))  # parameters on one GPU: (tp, b)

@@ -40,6 +40,9 @@ CONFIGS = {
     "llama_tp2_pp2_dp2_z3_sp": ("llama", 2, 2, 2, 3, 1, 4),
     "gpt_tp4_dp2_z3_sp": ("gpt", 4, 1, 2, 3, 1, 4),
 }
+REGATHER = {"llama_tp2_sp", "gpt_tp2_sp_bf16", "gpt_tp2_pp2_dp2_z1_sp", "llama_tp2_pp2_dp2_z3_sp", "gpt_tp4_dp2_z3_sp"}
+"""Configurations pinned to `sp_regather` (the colwise layers' inputs gathered again in backward); the others
+pinned without it."""
 STYLES = {"llama_tp2_sp_tok_colwise": {"tok": "colwise"}}
 """Styles set over Megatron's map."""
 
@@ -56,11 +59,15 @@ STEPS = 2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
 
 
+def plan_of(out: Path) -> dict:
+    return json.loads((out / "plan.json").read_text())
+
+
 def compile_sp(name: str, tmp: Path) -> Path:
     model, tp, pp, dp, zero, mb, gbs = CONFIGS[name]
     path, out = str(EXAMPLES / f"{model}.py"), tmp / name
     pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
-                precision=precision_of(name), sequence_parallel=True)
+                precision=precision_of(name), sequence_parallel=True, sp_regather=name in REGATHER)
     compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, out_dir=out)
     plan = json.loads((out / "plan.json").read_text())
     for fqn in plan["tp"]:
@@ -114,7 +121,12 @@ def test_sequence_parallel_matches_one_process(runs, name):
     assert_close_states(got["state"], state, rtol=rtol, atol=1e-4 if precision_of(name) == "bf16" else 0.0)
     assert got["replica_diff"] == 0.0, "parameters the program keeps whole must stay identical on the tp ranks"
     source = "".join(f.read_text() for f in sorted((outs[name] / "program").glob("stage_*.py")))
-    assert "tp.gather_from_sp(" in source and "tp.reduce_scatter_to_sp(" in source
+    assert "tp.reduce_scatter_to_sp(" in source
+    if name in REGATHER:  # every gather before colwise layers is gathered again in backward
+        assert "tp.linears_from_sp(" in source and "tp.gather_from_sp(" not in source
+        assert plan_of(outs[name])["parallel"]["sp_regather"] is True
+    else:
+        assert "tp.gather_from_sp(" in source and "tp.linears_from_sp(" not in source
     assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
     assert "tp.gather_from_previous_stage(" not in source, "a stage receives its part of the sequence"
     assert "sequence_parallel_gathers" not in json.loads((outs[name] / "plan.json").read_text())["model"]
