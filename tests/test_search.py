@@ -331,7 +331,8 @@ def test_cache_keys_see_a_new_field():
         assert r.key_of(one.__getattribute__, cls=wide) != r.key_of(two.__getattribute__, cls=wide), r.name
         assert r.key(Parallel(**base)) == r.key_of(dict(base, cp=1, schedule="1f1b", virtual_stages=1,
                                                         recompute="none", precision="bf16",
-                                                        sequence_parallel=False, ep=1).__getitem__), r.name
+                                                        sequence_parallel=False, ep=1,
+                                                        sp_regather=False).__getitem__), r.name
 
     graph, cluster = gpt_graph("tied"), small_cluster(2, gpus_per_node=2)
     costs = _Costs(graph, cluster, None)
