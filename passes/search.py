@@ -503,6 +503,10 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
     # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`. Only then is its
     # `Parallel` built. A configuration whose model states cannot fit leaves before its bound is computed. Its other
     # style maps enter with the floor bound too and are priced only when they come first (stage 1).
+    # A configuration and its twin with `sp_regather` on (enumerated next to it) are one configuration to the
+    # alternatives, as a configuration's style maps are: the faster of the two (ties: the one without it) is kept.
+    slots = [i - 1 if values.get("sp_regather") and i and configs[i - 1] == dict(values, sp_regather=False) else i
+             for i, values in enumerate(configs)]
     queue = []
     for i, values in enumerate(configs):
         make = _builder(values)
@@ -510,7 +514,7 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
             queue.append((costs._floor_bound(values.__getitem__, make), i, 0, 0, values))
     heapq.heapify(queue)
     best: list[tuple[float, int, int, Candidate]] = []  # max-heap by step time via negation
-    held: dict[int, tuple[float, int, int, Candidate]] = {}  # configuration index -> its entry in `best`
+    held: dict[int, tuple[float, int, int, Candidate]] = {}  # configuration slot -> its entry in `best`
     evaluated: set[int] = set()
     # The candidates that do not fit, in the order evaluated: the one needing the least memory (the first of
     # equals) is reported when nothing fits. A least-time split found not to fit by `fits_memory` is predicted only
@@ -554,16 +558,17 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
             continue
         cand = Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
         item = (-pred.step_time_s, -i, -k, cand)
-        if i in held:  # one candidate per configuration: its best style map (the alternatives differ in more)
-            if item > held[i]:
-                best[best.index(held[i])] = held[i] = item
+        slot = slots[i]
+        if slot in held:  # one candidate per configuration: its best style map (the alternatives differ in more)
+            if item > held[slot]:
+                best[best.index(held[slot])] = held[slot] = item
                 heapq.heapify(best)
         elif len(best) < keep:
             heapq.heappush(best, item)
-            held[i] = item
+            held[slot] = item
         elif item > best[0]:
-            del held[-heapq.heapreplace(best, item)[1]]
-            held[i] = item
+            del held[slots[-heapq.heapreplace(best, item)[1]]]
+            held[slot] = item
     return best, unfit, len(evaluated)
 
 
