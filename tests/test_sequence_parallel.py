@@ -1,7 +1,8 @@
 """Sequence parallelism (Korthikanti et al. 2022) in the runtime: torchrun on CPU (gloo), tiny models, compared
 with one process.
 
-Each program is compiled with ``sequence_parallel`` pinned and Megatron's style map set by hand (as
+Each program is compiled with ``sequence_parallel`` pinned (and ``sp_regather`` on or off, `REGATHER`: the colwise
+layers' inputs gathered again in backward) and Megatron's style map set by hand (as
 tests/test_runtime_tp.py does), then trained under torchrun in one launch: SGD losses and the gathered state dict
 must equal `reference_run` (fp32 within 1e-5; bf16 within today's 1e-2 against a bf16 process), the parameters
 the program keeps whole (the norms, applied to each rank's part of the sequence, their gradients all-reduced) must
