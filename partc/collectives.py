@@ -19,6 +19,12 @@ sequence, so Megatron's f and g become
     gather_from_sp(x, dim)          forward: all-gather along dim        backward: reduce-scatter along dim
     reduce_scatter_to_sp(x, dim)    forward: reduce-scatter along dim    backward: all-gather along dim
 
+and, with the colwise layers' inputs gathered again in backward (Megatron-Core's default under sequence
+parallelism), the gather and the Linears that read it in one function that keeps only this rank's part:
+
+    linears_from_sp(x, dim, w, b, ...)   forward: all-gather along dim, the Linears   backward: all-gather again,
+                                         the gradients, reduce-scatter of the input's along dim
+
 (an all-reduce is a reduce-scatter and an all-gather: the same time on the wire, each collective half of it).
 
 and, on the output layer split over the vocabulary (Megatron-Core's ``vocab_parallel_cross_entropy``):
@@ -148,6 +154,58 @@ def reduce_scatter_to_sp(x: Tensor, dim: int, group: dist.ProcessGroup | None = 
     """After a rowwise layer under sequence parallelism: the partial sums summed, each rank keeping its part of the
     sequence; the gradient's parts are all-gathered (the rowwise layer needs the whole gradient)."""
     return _apply(x, dim, group, _reduce_scatter, _all_gather)
+
+
+class _LinearsFromSP(torch.autograd.Function):
+    """Linears ``F.linear(x_whole, w_i, b_i)`` of `x` all-gathered along `dim`, saving only this rank's part of
+    `x` for backward (Megatron-Core's ``LinearWithGradAccumulationAndAsyncCommunication`` under sequence
+    parallelism). Backward: the all-gather of `x` again, issued first and waited for after the input gradient's
+    GEMMs (which do not need it: on NCCL it runs beside them); then the weight gradients, rank by rank part of the
+    sequence (no concatenated copy), and the input gradient reduce-scattered along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, *params):
+        weights, biases = params[0::2], params[1::2]
+        whole = _all_gather(x, dim, group)
+        ctx.dim, ctx.group, ctx.has_bias = dim, group, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(torch.nn.functional.linear(whole, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        dim, group, n = ctx.dim, ctx.group, dist.get_world_size(ctx.group)
+        parts = [torch.empty_like(x) for _ in range(n)]
+        work = None if x.is_meta else dist.all_gather(parts, x.contiguous(), group=group, async_op=True)
+        flat = [g.reshape(-1, g.shape[-1]) for g in grads]
+        gx = flat[0] @ weights[0]
+        for g, w in zip(flat[1:], weights[1:]):
+            gx.addmm_(g, w)  # in place: one input gradient however many layers read the input
+        if work is not None:
+            work.wait()
+        out = []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            gw = None
+            for r, (gr, xr) in enumerate(zip(g.chunk(n, dim=dim), parts)):
+                gr, xr = gr.reshape(-1, gr.shape[-1]), xr.reshape(-1, xr.shape[-1])
+                gw = gr.t() @ xr if gw is None else gw.addmm_(gr.t(), xr)
+            out += [gw, g.reshape(-1, g.shape[-1]).sum(0) if has_bias else None]
+        del parts
+        shape = list(x.shape)
+        shape[dim] *= n
+        return (_reduce_scatter(gx.view(shape), dim, group), None, None, *out)
+
+
+def linears_from_sp(x: Tensor, dim: int, *params: Tensor | None, group: dist.ProcessGroup | None = None
+                    ) -> tuple[Tensor, ...]:
+    """Under sequence parallelism with `sp_regather`, the colwise Linears that read `x` (this rank's part of the
+    sequence along `dim`): ``params`` = (weight, bias or None) of each, their outputs in that order. Forward as
+    `gather_from_sp` followed by each ``F.linear``; backward the same gradients, but only `x`'s 1/t was kept: it is
+    all-gathered again (`_LinearsFromSP`)."""
+    group = group or _TP_GROUP
+    if _size(group) == 1:
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(params[0::2], params[1::2]))
+    return _LinearsFromSP.apply(x, dim, group, *params)
 
 
 def scatter_to_next_stage(x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:

@@ -185,7 +185,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                                                                            entry=entry, tokens=spec.seq_len is not None),
                                            path=path, entry=entry)
             if fallbacks:
-                pins = dataclasses.replace(pins, sequence_parallel=False)
+                pins = dataclasses.replace(pins, sequence_parallel=False, sp_regather=None)
                 result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
                 if result.best is None:
                     raise PartcError(_no_fit_message(clus, result))

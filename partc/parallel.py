@@ -142,6 +142,15 @@ class Parallel:
     """Under tp > 1, the activations between tensor-parallel regions (norms, dropout, residual adds) are split along
     the sequence over tp: an all-gather before each colwise layer and a reduce-scatter after each rowwise one
     replace Megatron's all-reduces (docs/sequence-parallel.md). Not a mesh axis: it reuses the ``tp`` groups."""
+    sp_regather: bool = field(default=False, metadata=_choice("Under sequence parallelism, the colwise layers save "
+                                                              "their 1/t of the input and all-gather it again in "
+                                                              "backward (Megatron-Core): less memory, more tp "
+                                                              "bytes.", choices=(False, True)))
+    """Under sequence parallelism, the all-gather before the colwise layers keeps only this rank's part of the
+    sequence for backward and all-gathers it again there for the weight gradients (Megatron-Core's
+    ``LinearWithGradAccumulationAndAsyncCommunication``; Korthikanti et al. 2022, section 4.2.2): the activations
+    a layer keeps approach 34·s·b·h/t, for one more all-gather per gather a micro-batch, issued before the input
+    gradient's GEMMs and overlapped with them. Needs ``sequence_parallel``; written to plan.json only when on."""
     ep: int = field(default=1, metadata=_choice("Pin the expert-parallel degree: the routed experts divided among "
                                                 "this many data-parallel ranks (it divides dp).", minimum=1,
                                                 maximum=MAX_GPUS))
@@ -188,6 +197,8 @@ class Parallel:
             raise PartcError(f"virtual_stages must be 1 for schedule {self.schedule}")
         if self.sequence_parallel and self.tp < 2:
             raise PartcError("sequence_parallel needs tp >= 2 (it splits the activations over the tp ranks)")
+        if self.sp_regather and not self.sequence_parallel:
+            raise PartcError("sp_regather needs sequence_parallel (it gathers the sequence again in backward)")
         if self.dp % self.ep:
             raise PartcError(f"ep {self.ep} does not divide dp {self.dp} (the expert-parallel ranks are carved from "
                              f"the data-parallel ones)")
@@ -273,6 +284,8 @@ class Parallel:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.expert_imbalance == 1.0:  # the default routing (uniform) leaves the plan as it was
             del out["expert_imbalance"]
+        if not self.sp_regather:  # only when on: the plans without it read as before it existed
+            del out["sp_regather"]
         return {**out, "num_microbatches": self.num_microbatches}
 
     @classmethod
@@ -313,6 +326,7 @@ class Parallel:
         text += f" zero={self.zero} mb={self.micro_batch_size} recompute={self.recompute} {self.schedule}"
         text += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         text += " sp" if self.sequence_parallel else ""
+        text += "+regather" if self.sp_regather else ""
         text += f" ep={self.ep}" if self.ep > 1 else ""
         text += f" imbalance={self.imbalance:g}" if self.imbalance != 1.0 else ""
         return text + (f" {self.precision}" if self.precision != "bf16" else "")
@@ -469,6 +483,8 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
         raise PartcError(f"{' x '.join(fixed)} = {math.prod(fixed.values())} but --gpus is {gpus}")
     if pins.sequence_parallel and pins.tp == 1:
         raise PartcError("--sequence-parallel needs tensor parallelism (--tp 2 or more)")
+    if pins.sp_regather and (pins.sequence_parallel is False or pins.tp == 1):
+        raise PartcError("--sp-regather needs sequence parallelism (--sequence-parallel, --tp 2 or more)")
     if pins.ep is not None and pins.ep > 1 and (pins.dp or gpus) % pins.ep:
         dp = f"--dp {pins.dp}" if pins.dp else f"the GPU count {gpus}"
         raise PartcError(f"--ep {pins.ep} does not divide {dp} (the expert-parallel ranks are carved from the "

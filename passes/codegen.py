@@ -132,6 +132,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     with SameShapes():  # the rewrite runs each op on local shapes: once per distinct op and shapes
         rw = tp_rewrite.rewrite(ep, a.node_layer, layers, plan.tp, plan.parallel.tp, aliases,
                                 sequence_parallel=plan.parallel.sequence_parallel,
+                                regather=plan.parallel.sp_regather,
                                 keep_split=None if vocab_loss is None else int(vocab_loss["output"]),
                                 seq_len=seq_len)
     experts, routed = {}, {}

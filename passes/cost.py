@@ -94,6 +94,21 @@ def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPla
     return fwd, core
 
 
+REGATHER = "bwd-regather"
+"""The phase of the backward all-gather of the colwise layers' inputs under `sp_regather`: a backward collective
+that `unit_time_parts` overlaps with the input gradient's GEMMs."""
+
+
+def regather_hidden_time(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
+    """Seconds of `unit`'s re-gathers (`sp_regather`) that its colwise Linears' input-gradient GEMMs hide: the
+    program issues each all-gather before those GEMMs and waits for it after them (as Megatron-Core does), and an
+    input gradient's GEMM takes what its forward GEMM takes (the same FLOPs: `hw.gemm_time` of the forward)."""
+    b, t = tokens(par), par.tp
+    return sum(hw.gemm_time(cluster, g, micro_batch_size=b, split=GEMM_SPLIT["colwise"], degree=t)
+               for fqn in unit.layers if graph.layers[fqn].kind == "linear" and style_of(tp, fqn) == "colwise"
+               for g in graph.layers[fqn].gemms)
+
+
 def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit) -> list[tuple[str, str, float]]:
     """(kind, phase, bytes) of each TP collective of `unit` per micro-batch: the TP solution's, or under sequence
     parallelism (Korthikanti et al. 2022, section 4.2.2; `partc.passes.tp_rewrite`) Megatron's conjugate pairs:
@@ -108,7 +123,9 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     A mixture of experts split inside (``inner``) is Megatron-Core's under sequence parallelism: its router runs on
     each rank's part of the sequence (its weight's gradient all-reduced backward), the tokens, the routing weights
     and the chosen experts are all-gathered before the experts (the routing weights' gradient reduce-scattered
-    back), and the experts' output is reduce-scattered (all-gathered backward) in place of its all-reduce."""
+    back), and the experts' output is reduce-scattered (all-gathered backward) in place of its all-reduce.
+    With `sp_regather` each all-gather before colwise layers runs again in backward (phase `REGATHER`), the
+    same bytes."""
     b = tokens(par)
     colls = [] if tp is None else tp.collectives.get(unit.fqn, [])
     if not (par.sequence_parallel and par.tp > 1):
@@ -123,6 +140,8 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
                 params += sum(math.prod(shape) for name, shape in layer.params.items() if name.endswith(".bias"))
         elif c.kind == "all_reduce" and c.phase == "bwd" and layer is not None and layer.kind == "norm":
             out += [("all_gather", "fwd", n), ("reduce_scatter", "bwd", n)]
+            if par.sp_regather:  # the colwise layers kept this rank's part: all-gathered again in backward
+                out.append(("all_gather", REGATHER, n))
             params += sum(math.prod(shape) for shape in layer.params.values())
         elif c.kind == "all_gather" and c.phase == "fwd" and layer is not None and layer.kind == "embedding":
             # a colwise embedding's output gathered, then each rank's part of the sequence kept: the backward
@@ -230,12 +249,17 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
         mode = recompute_mode(unit, par)
         compute = max(3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0),
                       launch_time(cluster, unit, mode))
-        comm = fwd_comm = 0.0
+        comm = fwd_comm = regather = 0.0
         for kind, phase, nbytes in collectives:
             once = hw.collective_time(cluster, kind, nbytes, t, spans_nodes=spans_tp, ranks_per_node=per_node)
+            if phase == REGATHER:
+                regather += once
+                continue
             # Recomputing a whole block replays its forward, collectives included.
             comm += 2 * once if (mode == "full" and phase == "fwd") else once
             fwd_comm += once if phase == "fwd" else 0.0
+        if regather:  # what the input gradient's GEMMs do not hide
+            comm += max(0.0, regather - regather_hidden_time(graph, cluster, par, tp, unit))
         # The forward's share, for the report's timeline: at least its own launches when those floor the unit.
         fwd_drawn = max(fwd, unit.kernels * cluster.kernel_launch_s)
         seen[key] = UnitTime(compute_s=compute, tp_comm_s=comm, fwd_compute_s=fwd_drawn, fwd_tp_comm_s=fwd_comm)

@@ -131,9 +131,9 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
     attention core saves beyond its inputs: the 5·a·s²·b of scores, softmax and dropout, and the math kernel's
     scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1). Under sequence parallelism the
     norms, dropout masks and residual inputs are 1/t too (Korthikanti et al.: 34·s·b·h/t with selective
-    recomputation); partc's program still keeps whole what its colwise Linears save, their all-gathered inputs
-    (rep becomes saved_bytes_replicated_linear, 4·s·b·h of a GPT block's 10), where Megatron-Core gathers them
-    again in backward.
+    recomputation); partc's program keeps whole what its colwise Linears save, their all-gathered inputs
+    (rep becomes saved_bytes_replicated_linear, 4·s·b·h of a GPT block's 10), unless `sp_regather` gathers them
+    again in backward as Megatron-Core does (rep becomes 0: everything 1/t).
 
     Checked against autograd's saved tensors on the CPU (tests/test_activations.py): exact at b = 1 for a GPT and
     a LLaMA, none / selective / full; at b >= 2 the GPT saves 4·s·b·h less a block (matmul copies attention's V
@@ -160,8 +160,10 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> flo
     rep = unit.saved_bytes_replicated if split else 0
     sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
     if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
-        sharded += rep - unit.saved_bytes_replicated_linear
-        rep = unit.saved_bytes_replicated_linear
+        # and, gathered again in backward (`sp_regather`), the colwise Linears' inputs
+        kept = 0 if par.sp_regather else unit.saved_bytes_replicated_linear
+        sharded += rep - kept
+        rep = kept
     return (rep + sharded / (par.tp if split else 1)) * tokens(par) + _cp_saved_bytes(par, tp, unit)
 
 
@@ -296,7 +298,7 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
     that feed that input, which the ops between them make from it (SwiGLU's gate and up, 2·b·s·I, while down's
     saved input is freed). The gradients that follow are no larger than the saved tensors freed before them. Under
     tp a rowwise layer's input and a colwise layer's output are 1/t; an embedding's input (token ids) has no
-    gradient. Checked against one block's backward on the CPU (tests/test_activations.py)."""
+    gradient. Under `sp_regather` a colwise Linear's backward also holds its input, all-gathered again. Checked against one block's backward on the CPU (tests/test_activations.py)."""
     b, t = tokens(par), par.tp
     fed: dict[str, float] = {}  # layer -> gradients of the layers of its unit that feed its input
     for e in graph.edges:
@@ -316,6 +318,8 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
                 nbytes = layer.out_bytes * layer.in_features / layer.out_features
                 if t > 1 and style_of(tp, fqn) == "rowwise":
                     nbytes /= t
+                elif par.sp_regather and style_of(tp, fqn) == "colwise":
+                    nbytes *= 2  # its input all-gathered again, beside that input's gradient
             largest = max(largest, nbytes * b, fed.get(fqn, 0.0) * b)
         out.append(grad + (grad / t if t > 1 else 0.0) + largest)
     return out

@@ -101,12 +101,13 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
             for b in divisors(per_replica):
                 for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
                     for sp in sp_choices:
-                        values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
-                                      global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
-                                      recompute=recompute, precision=precision, sequence_parallel=sp, ep=ep,
-                                      expert_imbalance=imbalance)
-                        if all(values[name] == value for name, value in pinned):
-                            yield values
+                        for regather in regather_choices(sp, pins):
+                            values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
+                                          global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
+                                          recompute=recompute, precision=precision, sequence_parallel=sp, ep=ep,
+                                          sp_regather=regather, expert_imbalance=imbalance)
+                            if all(values[name] == value for name, value in pinned):
+                                yield values
 
 
 def sequence_parallel_choices(graph: ModelGraph, tp: int, pins: Pins) -> tuple[bool, ...]:
@@ -119,6 +120,15 @@ def sequence_parallel_choices(graph: ModelGraph, tp: int, pins: Pins) -> tuple[b
     if tp > 1 and graph.seq_len > 1 and graph.seq_len % tp == 0:
         return (False, True)
     return (False,)
+
+
+def regather_choices(sequence_parallel: bool, pins: Pins) -> tuple[bool, ...]:
+    """The values of ``sp_regather`` the search weighs: off without sequence parallelism; the pin, where given; else
+    both. Neither dominates: gathering the colwise layers' inputs again in backward divides what they keep by t,
+    for one more all-gather each (hidden behind the input gradient's GEMMs where those are longer)."""
+    if not sequence_parallel:
+        return (False,)
+    return (pins.sp_regather,) if pins.sp_regather is not None else (False, True)
 
 
 def _expert_counts(graph: ModelGraph) -> list[int]:
@@ -192,7 +202,8 @@ def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):
 # independent of it. A quantity that depends on a function of ignored fields (say, whether the pipeline has more
 # than one rank) adds that value to its key explicitly.
 _PIPELINE = ("pp", "global_batch_size", "schedule", "virtual_stages")
-_SP = ("sequence_parallel",)  # the TP map and the parameters do not depend on it; activations and traffic do
+_SP = ("sequence_parallel", "sp_regather")  # the TP map and the parameters do not depend on them; activations and
+# traffic do
 TP = Reads("tp", ("dp", "zero", "recompute", *_PIPELINE, *_SP))  # the TP solve: (tp, b)
 PARTS = Reads("parts", ("dp", "zero", *_PIPELINE))  # unit times: (tp, b, recompute)
 SHARDS = Reads("shards", ("dp", "zero", "recompute", *_PIPELINE, *_SP))  # parameters on one GPU: (tp, b)
@@ -493,6 +504,10 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
     # it comes first: the order of the refined ones is that of sorting them all by `lower_bound`. Only then is its
     # `Parallel` built. A configuration whose model states cannot fit leaves before its bound is computed. Its other
     # style maps enter with the floor bound too and are priced only when they come first (stage 1).
+    # A configuration and its twin with `sp_regather` on (enumerated next to it) are one configuration to the
+    # alternatives, as a configuration's style maps are: the faster of the two (ties: the one without it) is kept.
+    slots = [i - 1 if values.get("sp_regather") and i and configs[i - 1] == dict(values, sp_regather=False) else i
+             for i, values in enumerate(configs)]
     queue = []
     for i, values in enumerate(configs):
         make = _builder(values)
@@ -500,7 +515,7 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
             queue.append((costs._floor_bound(values.__getitem__, make), i, 0, 0, values))
     heapq.heapify(queue)
     best: list[tuple[float, int, int, Candidate]] = []  # max-heap by step time via negation
-    held: dict[int, tuple[float, int, int, Candidate]] = {}  # configuration index -> its entry in `best`
+    held: dict[int, tuple[float, int, int, Candidate]] = {}  # configuration slot -> its entry in `best`
     evaluated: set[int] = set()
     # The candidates that do not fit, in the order evaluated: the one needing the least memory (the first of
     # equals) is reported when nothing fits. A least-time split found not to fit by `fits_memory` is predicted only
@@ -544,16 +559,17 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
             continue
         cand = Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
         item = (-pred.step_time_s, -i, -k, cand)
-        if i in held:  # one candidate per configuration: its best style map (the alternatives differ in more)
-            if item > held[i]:
-                best[best.index(held[i])] = held[i] = item
+        slot = slots[i]
+        if slot in held:  # one candidate per configuration: its best style map (the alternatives differ in more)
+            if item > held[slot]:
+                best[best.index(held[slot])] = held[slot] = item
                 heapq.heapify(best)
         elif len(best) < keep:
             heapq.heappush(best, item)
-            held[i] = item
+            held[slot] = item
         elif item > best[0]:
-            del held[-heapq.heapreplace(best, item)[1]]
-            held[i] = item
+            del held[slots[-heapq.heapreplace(best, item)[1]]]
+            held[slot] = item
     return best, unfit, len(evaluated)
 
 

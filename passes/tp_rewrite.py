@@ -97,9 +97,12 @@ class _Multi(tuple):
 class _Rewriter:
     def __init__(self, ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
                  styles: dict[str, str], t: int, aliases: dict[str, list[str]], sequence_parallel: bool = False,
-                 keep_split: int | None = None, seq_len: int | None = None):
+                 keep_split: int | None = None, seq_len: int | None = None, regather: bool = False):
         self.ep, self.graph, self.aliases = ep, ep.graph, aliases
         self.sp = sequence_parallel and t > 1
+        self.regather = self.sp and regather
+        """`sp_regather`: the colwise Linears keep this rank's part of their gathered input and gather it again in
+        backward (`_fuse_regathers`)."""
         self.seq: set[Node] = set()
         """Nodes split along the sequence (their state is that dim)."""
         self.keep_split = keep_split
@@ -316,10 +319,55 @@ class _Rewriter:
                     assert self.state.get(o) == self.val[o].dim() - 1 and self.pieces.get(o, 1) == 1, \
                         (o.name, self.state.get(o))
                 node.args = (type(outs)(new),)
+        if self.regather:
+            self._fuse_regathers()
         self.graph.lint()
         self.result.split = {n for n, st in self.state.items() if st is not R}
         self.result.sequence = set(self.seq)
         return self.result
+
+    def _fuse_regathers(self) -> None:
+        """`sp_regather`: each all-gather before colwise Linears (`gather_from_sp`) and the Linears reading it
+        become one `linears_from_sp`, which keeps this rank's part of the input for backward and gathers it again
+        there; its outputs replace the Linears'. A gather read otherwise (an addmm, a layer that is not a Linear)
+        stays as it is and is listed in `sequence_gathers`: the plan prices every one gathered again."""
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        for key, g in list(self.memo.items()):
+            if key[1] != "gather_sp":
+                continue
+            x, d = g.args
+            users = sorted(g.users, key=order.__getitem__)
+            if not users or not all(u.target is aten.linear.default and u.args[0] is g and not u.kwargs
+                                    and all(a is None or (isinstance(a, Node) and a.op == "placeholder")
+                                            for a in u.args[1:]) for u in users):
+                self.result.sequence_gathers.append(
+                    f"the gathered input {g.name} of colwise {self._where(users[0]) if users else '?'} is not read "
+                    f"by Linears only: kept whole for backward, not gathered again (sp_regather)")
+                continue
+            params = [a for u in users for a in (u.args[1], u.args[2] if len(u.args) > 2 else None)]
+            why = (f"input of colwise {', '.join(self._where(u) for u in users)}: all-gather the sequence forward and "
+                   f"again in backward (this rank's part kept), reduce-scatter of its gradient")
+            with self.graph.inserting_before(users[0]):
+                fused = self.graph.call_function(C.linears_from_sp, (x, d, *params))
+            fused.meta = {k: users[0].meta[k] for k in ("nn_module_stack", "stack_trace") if k in users[0].meta}
+            fused.meta["val"] = tuple(self.val[u] for u in users)
+            fused.meta["partc_why"] = why
+            i = self.result.collectives.index((C.gather_from_sp.__name__, g.meta["partc_why"]))
+            self.result.collectives[i] = (C.linears_from_sp.__name__, why)
+            last = fused
+            for j, u in enumerate(users):
+                with self.graph.inserting_after(last):
+                    out = self.graph.call_function(operator.getitem, (fused, j))
+                out.meta = {k: u.meta[k] for k in ("nn_module_stack", "stack_trace") if k in u.meta}
+                out.meta["val"] = self.val[out] = self.val[u]
+                self.state[out] = self.state.pop(u)
+                if u in self.pieces:
+                    self.pieces[out] = self.pieces.pop(u)
+                u.replace_all_uses_with(out)
+                self.graph.erase_node(u)
+                last = out
+            self.graph.erase_node(g)
+            del self.memo[key]
 
     def _placeholder(self, node: Node) -> None:
         val = node.meta.get("val")
@@ -784,11 +832,14 @@ class _Rewriter:
 
 def rewrite(ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
             styles: dict[str, str], t: int, aliases: dict[str, list[str]], *,
-            sequence_parallel: bool = False, keep_split: int | None = None, seq_len: int | None = None) -> Rewrite:
+            sequence_parallel: bool = False, keep_split: int | None = None, seq_len: int | None = None,
+            regather: bool = False) -> Rewrite:
     """Rewrite `ep.graph` in place for TP degree `t` (with sequence parallelism where asked); returns the parameter
     splits and collectives. `aliases` maps a parameter FQN to every FQN of the same (tied) tensor; `keep_split`: the
     flat output left split over its last dimension (a colwise output layer's logits, for the vocab-parallel loss);
-    `seq_len`: the tokens per sample (`ModelGraph.seq_len`), where the sequence parallelism looks for them."""
+    `seq_len`: the tokens per sample (`ModelGraph.seq_len`), where the sequence parallelism looks for them;
+    `regather`: under sequence parallelism, the colwise Linears' inputs gathered again in backward."""
     if t == 1:
         return Rewrite()
-    return _Rewriter(ep, node_layer, layers, styles, t, aliases, sequence_parallel, keep_split, seq_len).run()
+    return _Rewriter(ep, node_layer, layers, styles, t, aliases, sequence_parallel, keep_split, seq_len,
+                     regather).run()

@@ -167,6 +167,64 @@ def test_sequence_parallel_collectives():
             2 * cost.tp_bytes(g, plain, tp, blocks) + (len(blocks) * params + enter[2]) * sp.num_microbatches)
 
 
+@pytest.mark.parametrize("t", [2, 4])
+def test_regather_activations(t):
+    """`sp_regather`: the colwise Linears keep this rank's part of their gathered inputs, so a GPT block keeps
+    Korthikanti et al.'s 34·s·b·h/t with selective recomputation (4·s·b·h·(1 - 1/t) less than without it), and a
+    colwise Linear's backward holds its re-gathered input beside its gradient."""
+    s, h, a, b = 256, 512, 8, 2
+    unit, layers = gpt_block("blocks.0", seq=s, dim=h, heads=a)
+    graph = ModelGraph(name="one", num_params=unit.num_params, seq_len=s, units=[unit],
+                       layers={x.fqn: x for x in layers}, edges=[], cut_bytes=[])
+    tp, sbh = megatron_tp(graph, s=s, h=h), s * b * h
+    sp = par(tp=t, micro_batch_size=b, sequence_parallel=True, recompute="selective")
+    rg = dataclasses.replace(sp, sp_regather=True)
+    (sel,), (sel_rg,) = cost.unit_activation_bytes(graph, sp, tp), cost.unit_activation_bytes(graph, rg, tp)
+    assert sel_rg == pytest.approx(34 * sbh / t) and sel - sel_rg == pytest.approx(4 * sbh * (1 - 1 / t))
+    full = dataclasses.replace(sp, recompute="full")
+    assert cost.unit_activation_bytes(graph, full, tp) == cost.unit_activation_bytes(
+        graph, dataclasses.replace(full, sp_regather=True), tp)  # a block recomputed in full keeps its input only
+    (back,), (back_rg,) = cost.unit_backward_bytes(graph, sp, tp), cost.unit_backward_bytes(graph, rg, tp)
+    # the largest gradient: fc2's input (4·h/t a token) or, re-gathered, a colwise input and its gradient (2·h)
+    assert back_rg - back == pytest.approx(max(0.0, 2 * sbh * 2 - 4 * sbh * 2 / t))
+
+
+def test_regather_collectives():
+    """Each all-gather before colwise layers runs again in backward, the same bytes; its time is what the colwise
+    Linears' input-gradient GEMMs do not hide."""
+    s, h, t = 32, 64, 4
+    g = gpt(s=s, h=h)
+    tp = megatron_tp(g, s=s, h=h)
+    for u in g.units:
+        if u.kind == "block":
+            srcs = [f"{u.fqn}.attn.proj", f"{u.fqn}.mlp.fc2", f"{u.fqn}.ln_1", f"{u.fqn}.ln_2"]
+            for c, src in zip(tp.collectives[u.fqn], srcs):
+                c.src = src
+    b = 2
+    sp = par(tp=t, micro_batch_size=b, sequence_parallel=True)
+    rg = dataclasses.replace(sp, sp_regather=True)
+    unit = g.units[1]
+    extra = sorted(set(cost.unit_collectives(g, rg, tp, unit)) - set(cost.unit_collectives(g, sp, tp, unit)))
+    assert extra == [("all_gather", cost.REGATHER, 2 * s * h * b)]
+    assert len(cost.unit_collectives(g, rg, tp, unit)) == len(cost.unit_collectives(g, sp, tp, unit)) + 2
+    blocks = [i for i, u in enumerate(g.units) if u.kind == "block"]
+    assert cost.tp_bytes(g, rg, tp, blocks) == pytest.approx(
+        cost.tp_bytes(g, sp, tp, blocks) + len(blocks) * 2 * 2 * s * h * b * sp.num_microbatches)
+    regather = 2 * hw.collective_time(A100, "all_gather", 2 * s * h * b, t)
+    hidden = cost.regather_hidden_time(g, A100, rg, tp, unit)
+    assert hidden > 0
+    assert cost.unit_time_parts(g, A100, rg, tp)[1].tp_comm_s == pytest.approx(
+        cost.unit_time_parts(g, A100, sp, tp)[1].tp_comm_s + max(0.0, regather - hidden))
+
+
+def test_regather_needs_sequence_parallel():
+    with pytest.raises(PartcError, match="sp_regather needs sequence_parallel"):
+        par(tp=2, sp_regather=True)
+    assert "sp_regather" not in par(tp=2, sequence_parallel=True).to_dict()  # plans without it read as before
+    on = par(tp=2, sequence_parallel=True, sp_regather=True)
+    assert Parallel.from_dict(on.to_dict()) == on and "sp+regather" in on.summary().split()
+
+
 def test_sequence_parallel_needs_tp():
     with pytest.raises(PartcError, match="sequence_parallel needs tp >= 2"):
         par(tp=1, sequence_parallel=True)

@@ -332,7 +332,8 @@ def test_cache_keys_see_a_new_field():
         assert r.key(Parallel(**base)) == r.key_of(dict(base, cp=1, schedule="1f1b", virtual_stages=1,
                                                         recompute="none", precision="bf16",
                                                         sequence_parallel=False, ep=1,
-                                                        expert_imbalance=1.0).__getitem__), r.name
+                                                        expert_imbalance=1.0,
+                                                        sp_regather=False).__getitem__), r.name
 
     graph, cluster = gpt_graph("tied"), small_cluster(2, gpus_per_node=2)
     costs = _Costs(graph, cluster, None)

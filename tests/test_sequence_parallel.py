@@ -1,7 +1,8 @@
 """Sequence parallelism (Korthikanti et al. 2022) in the runtime: torchrun on CPU (gloo), tiny models, compared
 with one process.
 
-Each program is compiled with ``sequence_parallel`` pinned and Megatron's style map set by hand (as
+Each program is compiled with ``sequence_parallel`` pinned (and ``sp_regather`` on or off, `REGATHER`: the colwise
+layers' inputs gathered again in backward) and Megatron's style map set by hand (as
 tests/test_runtime_tp.py does), then trained under torchrun in one launch: SGD losses and the gathered state dict
 must equal `reference_run` (fp32 within 1e-5; bf16 within today's 1e-2 against a bf16 process), the parameters
 the program keeps whole (the norms, applied to each rank's part of the sequence, their gradients all-reduced) must
@@ -48,6 +49,9 @@ CONFIGS = {
     "vit_tp2_sp": ("vit", 2, 1, 1, 0, 2, 2),
     "hf_mixtral_tp2_pp2_dp2_z1_sp": ("hf_mixtral", 2, 2, 2, 1, 1, 4),
 }
+REGATHER = {"llama_tp2_sp", "gpt_tp2_sp_bf16", "gpt_tp2_pp2_dp2_z1_sp", "llama_tp2_pp2_dp2_z3_sp", "gpt_tp4_dp2_z3_sp"}
+"""Configurations pinned to `sp_regather` (the colwise layers' inputs gathered again in backward); the others
+pinned without it."""
 SEQ_LEN = {"hf_mixtral": 16}
 """Tokens per sample where the model file's default is long (Hugging Face's)."""
 WHOLE_BOUNDARY = {"hf_mixtral_tp2_pp2_dp2_z1_sp"}
@@ -100,11 +104,15 @@ STEPS = 2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
 
 
+def plan_of(out: Path) -> dict:
+    return json.loads((out / "plan.json").read_text())
+
+
 def compile_sp(name: str, tmp: Path) -> Path:
     model, tp, pp, dp, zero, mb, gbs = CONFIGS[name]
     path, out = model_path(model, tmp), tmp / name
     pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
-                precision=precision_of(name), sequence_parallel=True)
+                precision=precision_of(name), sequence_parallel=True, sp_regather=name in REGATHER)
     seq = SEQ_LEN.get(model)
     compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, out_dir=out, seq_len=seq)
     plan = json.loads((out / "plan.json").read_text())
@@ -161,7 +169,12 @@ def test_sequence_parallel_matches_one_process(runs, name):
     assert_close_states(got["state"], state, rtol=rtol, atol=1e-4 if precision_of(name) == "bf16" else 0.0)
     assert got["replica_diff"] == 0.0, "parameters the program keeps whole must stay identical on the tp ranks"
     source = "".join(f.read_text() for f in sorted((outs[name] / "program").glob("stage_*.py")))
-    assert "tp.gather_from_sp(" in source and "tp.reduce_scatter_to_sp(" in source
+    assert "tp.reduce_scatter_to_sp(" in source
+    if name in REGATHER:  # every gather before colwise layers is gathered again in backward
+        assert "tp.linears_from_sp(" in source and "tp.gather_from_sp(" not in source
+        assert plan_of(outs[name])["parallel"]["sp_regather"] is True
+    else:
+        assert "tp.gather_from_sp(" in source and "tp.linears_from_sp(" not in source
     assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
     plan = json.loads((outs[name] / "plan.json").read_text())
     per_pp = plan["parallel"]["dp"] * plan["parallel"]["tp"]
