@@ -2,10 +2,11 @@
 plan's cp traffic, and training under torchrun on CPU (gloo) compared with one process.
 
 The multi-process test runs every program in one launch of 8 ranks: the bundled GPT and LLaMA at cp 2 x tp 2 x
-pp 2, cp 2 x dp 2 x tp 2 with ZeRO-3 and cp 4 x dp 2. Each job trains with SGD in fp32 from a saved state dict;
-its losses and gathered state dict must equal `reference_run` within 1e-5 (relative), and every rank's collective
-payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis by axis (``cp`` and ``dp`` over dp x cp
-included).
+pp 2, cp 2 x dp 2 x tp 2 with ZeRO-3 and cp 4 x dp 2; Hugging Face's LLaMA (its causal mask proven,
+`partc.passes.causal_mask`) at cp 2 x tp 2 x pp 2, cp 2 x dp 2 x tp 2 and cp 4 x dp 2 with ZeRO-3. Each job trains
+with SGD in fp32 from a saved state dict; its losses and gathered state dict must equal `reference_run` within
+1e-5 (relative), and every rank's collective payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis
+by axis (``cp`` and ``dp`` over dp x cp included).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ CONFIGS = {
     "llama_cp2_dp2_tp2_z3": ("llama", 2, 2, 1, 2, 3, 4),
     "gpt_cp4_dp2_z0": ("gpt", 4, 1, 1, 2, 0, 4),
     "hf_llama_cp2_tp2_pp2": ("hf_llama", 2, 2, 2, 1, 1, 4),
+    "hf_llama_cp2_dp2_tp2_z3": ("hf_llama", 2, 2, 1, 2, 3, 4),
     "hf_llama_cp4_dp2_z3": ("hf_llama", 4, 1, 1, 2, 3, 4),
 }
 STEPS = 2
