@@ -19,7 +19,8 @@ source line) where it
   than by cp (a shift, a pad, a slice of the sequence);
 - mixes positions along a kept sequence dim (a convolution or scan over time, softmax or a sort over
   positions, a gather indexed by position, ``tril``/``triu``);
-- is attention with a mask or not causal (a sliding window or an arbitrary mask);
+- is attention with a mask or not causal (a sliding window or an arbitrary mask; a mask proven exactly causal,
+  Hugging Face's, is gone from the graph already: `partc.passes.causal_mask`);
 - makes positions other than by an ``arange`` or a slice of a table.
 
 Grouped-query attention repeats its key/value heads just before attention (``repeat_interleave`` on the head
