@@ -186,6 +186,14 @@ class RoutedExperts:
     """The tokens' hidden size (the width of a row sent)."""
 
 
+def _fixed(fixed: list[int], fixed_seq: list[int], i: int, cp: int) -> float:
+    """Bytes per micro-batch of the tensors without the batch crossing boundary i: those along the sequence hold
+    s/cp positions on a context-parallel rank."""
+    whole = fixed[i] if fixed else 0
+    seq = fixed_seq[i] if fixed_seq else 0
+    return whole - seq + seq / cp if cp > 1 else whole
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelGraph:
     """The traced model, summarized for the passes."""
@@ -209,6 +217,11 @@ class ModelGraph:
     computed without a user input (rotary tables broadcast over the batch). Empty: none."""
     cut_grad_fixed_bytes: list[int] = field(default_factory=list)
     """The part of `cut_fixed_bytes` that needs a gradient. Empty: none."""
+    cut_fixed_seq_bytes: list[int] = field(default_factory=list)
+    """The part of `cut_fixed_bytes` in tensors along the sequence (a dim of `seq_len`: rotary tables 1 x s x d):
+    under context parallelism each rank sends its s/cp positions of them. Empty: none."""
+    cut_grad_fixed_seq_bytes: list[int] = field(default_factory=list)
+    """The part of `cut_fixed_seq_bytes` that needs a gradient. Empty: none."""
     cut_ok: list[bool] = field(default_factory=list)
     """cut_ok[i]: a pipeline boundary after units[i] can be realized, no op before it reads one after it (units
     whose ops read each other both ways stay in one stage) and no tensor whose size depends on values crosses it
@@ -236,21 +249,22 @@ class ModelGraph:
     `passes.trace._sums`): when every one is colwise, the sum stays split in the program and is converted once
     for all of them (`passes.tp`), not once per layer."""
 
-    def boundary_bytes(self, i: int, micro_batch_size: int) -> int:
+    def boundary_bytes(self, i: int, micro_batch_size: float, cp: int = 1) -> float:
         """Bytes of one micro-batch across the pipeline boundary after units[i] (0 outside the model: before the
-        first unit, after the last)."""
+        first unit, after the last). `micro_batch_size` in samples a rank holds (b/cp under context parallelism,
+        `cost.tokens`); a tensor without the batch but along the sequence is cut by `cp` too."""
         if not 0 <= i < len(self.cut_bytes):
             return 0
-        return self.cut_bytes[i] * micro_batch_size + (self.cut_fixed_bytes[i] if self.cut_fixed_bytes else 0)
+        return self.cut_bytes[i] * micro_batch_size + _fixed(self.cut_fixed_bytes, self.cut_fixed_seq_bytes, i, cp)
 
-    def boundary_grad_bytes(self, i: int, micro_batch_size: int) -> int:
+    def boundary_grad_bytes(self, i: int, micro_batch_size: float, cp: int = 1) -> float:
         """The part of `boundary_bytes` that needs a gradient (all of it when the graph does not say)."""
         if not 0 <= i < len(self.cut_bytes):
             return 0
         if not self.cut_grad_bytes:
-            return self.boundary_bytes(i, micro_batch_size)
+            return self.boundary_bytes(i, micro_batch_size, cp)
         return (self.cut_grad_bytes[i] * micro_batch_size
-                + (self.cut_grad_fixed_bytes[i] if self.cut_grad_fixed_bytes else 0))
+                + _fixed(self.cut_grad_fixed_bytes, self.cut_grad_fixed_seq_bytes, i, cp))
 
     def unit(self, fqn: str) -> Unit:
         for u in self.units:

@@ -165,7 +165,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
                 graph, par, tp, rebuilt[lo:hi], units.counts[lo:hi], hi == len(graph.units), backward[lo:hi], False))
                 for lo, hi in chunks]
             mem.activations = schedule.peak_bytes(p, v, par.num_microbatches, r, held_j, [
-                graph.boundary_grad_bytes(hi - 1, b) / par.tp + e for (lo, hi), e in zip(chunks, own_extra)])
+                graph.boundary_grad_bytes(hi - 1, b, par.cp) / par.tp + e for (lo, hi), e in zip(chunks, own_extra)])
             for j, (lo, hi) in enumerate(chunks):
                 own = units.counts[lo:hi]
                 mem.activations = max(mem.activations, at[j] + own_extra[j] + zero.working_bytes(par, own)
@@ -226,10 +226,10 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
             sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
         pp_comm = sum(p2p_round_trip(cluster, par,
-                                     max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)), spans["pp"],
-                                     max(graph.boundary_grad_bytes(lo - 1, b), graph.boundary_grad_bytes(hi - 1, b)))
+                                     max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)), spans["pp"],
+                                     max(graph.boundary_grad_bytes(lo - 1, b, par.cp), graph.boundary_grad_bytes(hi - 1, b, par.cp)))
                       for lo, hi in chunks)
-        pp_fwd = sum(p2p_round_trip(cluster, par, max(graph.boundary_bytes(lo - 1, b), graph.boundary_bytes(hi - 1, b)),
+        pp_fwd = sum(p2p_round_trip(cluster, par, max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)),
                                     spans["pp"], 0.0) for lo, hi in chunks)  # the activations' half
         fwd_compute, fwd_tp = keep(FWD_TIME.key(par, ck), lambda: (
             sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))

@@ -19,11 +19,13 @@ source line) where it
   than by cp (a shift, a pad, a slice of the sequence);
 - mixes positions along a kept sequence dim (a convolution or scan over time, softmax or a sort over
   positions, a gather indexed by position, ``tril``/``triu``);
-- is attention with a mask or not causal (a sliding window or an arbitrary mask);
+- is attention with a mask or not causal (a sliding window or an arbitrary mask; a mask proven exactly causal,
+  Hugging Face's, is gone from the graph already: `partc.passes.causal_mask`);
 - makes positions other than by an ``arange`` or a slice of a table.
 
 Grouped-query attention repeats its key/value heads just before attention (``repeat_interleave`` on the head
-dim): the rewrite gathers the heads before they are repeated, `repeats` times fewer bytes.
+dim, or Hugging Face's ``repeat_kv``: an expand and a reshape): the rewrite gathers the heads before they are
+repeated, `repeats` times fewer bytes.
 """
 
 from __future__ import annotations
@@ -202,12 +204,33 @@ def is_causal_attention(node: torch.fx.Node) -> bool:
     return attn_mask is None and bool(causal)
 
 
+def kv_repeat(x) -> tuple[torch.fx.Node, int, list[torch.fx.Node]] | None:
+    """(the key or value before grouped-query attention repeats its heads, the repeats, the nodes that repeat it)
+    for ``repeat_interleave(x, g, dim=1)`` or Hugging Face's ``repeat_kv`` (``x[:, :, None]`` expanded to
+    ``[b, h, g, s, d]`` and reshaped to ``[b, h·g, s, d]``: each head g times in a row, the same); None else."""
+    if not isinstance(x, torch.fx.Node):
+        return None
+    if x.target == aten.repeat_interleave.self_int and len(x.args) > 2 and x.args[2] == 1:
+        return x.args[0], x.args[1], [x]
+    if x.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        e = x.args[0]
+        if not (isinstance(e, torch.fx.Node) and e.target == aten.expand.default and len(e.args[1]) == 5):
+            return None
+        u = e.args[0]
+        if not (isinstance(u, torch.fx.Node) and u.target == aten.unsqueeze.default and u.args[1] == 2):
+            return None
+        b, h, g, s, d = e.args[1]
+        shape = list(x.args[1])
+        if len(shape) != 4 or shape[2:] != [s, d] or shape[1] not in (-1, h * g) or not isinstance(g, int):
+            return None
+        return u.args[0], g, [x, e, u]
+    return None
+
+
 def kv_before_repeat(x):
-    """The key or value node before grouped-query attention repeats its heads (``repeat_interleave`` on dim 1)."""
-    if isinstance(x, torch.fx.Node) and x.target == aten.repeat_interleave.self_int and len(x.args) > 2 \
-            and x.args[2] == 1:
-        return x.args[0]
-    return x
+    """The key or value node before grouped-query attention repeats its heads (`kv_repeat`), else `x`."""
+    rep = kv_repeat(x)
+    return rep[0] if rep is not None else x
 
 
 def rewrite(ep: torch.export.ExportedProgram, split: ContextSplit) -> None:
@@ -227,14 +250,14 @@ def rewrite(ep: torch.export.ExportedProgram, split: ContextSplit) -> None:
         node = by_name[name]
         args = list(node.args)
         kwargs = dict(node.kwargs)
-        k, v = args[1], args[2]
-        rep = [x for x in (k, v) if isinstance(x, torch.fx.Node) and x.target == aten.repeat_interleave.self_int
-               and len(x.args) > 2 and x.args[2] == 1 and len(x.users) == 1]
-        if len(rep) == 2 and rep[0].args[1] == rep[1].args[1]:
-            args[1], args[2] = k.args[0], v.args[0]
-            kwargs["repeats"] = k.args[1]
+        k, v = kv_repeat(args[1]), kv_repeat(args[2])
+        chains = [r[2] for r in (k, v) if r is not None and all(len(n.users) == 1 for n in r[2])]
+        if len(chains) == 2 and k[1] == v[1]:
+            args[1], args[2] = k[0], v[0]
+            kwargs["repeats"] = k[1]
         node.target, node.args, node.kwargs = C.cp_attention, tuple(args), kwargs
-        if len(rep) == 2 and "repeats" in kwargs:
-            for x in rep:
-                ep.graph.erase_node(x)
+        if len(chains) == 2 and "repeats" in kwargs:
+            for chain in chains:
+                for x in chain:
+                    ep.graph.erase_node(x)
     ep.graph.lint()

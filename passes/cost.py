@@ -454,8 +454,8 @@ def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]
         return 0.0
     b, total = tokens(par), 0
     for lo, hi in chunks:
-        total += graph.boundary_bytes(lo - 1, b) + graph.boundary_bytes(hi - 1, b)
-        total += graph.boundary_grad_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
+        total += graph.boundary_bytes(lo - 1, b, par.cp) + graph.boundary_bytes(hi - 1, b, par.cp)
+        total += graph.boundary_grad_bytes(lo - 1, b, par.cp) + graph.boundary_grad_bytes(hi - 1, b, par.cp)
     return total * par.num_microbatches / par.tp
 
 
@@ -466,7 +466,7 @@ def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, i
         return 0.0
     b, total = tokens(par), 0
     for lo, hi in chunks:
-        total += graph.boundary_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
+        total += graph.boundary_bytes(lo - 1, b, par.cp) + graph.boundary_grad_bytes(hi - 1, b, par.cp)
     return float(total * par.num_microbatches)
 
 

@@ -39,6 +39,10 @@ class Cuts:
     the batch): sent once a micro-batch, whatever its size."""
     grad_fixed: list[int]
     """The part of `fixed` that needs a gradient."""
+    fixed_seq: list[int]
+    """The part of `fixed` in tensors along the sequence (a dim of the sample's tokens: rotary tables)."""
+    grad_fixed_seq: list[int]
+    """The part of `fixed_seq` that needs a gradient."""
 
 
 def _batched(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:
@@ -59,9 +63,10 @@ def _batched(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:
 
 
 def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[str, Unit],
-                  stats: dict[torch.fx.Node, NodeStats]) -> Cuts:
+                  stats: dict[torch.fx.Node, NodeStats], seq_len: int | None = None) -> Cuts:
     """The bytes crossing a pipeline boundary after each unit (all but the last), per sample for what carries the
-    batch and per micro-batch for what does not; sets each unit's `input_bytes` (what enters it from elsewhere)."""
+    batch and per micro-batch for what does not (and of that, what lies along the `seq_len` tokens); sets each
+    unit's `input_bytes` (what enters it from elsewhere)."""
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     producer_pos: dict[torch.fx.Node, int] = {}
     for n in ep.graph.nodes:
@@ -74,7 +79,8 @@ def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[s
     batched = _batched(ep)
     # diffs[batched, gradient]: difference arrays over the boundaries of the bytes that carry the batch or not, all
     # of them (gradient False) or the part that needs a gradient (True)
-    diffs = {key: [0] * (len(a.unit_names) + 1) for key in ((True, False), (True, True), (False, False), (False, True))}
+    diffs = {key: [0] * (len(a.unit_names) + 1) for key in ((True, False), (True, True), (False, False), (False, True),
+                                                            ("seq", False), ("seq", True))}
     input_bytes: dict[str, int] = defaultdict(int)
     for n, pu in producer_pos.items():
         if n.op == "placeholder" and n.name in param_nodes:
@@ -90,14 +96,24 @@ def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[s
         start = max(pu, 0)
         if last > start:
             grad = n in stats and stats[n].requires_grad
+            along = n not in batched and bool(seq_len) and seq_len > 1 and _along(n, seq_len)
             for g in {False, grad}:
                 diffs[n in batched, g][start] += nbytes
                 diffs[n in batched, g][last] -= nbytes
+                if along:
+                    diffs["seq", g][start] += nbytes
+                    diffs["seq", g][last] -= nbytes
     for u, b in input_bytes.items():
         units[u].input_bytes = b
     sums = {key: list(itertools.accumulate(d[:len(a.unit_names) - 1])) for key, d in diffs.items()}
     return Cuts(per_sample=sums[True, False], grad_per_sample=sums[True, True], fixed=sums[False, False],
-                grad_fixed=sums[False, True])
+                grad_fixed=sums[False, True], fixed_seq=sums["seq", False], grad_fixed_seq=sums["seq", True])
+
+
+def _along(n: torch.fx.Node, seq_len: int) -> bool:
+    """Whether `n`'s value has a dim of `seq_len` (the sequence)."""
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and seq_len in tuple(v.shape)
 
 
 def realizable_cuts(a: Assignment) -> tuple[list[bool], list[bool]]:

@@ -19,6 +19,7 @@ from torch import nn
 
 from partc.errors import PartcError, first_line
 from partc.frames import exception_frames, innermost, stack_trace_frames
+from partc.passes.causal_mask import drop_causal_masks
 from partc.precision import MixedPrecisionError, forward_casts
 
 aten = torch.ops.aten
@@ -47,6 +48,7 @@ def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "
     inline_grad_regions(ep, path=path)
     concrete_sizes(ep, args, kwargs, path=path)
     device_neutral(ep)
+    drop_causal_masks(ep)
     linears_of_transposes(ep)
     return ep
 

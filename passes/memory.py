@@ -203,14 +203,14 @@ def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, in
     b, t = tokens(par), par.tp
 
     def received(lo: int) -> float:
-        got = graph.boundary_bytes(lo - 1, b) / t
+        got = graph.boundary_bytes(lo - 1, b, par.cp) / t
         unit = graph.units[lo] if lo < len(graph.units) else None
         if (lo > 0 and unit is not None and par.sequence_parallel and recompute_mode(unit, par) == "full"
                 and math.isclose(acts[lo], unit.input_bytes * tokens(par) / t)):  # the split block's input
             return got - min(got, acts[lo])
         return got
 
-    return [sum(acts[lo:hi]) + received(lo) + graph.boundary_bytes(hi - 1, b) / t for lo, hi in chunks]
+    return [sum(acts[lo:hi]) + received(lo) + graph.boundary_bytes(hi - 1, b, par.cp) / t for lo, hi in chunks]
 
 
 def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequence[tuple[int, int]],
@@ -224,7 +224,7 @@ def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequen
     held = _held_bytes(graph, par, chunks, acts)
     if par.chunks_per_rank == 1:
         return in_flight(par, rank) * held[0]
-    grad = [graph.boundary_grad_bytes(hi - 1, b) / t for lo, hi in chunks]
+    grad = [graph.boundary_grad_bytes(hi - 1, b, par.cp) / t for lo, hi in chunks]
     return schedule.peak_bytes(par.pp, par.chunks_per_rank, par.num_microbatches, rank, held, grad)
 
 
@@ -307,7 +307,7 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
             fed[e.dst] = fed.get(e.dst, 0.0) + e.bytes / (t if split else 1)
     out = []
     for i, unit in enumerate(graph.units):
-        grad = graph.boundary_grad_bytes(i, b)
+        grad = graph.boundary_grad_bytes(i, b, par.cp)
         largest = 0.0
         for fqn in unit.layers:
             layer = graph.layers[fqn]

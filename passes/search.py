@@ -311,7 +311,7 @@ class _Costs:
             once: dict[tuple[int, int], float] = {}  # the boundaries of identical blocks carry the same bytes
             out = []
             for i in range(len(graph.cut_bytes)):
-                sizes = (graph.boundary_bytes(i, b), graph.boundary_grad_bytes(i, b))
+                sizes = (graph.boundary_bytes(i, b, par.cp), graph.boundary_grad_bytes(i, b, par.cp))
                 if sizes not in once:
                     once[sizes] = cost.p2p_round_trip(self.cluster, par, sizes[0], spans, sizes[1])
                 out.append(once[sizes] if ok[i] else math.inf)

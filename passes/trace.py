@@ -56,7 +56,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
-    cuts = pipeline_cuts(ep, a, units, stats)             # 8. bytes across each pipeline cut; unit inputs
+    cuts = pipeline_cuts(ep, a, units, stats, seq_len)    # 8. bytes across each pipeline cut; unit inputs
     cut_ok, sized = realizable_cuts(a)                     #    and which cuts the program can make
     for u in units.values():
         u.signature = _signature(u, layers)                # 9. identical blocks share TP decisions
@@ -66,6 +66,8 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
                       seq_len=seq_len or 1, units=ordered, layers={m: layers[m] for m in a.ordered_layers},
                       edges=edges, cut_bytes=cuts.per_sample, cut_grad_bytes=cuts.grad_per_sample,
                       cut_fixed_bytes=cuts.fixed, cut_grad_fixed_bytes=cuts.grad_fixed, cut_ok=cut_ok,
+                      cut_fixed_seq_bytes=cuts.fixed_seq if any(cuts.fixed_seq) else [],
+                      cut_grad_fixed_seq_bytes=cuts.grad_fixed_seq if any(cuts.grad_fixed_seq) else [],
                       cut_value_sized=sized if any(sized) else [], tied=tied,
                       first_unit_required=first_req,
                       last_unit_required=last_req, info=_model_info(layers, ordered, seq_len),

@@ -320,8 +320,9 @@ def test_hugging_face_model_is_checked(tmp_path):
 @pytest.mark.slow
 def test_tensors_without_the_batch_cross_once_a_micro_batch(tmp_path):
     """Hugging Face LLaMA hands each stage its rotary tables (1 x s x head_dim, the same for every sample) and its
-    causal mask (expanded to the batch): at 2 samples a micro-batch the plan charges the tables once and the mask
-    twice, and the pipeline traffic equals the program's to the byte (charging the tables per sample was 5% over)."""
+    hidden states: at 2 samples a micro-batch the plan charges the tables once and the hidden states twice, and the
+    pipeline traffic equals the program's to the byte (charging the tables per sample was 5% over). Its causal
+    mask, proven causal, no longer crosses (`partc.passes.causal_mask`)."""
     torch.set_num_threads(1)
     out = tmp_path / "llama"
     compile_model(write_hf_model(tmp_path, "llama"), gpus=2, global_batch_size=8, seq_len=32, out_dir=out,

@@ -2,10 +2,11 @@
 plan's cp traffic, and training under torchrun on CPU (gloo) compared with one process.
 
 The multi-process test runs every program in one launch of 8 ranks: the bundled GPT and LLaMA at cp 2 x tp 2 x
-pp 2, cp 2 x dp 2 x tp 2 with ZeRO-3 and cp 4 x dp 2. Each job trains with SGD in fp32 from a saved state dict;
-its losses and gathered state dict must equal `reference_run` within 1e-5 (relative), and every rank's collective
-payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis by axis (``cp`` and ``dp`` over dp x cp
-included).
+pp 2, cp 2 x dp 2 x tp 2 with ZeRO-3 and cp 4 x dp 2; Hugging Face's LLaMA (its causal mask proven,
+`partc.passes.causal_mask`) at cp 2 x tp 2 x pp 2, cp 2 x dp 2 x tp 2 and cp 4 x dp 2 with ZeRO-3. Each job trains
+with SGD in fp32 from a saved state dict; its losses and gathered state dict must equal `reference_run` within
+1e-5 (relative), and every rank's collective payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis
+by axis (``cp`` and ``dp`` over dp x cp included).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program,
-                     megatron_style, run_jobs)
+                     megatron_style, run_jobs, write_hf_model)
 from partc.collectives import cp_rank_positions
 from partc.compile import compile_model
 from partc.errors import PartcError
@@ -124,9 +125,88 @@ CONFIGS = {
     "llama_cp2_tp2_pp2": ("llama", 2, 2, 2, 1, 1, 4),
     "llama_cp2_dp2_tp2_z3": ("llama", 2, 2, 1, 2, 3, 4),
     "gpt_cp4_dp2_z0": ("gpt", 4, 1, 1, 2, 0, 4),
+    "hf_llama_cp2_tp2_pp2": ("hf_llama", 2, 2, 2, 1, 1, 4),
+    "hf_llama_cp2_dp2_tp2_z3": ("hf_llama", 2, 2, 1, 2, 3, 4),
+    "hf_llama_cp4_dp2_z3": ("hf_llama", 4, 1, 1, 2, 3, 4),
 }
 STEPS = 2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+HF_SEQ_LEN = 32
+"""Tokens of the tiny Hugging Face LLaMA's samples (its config allows 128): 8 chunks of 4 at cp 4."""
+
+
+def _path(model: str, tmp: Path) -> str:
+    return write_hf_model(tmp, "llama") if model == "hf_llama" else str(EXAMPLES / f"{model}.py")
+
+
+def _seq_len(model: str) -> int | None:
+    return HF_SEQ_LEN if model == "hf_llama" else None
+
+
+def test_hf_causal_mask_is_proven(tmp_path):
+    """Hugging Face builds its causal mask explicitly under torch.export (positions compared, packed documents
+    detected): proven exactly causal, the attention becomes is_causal=True with no mask and no s x s op left."""
+    from helpers import trace_file
+    from partc.passes.context import is_causal_attention
+
+    _, traced = trace_file(write_hf_model(tmp_path, "llama"), seq_len=16)
+    nodes = list(traced.exported.graph.nodes)
+    attention = [n for n in nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(attention) == 2 and all(is_causal_attention(n) for n in attention)
+    assert not any(len(n.meta["val"].shape) == 4 and tuple(n.meta["val"].shape[-2:]) == (16, 16)
+                   for n in nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
+                   and n.meta["val"].dtype == torch.bool)
+    assert all(len(u.cp_kv) == 2 for u in traced.graph.units if u.kind == "block")
+
+
+HF_MASKED = {
+    "sliding window": """
+        from transformers import MistralConfig, MistralForCausalLM
+
+        def model():
+            return MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=1, num_attention_heads=2,
+                                                    num_key_value_heads=1, max_position_embeddings=64,
+                                                    sliding_window=4))
+    """,
+    "padding": """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        class Padded(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                       num_hidden_layers=1, num_attention_heads=2,
+                                                       num_key_value_heads=1, max_position_embeddings=64))
+
+            def forward(self, ids, attention_mask):
+                return self.lm(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits
+
+        def model():
+            return Padded()
+
+        def example_inputs(batch_size):
+            return (torch.randint(0, 64, (batch_size, 16)), torch.ones(batch_size, 16, dtype=torch.long))
+
+        def example_targets(batch_size):
+            return torch.randint(0, 64, (batch_size, 16))
+    """,
+}
+
+
+@pytest.mark.parametrize("case", list(HF_MASKED))
+def test_refuses_hf_masks_not_proven_causal(tmp_path, case):
+    """A sliding window (``j <= i`` and ``i - j < w``) or a mask from an input (padding) is not causal attention:
+    the mask keeps its two sequence dims and cp is refused in one line."""
+    import textwrap
+
+    path = tmp_path / "m.py"
+    path.write_text(textwrap.dedent(HF_MASKED[case]))
+    with pytest.raises(PartcError, match="not proven") as err:
+        compile_model(str(path), gpus=2, pins=Pins(cp=2, dp=1, tp=1, pp=1), global_batch_size=2,
+                      seq_len=None if case == "padding" else 16)
+    assert "\n" not in str(err.value)
 
 
 @pytest.fixture(scope="module")
@@ -134,17 +214,20 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("cp")
     inits = {}
-    for m in ("gpt", "llama"):
+    for m in ("gpt", "llama", "hf_llama"):
         torch.manual_seed(1234)
-        inits[m] = load_model_file(str(EXAMPLES / f"{m}.py")).build().state_dict()
+        inits[m] = load_model_file(_path(m, tmp), seq_len=_seq_len(m)).build().state_dict()
         torch.save(inits[m], tmp / f"init_{m}.pt")
     jobs = []
     for name, (model, cp, tp, pp, dp, zero, gbs) in CONFIGS.items():
         styles = (lambda f, s: megatron_style(f, vocab=True) or "replicate") if tp > 1 else None
-        compile_program(model, tmp / name, global_batch_size=gbs, tp_styles=styles, cp=cp, tp=tp, pp=pp, dp=dp,
-                        zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none", precision="fp32")
-        jobs.append({"out": str(tmp / name), "steps": STEPS, "init": str(tmp / f"init_{model}.pt"),
-                     "result": str(tmp / f"{name}.pt"), **SGD})
+        compile_program(_path(model, tmp), tmp / name, global_batch_size=gbs, seq_len=_seq_len(model),
+                        tp_styles=styles, cp=cp, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=1,
+                        schedule="1f1b", recompute="none", precision="fp32")
+        # HF LLaMA starts from --init-checkpoint (each rank slices its shards from the file), as in
+        # test_runtime_tp; the rest from Program.load_state_dict
+        jobs.append({"out": str(tmp / name), "steps": STEPS, "result": str(tmp / f"{name}.pt"), **SGD,
+                     ("init_checkpoint" if model == "hf_llama" else "init"): str(tmp / f"init_{model}.pt")})
     run_jobs(8, jobs, tmp)
     return tmp, inits
 
@@ -155,7 +238,7 @@ def test_trains_like_one_process(runs, name):
     tmp, inits = runs
     model, cp, tp, pp, dp, zero, gbs = CONFIGS[name]
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
-    losses, state = reference_run(str(EXAMPLES / f"{model}.py"), inits[model], steps=STEPS, seed=0,
+    losses, state = reference_run(_path(model, tmp), inits[model], steps=STEPS, seed=0, seq_len=_seq_len(model),
                                   global_batch_size=gbs, precision="fp32", micro_batch_size=1, untied=pp > 1, **SGD)
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)

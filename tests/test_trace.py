@@ -138,8 +138,8 @@ def test_gpt_saved_and_cut_bytes(gpt):
 
 def test_what_does_not_carry_the_batch_crosses_once(tmp_path):
     """Hugging Face LLaMA's rotary tables (cos, sin: 1 x s x head_dim, from the positions, no gradient) cross every
-    boundary between blocks once a micro-batch; the hidden states and the causal mask (expanded to the batch, a
-    size of 1 at one sample) per sample."""
+    boundary between blocks once a micro-batch, s/cp positions of them under context parallelism; the hidden
+    states per sample (its causal mask, proven causal, is gone: `partc.passes.causal_mask`)."""
     _, traced = trace_file(write_hf_model(tmp_path, "llama"), seq_len=32)
     graph = traced.graph
     s, h, head = 32, 64, 16
@@ -148,9 +148,11 @@ def test_what_does_not_carry_the_batch_crosses_once(tmp_path):
     for i in range(names.index("model.layers.0"), names.index("model.layers.1")):  # between blocks
         assert graph.cut_fixed_bytes[i] == 2 * table, names[i]
         assert graph.cut_grad_fixed_bytes[i] == 0
-        assert graph.cut_bytes[i] == s * h * ACTIVATION_BYTES + s * s  # hidden states, the boolean mask
+        assert graph.cut_bytes[i] == s * h * ACTIVATION_BYTES  # the hidden states
         assert graph.boundary_bytes(i, 4) == 4 * graph.cut_bytes[i] + 2 * table
         assert graph.boundary_grad_bytes(i, 4) == 4 * s * h * ACTIVATION_BYTES
+        assert graph.cut_fixed_seq_bytes[i] == 2 * table  # along the sequence: a cp rank sends its s/cp rows
+        assert graph.boundary_bytes(i, 4 / 2, 2) == 2 * graph.cut_bytes[i] + table
 
 
 def test_gpt_shard_regions_and_groups(gpt):
