@@ -149,9 +149,13 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         names.update({ph: literal(values[target]) for ph, target in io.constants.items()})
     receives, sends = _boundaries(nodes, node_stage, io, len(plan.stages))
     split = _scatter_gather(plan.parallel.tp, rw)
-    if plan.parallel.sequence_parallel:  # the plan prices each boundary as the ranks' parts of the sequence
+    if plan.parallel.sequence_parallel:
+        # The plan prices each boundary as the ranks' parts of the sequence, but for the values that need no
+        # gradient (rotary tables, masks, token ids): every TP rank holds those whole, each sends its 1/t part and
+        # the next stage all-gathers them, as without sequence parallelism (`partc.passes.cost.gather_bytes`).
+        grad = _needs_grad(ep, io)
         rw.sequence_gathers += [f"{names[x]} crosses a pipeline boundary whole: scattered and gathered again"
-                                for st in sends[:-1] for x in st if split(x)]
+                                for st in sends[:-1] for x in st if split(x) and x in grad]
     last = len(plan.stages) - 1
     stages = []
     for st in plan.stages:
@@ -191,6 +195,20 @@ def _scatter_gather(t: int, rw: tp_rewrite.Rewrite):
         val = x.meta.get("val")
         return t > 1 and x not in rw.split and isinstance(val, torch.Tensor) and val.numel() % t == 0
     return split
+
+
+def _needs_grad(ep: torch.export.ExportedProgram, io: _GraphIO) -> set[torch.fx.Node]:
+    """The nodes whose value needs a gradient: a floating-point value computed from a floating-point parameter
+    (what `partc.passes.cuts` counts as a boundary's gradient; buffers, constants and inputs need none)."""
+    def floating(n: torch.fx.Node) -> bool:
+        val = n.meta.get("val")
+        return any(isinstance(v, torch.Tensor) and v.is_floating_point()
+                   for v in (val if isinstance(val, (list, tuple)) else [val]))
+    grad = {n for n in io.params if floating(n)}
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and floating(n) and any(x in grad for x in n.all_input_nodes):
+            grad.add(n)
+    return grad
 
 
 def _graph_io(ep: torch.export.ExportedProgram) -> _GraphIO:

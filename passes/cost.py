@@ -274,11 +274,14 @@ def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes: float, spans_nodes: 
     grad = nbytes if grad_bytes is None else grad_bytes
     tp_spans = par.spans_nodes("tp", cluster.gpus_per_node)
     total = 0.0
-    for size in (nbytes, grad):
+    for size, gathered in ((nbytes, max(nbytes - grad, 0.0) if par.sequence_parallel else nbytes),
+                           (grad, 0.0 if par.sequence_parallel else grad)):
         if size > 0:
             total += hw.collective_time(cluster, "p2p", size / t, 2, spans_nodes=spans_nodes)
-            if t > 1 and not par.sequence_parallel:  # under it, each rank's part of the sequence is its own
-                total += hw.collective_time(cluster, "all_gather", size, t, spans_nodes=tp_spans,
+            # Under sequence parallelism each rank's part of the sequence is its own: only what needs no gradient
+            # (rotary tables, masks) is held whole, and gathered (`gather_bytes`).
+            if t > 1 and gathered > 0:
+                total += hw.collective_time(cluster, "all_gather", gathered, t, spans_nodes=tp_spans,
                                             ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
     return total
 
@@ -374,12 +377,17 @@ def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]
 
 def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
     """TP payload of scatter/gather on one GPU in a step: per micro-batch and chunk, the all-gather (its output, the
-    whole boundary) of what the chunk receives forward and of the gradient of what it sends backward."""
-    if par.pp == 1 or par.tp == 1 or par.sequence_parallel:  # the boundary is each rank's part of the sequence
+    whole boundary) of what the chunk receives forward and of the gradient of what it sends backward. Under sequence
+    parallelism the activations cross as each rank's part of the sequence: only what needs no gradient (rotary
+    tables, masks, token ids: every TP rank holds it whole) is gathered, forward (`passes.codegen`)."""
+    if par.pp == 1 or par.tp == 1:
         return 0.0
     b, total = tokens(par), 0
     for lo, hi in chunks:
-        total += graph.boundary_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
+        if par.sequence_parallel:
+            total += graph.boundary_bytes(lo - 1, b) - graph.boundary_grad_bytes(lo - 1, b)
+        else:
+            total += graph.boundary_bytes(lo - 1, b) + graph.boundary_grad_bytes(hi - 1, b)
     return float(total * par.num_microbatches)
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, megatron_style,
-                     run_jobs)
+                     run_jobs, write_hf_model)
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
@@ -39,7 +39,17 @@ CONFIGS = {
     "llama_tp2_pp2_dp2_z1_sp": ("llama", 2, 2, 2, 1, 1, 4),
     "llama_tp2_pp2_dp2_z3_sp": ("llama", 2, 2, 2, 3, 1, 4),
     "gpt_tp4_dp2_z3_sp": ("gpt", 4, 1, 2, 3, 1, 4),
+    # Hugging Face: GPT-2's Conv1D rowwise output [b*s, h] reduce-scattered after its view back to [b, s, h]; at two
+    # samples a micro-batch its colwise input is each sample's part of the sequence, flattened (gathered in pieces)
+    "hf_gpt2_tp2_sp": ("hf_gpt2", 2, 1, 1, 0, 2, 2),
+    "hf_llama_tp2_sp": ("hf_llama", 2, 1, 1, 0, 1, 2),
+    # LLaMA's rotary tables and causal mask cross the pipeline boundary whole (no gradient): gathered, and charged
+    "hf_llama_tp2_pp2_dp2_z1_sp": ("hf_llama", 2, 2, 2, 1, 1, 4),
+    "hf_gpt2_tp2_pp2_dp2_z1_sp": ("hf_gpt2", 2, 2, 2, 1, 1, 4),
+    "hf_gpt2_tp2_pp2_dp2_z3_sp": ("hf_gpt2", 2, 2, 2, 3, 1, 4),
 }
+HF_SEQ_LEN = 32
+"""Tokens of the tiny Hugging Face models' synthesized inputs (`helpers.HF_MODELS`)."""
 STYLES = {"llama_tp2_sp_tok_colwise": {"tok": "colwise"}}
 """Styles set over Megatron's map."""
 
@@ -56,19 +66,31 @@ STEPS = 2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
 
 
+def model_path(model: str, tmp: Path) -> str:
+    """examples/MODEL.py, or for ``hf_NAME`` the tiny Hugging Face model NAME written in `tmp`."""
+    if model.startswith("hf_"):
+        path = tmp / f"{model}.py"
+        return str(path) if path.exists() else write_hf_model(tmp, model.removeprefix("hf_"))
+    return str(EXAMPLES / f"{model}.py")
+
+
+def seq_len(model: str) -> int | None:
+    return HF_SEQ_LEN if model.startswith("hf_") else None
+
+
 def compile_sp(name: str, tmp: Path) -> Path:
     model, tp, pp, dp, zero, mb, gbs = CONFIGS[name]
-    path, out = str(EXAMPLES / f"{model}.py"), tmp / name
+    path, out = model_path(model, tmp), tmp / name
     pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
                 precision=precision_of(name), sequence_parallel=True)
-    compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, out_dir=out)
+    compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, out_dir=out, seq_len=seq_len(model))
     plan = json.loads((out / "plan.json").read_text())
     for fqn in plan["tp"]:
         plan["tp"][fqn] = megatron_style(fqn, vocab=True) or "replicate"
     plan["tp"].update(STYLES.get(name, {}))
     edited = tmp / f"{name}.plan.json"
     edited.write_text(json.dumps(plan, indent=2))
-    result = compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), out_dir=out)
+    result = compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), out_dir=out, seq_len=seq_len(model))
     assert not [w for w in result.warnings if "sequence parallelism" in w], result.warnings
     return out
 
@@ -78,10 +100,10 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("sequence_parallel")
     inits = {}
-    for m in ("gpt", "llama"):
+    for m in sorted({model for model, *_ in CONFIGS.values()}):
         inits[m] = tmp / f"init_{m}.pt"
         torch.manual_seed(1234)
-        torch.save(load_model_file(str(EXAMPLES / f"{m}.py")).build().state_dict(), inits[m])
+        torch.save(load_model_file(model_path(m, tmp), seq_len=seq_len(m)).build().state_dict(), inits[m])
     outs = {name: compile_sp(name, tmp) for name in CONFIGS}
     jobs: dict[int, list[dict]] = {}
     for name, (model, tp, pp, dp, *_rest) in CONFIGS.items():
@@ -105,8 +127,9 @@ def test_sequence_parallel_matches_one_process(runs, name):
     model, _, pp, _, _, mb, gbs = CONFIGS[name]
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
     init = torch.load(inits[model], weights_only=True)
-    losses, state = reference_run(str(EXAMPLES / f"{model}.py"), init, steps=STEPS, seed=0, global_batch_size=gbs,
-                                  precision=precision_of(name), micro_batch_size=mb, untied=pp > 1, **SGD)
+    losses, state = reference_run(model_path(model, tmp), init, steps=STEPS, seed=0, global_batch_size=gbs,
+                                  seq_len=seq_len(model), precision=precision_of(name), micro_batch_size=mb,
+                                  untied=pp > 1, **SGD)
     rtol = BF16_RTOL if precision_of(name) == "bf16" else 1e-5
     assert_close_losses(got["losses"], losses, rtol=rtol)
     # bf16: a norm's gradient is the sum of the ranks' parts of the sequence, each rounded to bf16; a bias still
@@ -116,7 +139,10 @@ def test_sequence_parallel_matches_one_process(runs, name):
     source = "".join(f.read_text() for f in sorted((outs[name] / "program").glob("stage_*.py")))
     assert "tp.gather_from_sp(" in source and "tp.reduce_scatter_to_sp(" in source
     assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
-    assert "tp.gather_from_previous_stage(" not in source, "a stage receives its part of the sequence"
+    # a stage receives its part of the sequence; only values that need no gradient (LLaMA's rotary tables and
+    # causal mask) cross whole, each rank sending its 1/tp part, gathered on arrival
+    gathered = [line for line in source.splitlines() if "tp.gather_from_previous_stage(" in line]
+    assert len(gathered) == (3 * (pp - 1) if model == "hf_llama" else 0), gathered
     assert "sequence_parallel_gathers" not in json.loads((outs[name] / "plan.json").read_text())["model"]
     assert assert_comm_matches_plan(outs[name], got["comm"]) > 0  # pp: the schedule's few bytes of warm-up vote
     plan = json.loads((outs[name] / "plan.json").read_text())
