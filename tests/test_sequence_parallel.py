@@ -48,6 +48,8 @@ CONFIGS = {
     "hf_gpt2_tp2_pp2_dp2_z1_sp": ("hf_gpt2", 2, 2, 2, 1, 1, 4),
     "hf_gpt2_tp2_pp2_dp2_z3_sp": ("hf_gpt2", 2, 2, 2, 3, 1, 4),
 }
+WHOLE_ACROSS = {"hf_gpt2": 1, "hf_llama": 3}
+"""Values that cross a pipeline boundary whole (they need no gradient): the causal mask; LLaMA's cos and sin."""
 HF_SEQ_LEN = 32
 """Tokens of the tiny Hugging Face models' synthesized inputs (`helpers.HF_MODELS`)."""
 STYLES = {"llama_tp2_sp_tok_colwise": {"tok": "colwise"}}
@@ -139,10 +141,10 @@ def test_sequence_parallel_matches_one_process(runs, name):
     source = "".join(f.read_text() for f in sorted((outs[name] / "program").glob("stage_*.py")))
     assert "tp.gather_from_sp(" in source and "tp.reduce_scatter_to_sp(" in source
     assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
-    # a stage receives its part of the sequence; only values that need no gradient (LLaMA's rotary tables and
-    # causal mask) cross whole, each rank sending its 1/tp part, gathered on arrival
+    # a stage receives its part of the sequence; only values that need no gradient (Hugging Face's causal mask,
+    # LLaMA's rotary tables) cross whole, each rank sending its 1/tp part, gathered on arrival
     gathered = [line for line in source.splitlines() if "tp.gather_from_previous_stage(" in line]
-    assert len(gathered) == (3 * (pp - 1) if model == "hf_llama" else 0), gathered
+    assert len(gathered) == WHOLE_ACROSS.get(model, 0) * (pp - 1), gathered
     assert "sequence_parallel_gathers" not in json.loads((outs[name] / "plan.json").read_text())["model"]
     assert assert_comm_matches_plan(outs[name], got["comm"]) > 0  # pp: the schedule's few bytes of warm-up vote
     plan = json.loads((outs[name] / "plan.json").read_text())
