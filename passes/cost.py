@@ -33,8 +33,8 @@ from partc.ir import ModelGraph, Unit
 from partc.parallel import TP_STYLES, Parallel, Reads
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT
-from partc.passes.cost_types import (Memory, TPPlan, UnitTime, _unit_list, is_split, mesh_spans, recompute_mode,
-                                     style_of, tokens)
+from partc.passes.cost_types import (VOCAB_LOSS_REASON, Memory, TPPlan, UnitTime, _unit_list, is_split, mesh_spans,
+                                     recompute_mode, style_of, tokens)
 # The memory terms and the cp and ep terms (re-exported: the search, `predict` and the tests read them as cost.NAME).
 from partc.passes.memory import (LOSS_BYTES, _cp_saved_bytes, _extra_bytes, _held_bytes, _in_flight_bytes,
                                  _param_local_shapes, _param_shards, _rebuilt_bytes, _saved_bytes, fsdp_groups,
@@ -104,6 +104,10 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     colls = [] if tp is None else tp.collectives.get(unit.fqn, [])
     if not (par.sequence_parallel and par.tp > 1):
         return [(c.kind, c.phase, float(c.nbytes * b)) for c in colls]
+    program = getattr(tp, "program", {})
+    if unit.fqn in program:  # where the program falls back to tensor parallelism: what it runs, and the loss's
+        return list(program[unit.fqn]) + [(c.kind, c.phase, float(c.nbytes * b)) for c in colls
+                                           if c.reason.startswith(VOCAB_LOSS_REASON)]
     out, params = [], 0
     for c in colls:
         layer = graph.layers.get(c.src)
@@ -333,10 +337,13 @@ def copy_all_reduces(graph: ModelGraph, tp: TPPlan | None) -> list[tuple[int, tu
     if tp is None:
         return []
     index = {u.fqn: i for i, u in enumerate(graph.units)}
+    program = getattr(tp, "program", {})  # units charged what their program runs, copies included
     out = []
     for fqn, colls in tp.collectives.items():
         for c in colls:
             readers = tuple(index[u] for u in getattr(c, "reader_units", ()))
+            if program and (fqn in program or any(graph.units[r].fqn in program for r in readers)):
+                continue
             if readers and set(readers) != {index[fqn]}:
                 out.append((index[fqn], readers, c.nbytes))
     return out
