@@ -437,14 +437,17 @@ def sequence_fallbacks(spec: ModelSpec, model: torch.nn.Module, traced: Traced, 
 def price_sequence_fallbacks(graph: ModelGraph, clus: Cluster, best: Candidate,
                              program: GeneratedProgram) -> Candidate:
     """`best`, a sequence-parallel plan, predicted again with the TP collectives its `program` runs
-    (`GeneratedProgram.tp_traffic`) charged to the units where they differ from the cost model's sequence-parallel
-    ones: where the program falls back to tensor parallelism (a whole layer, an op not proven per-position, a
+    (`GeneratedProgram.tp_traffic`) charged to the units where their bytes by kind and phase differ from the cost
+    model's sequence-parallel ones: where the program falls back to tensor parallelism (a whole layer, an op not proven per-position, a
     rowwise output without a sequence dim), today's collectives inside the unit, and the conversions at its edges
     (the gather of the sequence-split input, the scatter of its whole output: each in the unit that runs it)."""
     par, tp = best.parallel, best.tp
 
-    def key(colls):
-        return sorted((kind, phase, round(nbytes)) for kind, phase, nbytes in colls)
+    def key(colls):  # bytes by kind and phase (the formulas sum the norms' gradients in one all-reduce)
+        out: dict[tuple[str, str], float] = {}
+        for kind, phase, nbytes in colls:
+            out[kind, phase] = out.get((kind, phase), 0.0) + nbytes
+        return {k: round(v) for k, v in out.items() if round(v)}
     loss = cost.VOCAB_LOSS_REASON
     differ = {}
     for unit in graph.units:
