@@ -180,13 +180,23 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
             raise PartcError(_no_fit_message(clus, result))
         if result.best.parallel.sequence_parallel and pins.sequence_parallel is None:
             # The search chose sequence parallelism: the plan prices it on every unit, so the program must keep the
-            # split everywhere; where it cannot (`sequence_fallbacks`), the plan is searched again without it.
-            fallbacks = sequence_fallbacks(spec, model, traced, make_plan(graph, clus, result.best, result, path=path,
-                                                                           entry=entry, tokens=spec.seq_len is not None),
-                                           path=path, entry=entry)
+            # split everywhere; where it cannot (`sequence_fallbacks`), that plan is priced as its program runs
+            # (`price_sequence_fallbacks`) and kept only if it is still faster than the best plan without it.
+            sp_plan = make_plan(graph, clus, result.best, result, path=path, entry=entry,
+                                tokens=spec.seq_len is not None)
+            fallbacks = sequence_fallbacks(spec, model, traced, sp_plan, path=path, entry=entry)
             if fallbacks:
+                priced = None
+                with contextlib.suppress(PartcError):  # the sequence does not divide over tp: no such program
+                    priced = price_sequence_fallbacks(graph, clus, result.best, make_program(
+                        spec, model, traced, sp_plan, path=path, entry=entry))
                 pins = dataclasses.replace(pins, sequence_parallel=False, sp_regather=None)
-                result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
+                plain = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
+                if priced is not None and cost.fits(clus, priced.prediction.memory_per_gpu) and (
+                        plain.best is None or priced.step_time_s < plain.best.step_time_s):
+                    result.best = priced
+                else:
+                    result = plain
                 if result.best is None:
                     raise PartcError(_no_fit_message(clus, result))
         best = result.best
@@ -197,8 +207,15 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
             refuse_single_value_norms(norms)
     t_solve = time.perf_counter()
 
-    # 4. The plan.
+    # 4. The plan. A sequence-parallel plan whose program falls back to tensor parallelism in places (pinned, or
+    #    read from a file) is priced as that program runs.
     on_phase(3, PHASES[3])
+    program = None
+    if best.parallel.sequence_parallel and not best.tp.program:
+        program = make_program(spec, model, traced, make_plan(graph, clus, best, result, path=path, entry=entry,
+                                                              tokens=spec.seq_len is not None), path=path, entry=entry)
+        if program.sequence_gathers:
+            best = price_sequence_fallbacks(graph, clus, best, program)
     plan = make_plan(graph, clus, best, result, path=path, entry=entry, tokens=spec.seq_len is not None)
     if plan_in is not None:
         plan.alternatives = []
@@ -235,12 +252,12 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     # 5. The sharded program: the traced graph at the micro-batch size, split by stages.
     t_codegen = time.perf_counter()
     if out_dir is not None:
-        program = make_program(spec, model, traced, plan, path=path, entry=entry)
+        program = program or make_program(spec, model, traced, plan, path=path, entry=entry)
         if program.sequence_gathers:  # said in the plan, before it is written
             plan.model["sequence_parallel_gathers"] = list(program.sequence_gathers)
             warnings.append(f"sequence parallelism: {len(program.sequence_gathers)} place(s) where the program does "
                             f"not keep the split along the sequence (a whole layer, an op not proven per-position), "
-                            f"collectives the plan does not charge; "
+                            f"tensor parallelism there, priced as the program runs it; "
                             f"first: "
                             f"{program.sequence_gathers[0]} (plan.json: model.sequence_parallel_gathers)")
         output.write(out_dir, {"plan.json": plan.to_json(), output.REPORT: report.render(plan.to_dict()),
@@ -301,6 +318,36 @@ def sequence_fallbacks(spec: ModelSpec, model: torch.nn.Module, traced: Traced, 
         return make_program(spec, model, traced, plan, path=path, entry=entry).sequence_gathers
     except PartcError as e:  # the sequence found by the rewrite does not divide over tp
         return [str(e)]
+
+
+def price_sequence_fallbacks(graph: ModelGraph, clus: Cluster, best: Candidate,
+                             program: GeneratedProgram) -> Candidate:
+    """`best`, a sequence-parallel plan, predicted again with the TP collectives its `program` runs
+    (`GeneratedProgram.tp_traffic`) charged to the units where their bytes by kind and phase differ from the cost
+    model's sequence-parallel ones: where the program falls back to tensor parallelism (a whole layer, an op not proven per-position, a
+    rowwise output without a sequence dim), today's collectives inside the unit, and the conversions at its edges
+    (the gather of the sequence-split input, the scatter of its whole output: each in the unit that runs it)."""
+    par, tp = best.parallel, best.tp
+
+    def key(colls):  # bytes by kind and phase (the formulas sum the norms' gradients in one all-reduce)
+        out: dict[tuple[str, str], float] = {}
+        for kind, phase, nbytes in colls:
+            out[kind, phase] = out.get((kind, phase), 0.0) + nbytes
+        return {k: round(v) for k, v in out.items() if round(v)}
+    loss = cost.VOCAB_LOSS_REASON
+    differ = {}
+    for unit in graph.units:
+        charged = [(c.kind, c.phase, float(c.nbytes * cost.tokens(par))) for c in tp.collectives.get(unit.fqn, [])
+                   if c.reason.startswith(loss)]
+        formula = cost.unit_collectives(graph, par, tp, unit)
+        for c in charged:  # the loss runs these, not the stage code
+            formula.remove(c)
+        runs = program.tp_traffic.get(unit.fqn, [])
+        if key(formula) != key(runs):
+            differ[unit.fqn] = runs
+    priced = dataclasses.replace(tp, program=differ)
+    return Candidate(parallel=par, tp=priced, bounds=best.bounds,
+                     prediction=assemble.predict(graph, clus, par, priced, best.bounds))
 
 
 def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,

@@ -98,6 +98,9 @@ class GeneratedProgram:
     sequence_gathers: list[str] = field(default_factory=list)
     """Under sequence parallelism, the values gathered whole where a reader is not proven per-position
     (`tp_rewrite.Rewrite.sequence_gathers`)."""
+    tp_traffic: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
+    """Unit FQN -> the TP collectives its code runs per micro-batch, (kind, phase, bytes) as the runtime counts
+    them (`TP_TRAFFIC`); units without one are absent. The loss's collectives are not in the stage code."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,9 +163,13 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         names.update({ph: literal(values[target]) for ph, target in io.constants.items()})
     receives, sends = _boundaries(nodes, node_stage, io, len(plan.stages))
     split = _scatter_gather(plan.parallel.tp, rw)
-    if plan.parallel.sequence_parallel:  # the plan prices each boundary as the ranks' parts of the sequence
+    if plan.parallel.sequence_parallel:
+        # The plan prices each boundary as the ranks' parts of the sequence, but for the values that need no
+        # gradient (rotary tables, masks, token ids): every TP rank holds those whole, each sends its 1/t part and
+        # the next stage all-gathers them, as without sequence parallelism (`partc.passes.cost.gather_bytes`).
+        grad = _needs_grad(ep, io)
         rw.sequence_gathers += [f"{names[x]} crosses a pipeline boundary whole: scattered and gathered again"
-                                for st in sends[:-1] for x in st if split(x)]
+                                for st in sends[:-1] for x in st if split(x) and x in grad]
     last = len(plan.stages) - 1
     stages = []
     for st in plan.stages:
@@ -179,6 +186,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         code.source = _render(code, plan, names, model_path, ep.call_spec.out_spec if st.index == len(plan.stages) - 1
                               else None)
         stages.append(code)
+    traffic = _tp_traffic(stages, _needs_grad(ep, io)) if plan.parallel.tp > 1 else {}
     manifest = _manifest(ep, a, io, rw, layers, plan, stages, names, aliases, model_path=model_path, entry=entry)
     if experts or routed:  # the packed parameters each ep rank holds E/ep experts of (dim 0); the expert modules
         # (plain PyTorch) and the ep rank holding each
@@ -193,7 +201,44 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         manifest["tp"]["vocab_loss"] = {"output": int(vocab_loss["output"])}
     files = {f"stage_{s.index}.py": s.source for s in stages}
     files["manifest.json"] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    return GeneratedProgram(stages=stages, manifest=manifest, files=files, sequence_gathers=rw.sequence_gathers)
+    return GeneratedProgram(stages=stages, manifest=manifest, files=files, sequence_gathers=rw.sequence_gathers,
+                            tp_traffic=traffic)
+
+
+TP_TRAFFIC = {
+    "copy_to_tp": (("all_reduce", "bwd", "out"),),
+    "reduce_from_tp": (("all_reduce", "fwd", "out"),),
+    "gather_from_tp": (("all_gather", "fwd", "out"),),
+    "scatter_to_tp": (("all_gather", "bwd", "in"),),
+    "reduce_scatter_to_tp": (("reduce_scatter", "fwd", "in"), ("all_gather", "bwd", "in")),
+    "reduce_scatter_to_sp": (("reduce_scatter", "fwd", "in"), ("all_gather", "bwd", "in")),
+    "gather_from_sp": (("all_gather", "fwd", "out"), ("reduce_scatter", "bwd", "out")),
+}
+"""`partc.collectives`' TP functions in the stage code -> (kind, phase, whose bytes) of each collective they run:
+an all-gather counted by its output, a reduce-scatter by its input, an all-reduce by its tensor (`partc.runtime.
+comm`); "in": the whole tensor the function takes (a partial sum, or a value every rank holds whole), "out": the
+tensor it gives. A backward one runs only for a value that needs a gradient."""
+
+
+def _tp_traffic(stages: list[StageCode], grad: set[torch.fx.Node]) -> dict[str, list[tuple[str, str, float]]]:
+    """`GeneratedProgram.tp_traffic`: each TP collective of the stage code, charged to the first unit of the
+    function that runs it. The rewrite gives every collective's output its local shape (`tp_rewrite`), and its
+    input here is a partial sum or a whole value, whose local shape is the traced one."""
+    from partc import collectives
+    from partc.passes.cuts import val_bytes
+    out: dict[str, list[tuple[str, str, float]]] = {}
+    for st in stages:
+        for uc in st.units:
+            for n in uc.nodes:
+                fn = getattr(n.target, "__name__", None)
+                if getattr(n.target, "__module__", None) != collectives.__name__ or fn not in TP_TRAFFIC:
+                    continue
+                for kind, phase, whose in TP_TRAFFIC[fn]:
+                    if phase == "bwd" and n.args[0] not in grad:
+                        continue
+                    nbytes = val_bytes(n if whose == "out" else n.args[0])
+                    out.setdefault(uc.units[0], []).append((kind, phase, float(nbytes)))
+    return out
 
 
 def _scatter_gather(t: int, rw: tp_rewrite.Rewrite):
@@ -204,6 +249,20 @@ def _scatter_gather(t: int, rw: tp_rewrite.Rewrite):
         val = x.meta.get("val")
         return t > 1 and x not in rw.split and isinstance(val, torch.Tensor) and val.numel() % t == 0
     return split
+
+
+def _needs_grad(ep: torch.export.ExportedProgram, io: _GraphIO) -> set[torch.fx.Node]:
+    """The nodes whose value needs a gradient: a floating-point value computed from a floating-point parameter
+    (what `partc.passes.cuts` counts as a boundary's gradient; buffers, constants and inputs need none)."""
+    def floating(n: torch.fx.Node) -> bool:
+        val = n.meta.get("val")
+        return any(isinstance(v, torch.Tensor) and v.is_floating_point()
+                   for v in (val if isinstance(val, (list, tuple)) else [val]))
+    grad = {n for n in io.params if floating(n)}
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and floating(n) and any(x in grad for x in n.all_input_nodes):
+            grad.add(n)
+    return grad
 
 
 def _graph_io(ep: torch.export.ExportedProgram) -> _GraphIO:

@@ -33,8 +33,8 @@ from partc.ir import ModelGraph, Unit
 from partc.parallel import TP_STYLES, Parallel, Reads
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT
-from partc.passes.cost_types import (Memory, TPPlan, UnitTime, _unit_list, is_split, mesh_spans, recompute_mode,
-                                     style_of, tokens)
+from partc.passes.cost_types import (VOCAB_LOSS_REASON, Memory, TPPlan, UnitTime, _unit_list, is_split, mesh_spans,
+                                     recompute_mode, style_of, tokens)
 # The memory terms and the cp and ep terms (re-exported: the search, `predict` and the tests read them as cost.NAME).
 from partc.passes.memory import (LOSS_BYTES, _cp_saved_bytes, _extra_bytes, _held_bytes, _in_flight_bytes,
                                  _param_local_shapes, _param_shards, _rebuilt_bytes, _saved_bytes, fsdp_groups,
@@ -130,6 +130,10 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     colls = [] if tp is None else tp.collectives.get(unit.fqn, [])
     if not (par.sequence_parallel and par.tp > 1):
         return [(c.kind, c.phase, float(c.nbytes * b)) for c in colls]
+    program = getattr(tp, "program", {})
+    if unit.fqn in program:  # where the program falls back to tensor parallelism: what it runs, and the loss's
+        return list(program[unit.fqn]) + [(c.kind, c.phase, float(c.nbytes * b)) for c in colls
+                                           if c.reason.startswith(VOCAB_LOSS_REASON)]
     out, params = [], 0
     for c in colls:
         layer = graph.layers.get(c.src)
@@ -361,11 +365,14 @@ def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes: float, spans_nodes: 
     grad = nbytes if grad_bytes is None else grad_bytes
     tp_spans = par.spans_nodes("tp", cluster.gpus_per_node)
     total = 0.0
-    for size in (nbytes, grad):
+    for size, gathered in ((nbytes, max(nbytes - grad, 0.0) if par.sequence_parallel else nbytes),
+                           (grad, 0.0 if par.sequence_parallel else grad)):
         if size > 0:
             total += hw.collective_time(cluster, "p2p", size / t, 2, spans_nodes=spans_nodes)
-            if t > 1 and not par.sequence_parallel:  # under it, each rank's part of the sequence is its own
-                total += hw.collective_time(cluster, "all_gather", size, t, spans_nodes=tp_spans,
+            # Under sequence parallelism each rank's part of the sequence is its own: only what needs no gradient
+            # (rotary tables, masks) is held whole, and gathered (`gather_bytes`).
+            if t > 1 and gathered > 0:
+                total += hw.collective_time(cluster, "all_gather", gathered, t, spans_nodes=tp_spans,
                                             ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
     return total
 
@@ -417,10 +424,13 @@ def copy_all_reduces(graph: ModelGraph, tp: TPPlan | None) -> list[tuple[int, tu
     if tp is None:
         return []
     index = {u.fqn: i for i, u in enumerate(graph.units)}
+    program = getattr(tp, "program", {})  # units charged what their program runs, copies included
     out = []
     for fqn, colls in tp.collectives.items():
         for c in colls:
             readers = tuple(index[u] for u in getattr(c, "reader_units", ()))
+            if program and (fqn in program or any(graph.units[r].fqn in program for r in readers)):
+                continue
             if readers and set(readers) != {index[fqn]}:
                 out.append((index[fqn], readers, c.nbytes))
     return out
@@ -461,12 +471,17 @@ def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]
 
 def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
     """TP payload of scatter/gather on one GPU in a step: per micro-batch and chunk, the all-gather (its output, the
-    whole boundary) of what the chunk receives forward and of the gradient of what it sends backward."""
-    if par.pp == 1 or par.tp == 1 or par.sequence_parallel:  # the boundary is each rank's part of the sequence
+    whole boundary) of what the chunk receives forward and of the gradient of what it sends backward. Under sequence
+    parallelism the activations cross as each rank's part of the sequence: only what needs no gradient (rotary
+    tables, masks, token ids: every TP rank holds it whole) is gathered, forward (`passes.codegen`)."""
+    if par.pp == 1 or par.tp == 1:
         return 0.0
     b, total = tokens(par), 0
     for lo, hi in chunks:
-        total += graph.boundary_bytes(lo - 1, b, par.cp) + graph.boundary_grad_bytes(hi - 1, b, par.cp)
+        if par.sequence_parallel:
+            total += graph.boundary_bytes(lo - 1, b, par.cp) - graph.boundary_grad_bytes(lo - 1, b, par.cp)
+        else:
+            total += graph.boundary_bytes(lo - 1, b, par.cp) + graph.boundary_grad_bytes(hi - 1, b, par.cp)
     return float(total * par.num_microbatches)
 
 

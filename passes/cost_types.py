@@ -25,6 +25,11 @@ class TPPlan(Protocol):
     """Unit FQN -> collectives with ``kind``, ``phase`` (fwd | bwd) and ``nbytes`` per sample."""
 
 
+VOCAB_LOSS_REASON = "vocab-parallel cross-entropy of "
+"""How the reason of each of the vocab-parallel loss's collectives begins (`passes.tp.vocab_loss_collectives`): the
+loss runs them, not the stage code."""
+
+
 @dataclass(kw_only=True, slots=True)
 class Memory:
     """Bytes on one GPU."""

@@ -52,6 +52,7 @@ from partc.errors import PartcError, article
 from partc.ir import Layer, ModelGraph
 from partc.parallel import TP_STYLES, group_spans_nodes
 from partc.sharding import GEMM_SPLIT
+from partc.passes.cost_types import VOCAB_LOSS_REASON
 
 from . import hw
 
@@ -91,6 +92,10 @@ class TPSolution:
     why: dict[str, str] = field(default_factory=dict)
     """At tp > 1: layer FQN -> why it is kept whole, or why its style is not Megatron's (`explain`); layers split
     as Megatron splits them, and norms, are not listed."""
+    program: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
+    """Under sequence parallelism, unit FQN -> the TP collectives its program runs per micro-batch (kind, phase,
+    bytes), for the units where the program does not keep the split along the sequence and those at their edges
+    (`partc.compile.price_sequence_fallbacks`); the cost model charges these instead of its formulas."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -264,7 +269,7 @@ def vocab_loss_collectives(graph: ModelGraph) -> list[Collective]:
     """The vocab-parallel cross-entropy's all-reduces per sample (`partc.collectives.vocab_parallel_cross_entropy`):
     the row maxima (one fp32 a logit row), then the target's logit and the sum of exponentials (two)."""
     head, rows = graph.vocab_loss["head"], int(graph.vocab_loss["rows"])
-    why = "vocab-parallel cross-entropy of {}: {} all-reduced over tp (the logits stay split)"
+    why = VOCAB_LOSS_REASON + "{}: {} all-reduced over tp (the logits stay split)"
     return [Collective(kind="all_reduce", phase="fwd", nbytes=4 * rows, src=head,
                        reason=why.format(head, "the row maxima")),
             Collective(kind="all_reduce", phase="fwd", nbytes=8 * rows, src=head,

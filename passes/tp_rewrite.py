@@ -129,6 +129,8 @@ class _Rewriter:
         """Tokens per sample: the traced graph's (`ModelGraph.seq_len`: a vision transformer's patches and class
         token, which its input, an image, does not have), else dim 1 of the model's first input of two or more dims
         (the model file's contract: batch first)."""
+        self.done: set[Node] = set()
+        """Nodes already rewritten by the op before them (the view a rowwise output is reduce-scattered after)."""
         self.inner = self._inner_states()
         """Nodes of the layers split inside (``inner``) -> their state (`partc.passes.experts.InnerSplit.states`)."""
         self.routers = self._routers() if self.sp else set()
@@ -306,7 +308,7 @@ class _Rewriter:
         for node in list(self.graph.nodes):
             if node.op == "placeholder":
                 self._placeholder(node)
-            elif node.op == "call_function":
+            elif node.op == "call_function" and node not in self.done:
                 self._call(node)
             elif node.op == "output":
                 outs = node.args[0]
@@ -734,6 +736,52 @@ class _Rewriter:
         for u in users:
             u.replace_input_with(node, out)
 
+    def _gather_sequence(self, x: Node, user: Node) -> Node:
+        """`x`, split along the sequence, all-gathered whole (`gather_from_sp`, its backward a reduce-scatter),
+        inserted before `user`. A local part held in k pieces (the tokens of k samples flattened, [b*s/t, h] of
+        Hugging Face's Conv1D: `view_split`) is viewed as [k, n/k] along its split dim, gathered on the second and
+        viewed back: every sample gets its whole sequence, in order."""
+        v, d, k = self.val[x], self.state[x], self.pieces.get(x, 1)
+        why = (f"input of colwise {self._where(user)}: all-gather the sequence forward, reduce-scatter its gradient "
+               f"backward")
+        meta = {k_: user.meta[k_] for k_ in ("nn_module_stack", "stack_trace") if k_ in user.meta}
+
+        def add(fn, args, local):
+            with self.graph.inserting_before(user):
+                n = self.graph.call_function(fn, args)
+            n.meta = dict(meta, val=local, partc_why=why)
+            self.val[n], self.state[n] = local, R
+            return n
+
+        shape = list(v.shape)
+        src, dim = x, d
+        if k > 1:
+            parts = shape[:d] + [k, shape[d] // k] + shape[d + 1:]
+            src, dim = add(aten.reshape.default, (x, parts), torch.empty(parts, dtype=v.dtype, device="meta")), d + 1
+        have = list(self.val[src].shape)
+        whole = [n * (self.t if i == dim else 1) for i, n in enumerate(have)]
+        g = add(C.gather_from_sp, (src, dim), torch.empty(whole, dtype=v.dtype, device="meta"))
+        self.result.collectives.append((C.gather_from_sp.__name__, why))
+        if k > 1:
+            out = shape[:d] + [shape[d] * self.t] + shape[d + 1:]
+            g = add(aten.reshape.default, (g, out), torch.empty(out, dtype=v.dtype, device="meta"))
+        return g
+
+    def _view_to_sequence(self, node: Node) -> tuple[Node, int] | None:
+        """(view, its sequence dim) where a rowwise output without a sequence dim (Hugging Face's Conv1D: the
+        `addmm` of the flattened tokens, [b*s, h]) is read only by a view to a shape with one that keeps the last
+        dim ([b, s, h]): the partial sums are summed after that view instead (a view of the ranks' partial sums is
+        the partial sums of the view, and the bias, broadcast over the last dim, adds alike on either shape)."""
+        users = list(node.users)
+        if len(users) != 1 or users[0].target not in VIEW_OPS or users[0].args[0] is not node:
+            return None
+        view = users[0]
+        glob, out = node.meta.get("val"), view.meta.get("val")
+        if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[-1] != glob.shape[-1]:
+            return None
+        d = self.seq_dim(view)
+        return None if d is None else (view, d)
+
     def _split_layer(self, node: Node, layer: Layer, style: str, kind: str) -> None:
         t = self.t
         if kind == "embedding":
@@ -763,22 +811,10 @@ class _Rewriter:
             lookup.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
             return None
         x = node.args[1] if kind == "addmm" else node.args[0]
-        if style == "colwise" and x in self.seq and self.pieces.get(x, 1) == 1:
+        if style == "colwise" and x in self.seq:
             key = (x, "gather_sp")
             if key not in self.memo:  # before the first colwise reader: in its unit and its pipeline stage
-                v = self.val[x]
-                d = self.state[x]
-                with self.graph.inserting_before(node):
-                    g = self.graph.call_function(C.gather_from_sp, (x, d))
-                g.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
-                why = (f"input of colwise {self._where(node)}: all-gather the sequence forward, reduce-scatter its "
-                       f"gradient backward")
-                g.meta["partc_why"] = why
-                g.meta["val"] = self.val[g] = torch.empty(
-                    [n * (self.t if i == d else 1) for i, n in enumerate(v.shape)], dtype=v.dtype, device="meta")
-                self.state[g] = R
-                self.result.collectives.append((C.gather_from_sp.__name__, why))
-                self.memo[key] = g
+                self.memo[key] = self._gather_sequence(x, node)
             node.replace_input_with(x, self.memo[key])
         elif style == "colwise":
             if self.sp:
@@ -805,7 +841,14 @@ class _Rewriter:
         self._run_local(node, P)
         users = list(node.users)
         d = self.seq_dim(node)
-        if d is not None:
+        through = self._view_to_sequence(node) if d is None and self.sp else None
+        if through is not None:  # summed after the view back to [b, s, h]: the view runs on the partial sums
+            view, d = through
+            self._run_local(view, P)
+            self.done.add(view)
+            users = list(view.users)
+            out = self._to_sequence(view, d, f"rowwise {layer.fqn} (after the view of its flat tokens)")
+        elif d is not None:
             out = self._to_sequence(node, d, f"rowwise {layer.fqn}")
         else:
             if self.sp:
@@ -826,7 +869,7 @@ class _Rewriter:
                 self.seq.add(final)
                 final.replace_input_with(bias, self.grad_sum(bias, final))
         for u in users:
-            u.replace_input_with(node, final)
+            u.replace_input_with(view if through is not None else node, final)
         return None
 
 

@@ -48,16 +48,26 @@ CONFIGS = {
     "hf_mixtral_tp2_sp": ("hf_mixtral", 2, 1, 1, 0, 2, 2),
     "vit_tp2_sp": ("vit", 2, 1, 1, 0, 2, 2),
     "hf_mixtral_tp2_pp2_dp2_z1_sp": ("hf_mixtral", 2, 2, 2, 1, 1, 4),
+    # a unit that falls back to tensor parallelism (its MLP kept whole): priced as the program runs it
+    "gpt_tp2_sp_block1_mlp_whole": ("gpt", 2, 1, 1, 0, 1, 2),
+    # Hugging Face: GPT-2's Conv1D rowwise output [b*s, h] reduce-scattered after its view back to [b, s, h]; at two
+    # samples a micro-batch its colwise input is each sample's part of the sequence, flattened (gathered in pieces)
+    "hf_gpt2_tp2_sp": ("hf_gpt2", 2, 1, 1, 0, 2, 2),
+    "hf_llama_tp2_sp": ("hf_llama", 2, 1, 1, 0, 1, 2),
+    # LLaMA's rotary tables and causal mask cross the pipeline boundary whole (no gradient): gathered, and charged
+    "hf_llama_tp2_pp2_dp2_z1_sp": ("hf_llama", 2, 2, 2, 1, 1, 4),
+    "hf_gpt2_tp2_pp2_dp2_z1_sp": ("hf_gpt2", 2, 2, 2, 1, 1, 4),
+    "hf_gpt2_tp2_pp2_dp2_z3_sp": ("hf_gpt2", 2, 2, 2, 3, 1, 4),
 }
 REGATHER = {"llama_tp2_sp", "gpt_tp2_sp_bf16", "gpt_tp2_pp2_dp2_z1_sp", "llama_tp2_pp2_dp2_z3_sp", "gpt_tp4_dp2_z3_sp"}
 """Configurations pinned to `sp_regather` (the colwise layers' inputs gathered again in backward); the others
 pinned without it."""
+WHOLE_ACROSS = {"hf_gpt2": 1, "hf_llama": 3, "hf_mixtral": 3}
+"""Values that cross a pipeline boundary whole (they need no gradient): the causal mask; LLaMA's cos and sin."""
 SEQ_LEN = {"hf_mixtral": 16}
-"""Tokens per sample where the model file's default is long (Hugging Face's)."""
-WHOLE_BOUNDARY = {"hf_mixtral_tp2_pp2_dp2_z1_sp"}
-"""Runs whose pipeline boundary carries whole values (Hugging Face's rotary tables: scattered and gathered again,
-`sequence_parallel_gathers`), which the plan does not charge yet: they train like one process, and their traffic
-is checked where no such value arrives (the first stage)."""
+"""Tokens per sample of a Hugging Face model where not `HF_SEQ_LEN`."""
+HF_SEQ_LEN = 32
+"""Tokens of the tiny Hugging Face models' synthesized inputs (`helpers.HF_MODELS`)."""
 VIT = f"""
     import importlib.util
     import sys
@@ -78,18 +88,12 @@ VIT = f"""
         return (torch.randn(batch_size, 3, 24, 24),)
 """
 
-
-def model_path(model: str, tmp: Path) -> str:
-    """examples/MODEL.py, the tiny Hugging Face Mixtral, or the bundled ViT at 10 tokens, in `tmp`."""
-    if model == "hf_mixtral":
-        return write_hf_model(tmp, "mixtral")
-    if model == "vit":
-        path = tmp / "vit_sp.py"
-        path.write_text(textwrap.dedent(VIT))
-        return str(path)
-    return str(EXAMPLES / f"{model}.py")
-STYLES = {"llama_tp2_sp_tok_colwise": {"tok": "colwise"}}
+STYLES = {"llama_tp2_sp_tok_colwise": {"tok": "colwise"},
+          "gpt_tp2_sp_block1_mlp_whole": {"blocks.1.mlp.fc1": "replicate", "blocks.1.mlp.fc2": "replicate"}}
 """Styles set over Megatron's map."""
+FALLBACKS = {"gpt_tp2_sp_block1_mlp_whole": 1}
+"""Configs whose program does not keep the split along the sequence somewhere: how many places it names (the
+whole fc1 reads the norm's output gathered; its output is scattered back where it meets the residual stream)."""
 
 
 BF16_RTOL = 1e-2
@@ -108,22 +112,37 @@ def plan_of(out: Path) -> dict:
     return json.loads((out / "plan.json").read_text())
 
 
+def model_path(model: str, tmp: Path) -> str:
+    """examples/MODEL.py, for ``hf_NAME`` the tiny Hugging Face model NAME written in `tmp`, or the bundled ViT at
+    10 tokens."""
+    if model.startswith("hf_"):
+        path = tmp / f"{model}.py"
+        return str(path) if path.exists() else write_hf_model(tmp, model.removeprefix("hf_"))
+    if model == "vit":
+        path = tmp / "vit_sp.py"
+        path.write_text(textwrap.dedent(VIT))
+        return str(path)
+    return str(EXAMPLES / f"{model}.py")
+
+
+def seq_len(model: str) -> int | None:
+    return SEQ_LEN.get(model, HF_SEQ_LEN) if model.startswith("hf_") else None
+
+
 def compile_sp(name: str, tmp: Path) -> Path:
     model, tp, pp, dp, zero, mb, gbs = CONFIGS[name]
     path, out = model_path(model, tmp), tmp / name
     pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
                 precision=precision_of(name), sequence_parallel=True, sp_regather=name in REGATHER)
-    seq = SEQ_LEN.get(model)
-    compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, out_dir=out, seq_len=seq)
+    compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, out_dir=out, seq_len=seq_len(model))
     plan = json.loads((out / "plan.json").read_text())
     for fqn in plan["tp"]:
         plan["tp"][fqn] = megatron_style(fqn, vocab=True) or "replicate"
     plan["tp"].update(STYLES.get(name, {}))
     edited = tmp / f"{name}.plan.json"
     edited.write_text(json.dumps(plan, indent=2))
-    result = compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), out_dir=out, seq_len=seq)
-    if name not in WHOLE_BOUNDARY:
-        assert not [w for w in result.warnings if "sequence parallelism" in w], result.warnings
+    result = compile_model(path, gpus=tp * pp * dp, from_plan=str(edited), out_dir=out, seq_len=seq_len(model))
+    assert len([w for w in result.warnings if "sequence parallelism" in w]) == (name in FALLBACKS), result.warnings
     return out
 
 
@@ -132,10 +151,10 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("sequence_parallel")
     inits = {}
-    for m in dict.fromkeys(c[0] for c in CONFIGS.values()):
+    for m in sorted({model for model, *_ in CONFIGS.values()}):
         inits[m] = tmp / f"init_{m}.pt"
         torch.manual_seed(1234)
-        torch.save(load_model_file(model_path(m, tmp), seq_len=SEQ_LEN.get(m)).build().state_dict(), inits[m])
+        torch.save(load_model_file(model_path(m, tmp), seq_len=seq_len(m)).build().state_dict(), inits[m])
     outs = {name: compile_sp(name, tmp) for name in CONFIGS}
     jobs: dict[int, list[dict]] = {}
     for name, (model, tp, pp, dp, *_rest) in CONFIGS.items():
@@ -160,8 +179,8 @@ def test_sequence_parallel_matches_one_process(runs, name):
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
     init = torch.load(inits[model], weights_only=True)
     losses, state = reference_run(model_path(model, tmp), init, steps=STEPS, seed=0, global_batch_size=gbs,
-                                  precision=precision_of(name), micro_batch_size=mb, untied=pp > 1,
-                                  seq_len=SEQ_LEN.get(model), **SGD)
+                                  seq_len=seq_len(model), precision=precision_of(name), micro_batch_size=mb,
+                                  untied=pp > 1, **SGD)
     rtol = BF16_RTOL if precision_of(name) == "bf16" else 1e-5
     assert_close_losses(got["losses"], losses, rtol=rtol)
     # bf16: a norm's gradient is the sum of the ranks' parts of the sequence, each rounded to bf16; a bias still
@@ -176,21 +195,21 @@ def test_sequence_parallel_matches_one_process(runs, name):
     else:
         assert "tp.gather_from_sp(" in source and "tp.linears_from_sp(" not in source
     assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
+    # a stage receives its part of the sequence; only values that need no gradient (Hugging Face's causal mask,
+    # LLaMA's rotary tables) cross whole, each rank sending its 1/tp part, gathered on arrival
+    gathered = [line for line in source.splitlines() if "tp.gather_from_previous_stage(" in line]
+    assert len(gathered) == WHOLE_ACROSS.get(model, 0) * (pp - 1), gathered
+    gathers = json.loads((outs[name] / "plan.json").read_text())["model"].get("sequence_parallel_gathers", [])
+    assert len(gathers) == FALLBACKS.get(name, 0), gathers
+    assert assert_comm_matches_plan(outs[name], got["comm"]) > 0  # pp: the schedule's few bytes of warm-up vote
     plan = json.loads((outs[name] / "plan.json").read_text())
     per_pp = plan["parallel"]["dp"] * plan["parallel"]["tp"]
-    ranks = range(per_pp if name in WHOLE_BOUNDARY else len(got["comm"][0]))
     for step in got["comm"]:  # the tp traffic is the plan's to the byte
-        assert [step[i]["tp"] for i in ranks] == [plan["predicted"]["ranks"][i // per_pp]["comm_bytes"]["tp"]
-                                                  for i in ranks]
-    if name in WHOLE_BOUNDARY:
-        assert all("crosses a pipeline boundary whole" in g for g in plan["model"]["sequence_parallel_gathers"])
-        return
-    assert "tp.gather_from_previous_stage(" not in source, "a stage receives its part of the sequence"
-    assert "sequence_parallel_gathers" not in plan["model"]
-    assert assert_comm_matches_plan(outs[name], got["comm"]) > 0  # pp: the schedule's few bytes of warm-up vote
+        assert [r["tp"] for r in step] == [plan["predicted"]["ranks"][i // per_pp]["comm_bytes"]["tp"]
+                                           for i in range(len(step))]
 
 
-@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in WHOLE_BOUNDARY])
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_check_agrees_on_a_sequence_parallel_plan(runs, name):
     """`partc check` runs the program on fake tensors: its traffic equals the plan's to the byte (slack 0), and
     every row agrees at the default slack (a tiny model's activations are dominated by its loss)."""
