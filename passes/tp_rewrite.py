@@ -207,7 +207,7 @@ class _Rewriter:
                             self.val[node].transpose(d, d + 1), R)
         return self._insert(node, aten.reshape.default, (node, shape), why, user, local, R)
 
-    def _gather_sequence(self, x: Node, user: Node, what: str) -> Node:
+    def _gather_for_inner(self, x: Node, user: Node, what: str) -> Node:
         """`x`, split along the sequence, all-gathered before `user` (in its unit and pipeline stage): a floating
         value through `gather_from_sp` (its gradient, a partial sum on each rank, reduce-scattered back), an
         integer one (a router's choice of experts) through `gather_from_tp`. Once per value."""
@@ -528,7 +528,7 @@ class _Rewriter:
                 continue
             if a in self.seq and isinstance(self.state.get(a), int):  # Megatron-Core's MoE under SP: the tokens,
                 # the routing weights and the chosen experts all-gathered; the gradients, partial sums, scattered
-                node.replace_input_with(a, self._gather_sequence(a, node, f"input of split-inside {layer.fqn}"))
+                node.replace_input_with(a, self._gather_for_inner(a, node, f"input of split-inside {layer.fqn}"))
                 continue
             whole = self.need(a, R, node)
             node.replace_input_with(a, self.copy_to_tp(whole, node, "split-inside")
