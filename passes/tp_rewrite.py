@@ -23,7 +23,7 @@ weight, a rowwise bias added after the reduce-scatter) has a partial gradient on
 `copy_to_tp`, whose backward all-reduces it. A whole operand spanning the sequence (learned positions) is sliced
 to the local part. An op that cannot be proven per-position gathers its input (`gather_from_tp`), as today.
 A mixture of experts split inside runs as Megatron-Core's: its router on the local part (`_routers`), the experts'
-inputs all-gathered (`_gather_sequence`), their partial output reduce-scattered (`_partial_to_sequence`). A stream
+inputs all-gathered (`_gather_for_inner`), their partial output reduce-scattered (`_partial_to_sequence`). A stream
 that enters whole (a vision transformer's patches) is scattered at the first norm (`_enter_sequence`); a pooled
 head's norm output is gathered (`_pools`).
 
