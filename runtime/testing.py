@@ -16,12 +16,21 @@ indices read, by rank}`` to ``result``. A job ``{"check": "collectives", "result
 over all ranks instead.
 
 The workers leave with ``os._exit`` after destroying the process group (see `partc.runtime.__main__`).
+
+``-m partc.runtime.testing --serve DIR --client PID`` keeps the ranks for many batches of jobs (a test session
+pays the launch and the imports of every rank once, not once a batch): batch K is ``DIR/batch-K.json``, ``{"jobs":
+[...], "env": {the PARTC_* variables the batch runs under}}``; when every rank has run it, rank 0 writes
+``DIR/done-K``. The ranks leave when ``DIR/stop`` appears or process `PID` is gone; a job that raises ends the
+launch (torchrun stops the other ranks), as in the one-batch form.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -250,13 +259,58 @@ def check_collectives(group: dist.ProcessGroup) -> None:
         C.set_tp_group(None)
 
 
+def serve(directory: Path, client: int) -> None:
+    """Run the batches of jobs written to `directory` in order, until it holds ``stop`` or `client` is gone
+    (module docstring). Every rank polls the directory on its own: no collective is pending while it waits."""
+    k, wait = 0, 0.01
+    while True:
+        batch = directory / f"batch-{k}.json"
+        if not batch.exists():
+            if (directory / "stop").exists() or not _alive(client):
+                return
+            time.sleep(wait)
+            wait = min(2 * wait, 0.1)
+            continue
+        wait = 0.01
+        spec = json.loads(batch.read_text())
+        saved = {name: value for name, value in os.environ.items() if name.startswith("PARTC_")}
+        for name in saved:
+            del os.environ[name]
+        os.environ.update(spec["env"])
+        try:
+            for job in spec["jobs"]:
+                run_job(job)
+                dist.barrier()
+        finally:
+            for name in [n for n in os.environ if n.startswith("PARTC_")]:
+                del os.environ[name]
+            os.environ.update(saved)
+        if dist.get_rank() == 0:
+            (directory / f"done-{k}.tmp").write_text("ok")
+            (directory / f"done-{k}.tmp").rename(directory / f"done-{k}")
+        k += 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
-    jobs = json.loads(open(argv[0]).read())
     try:
-        for job in jobs:
-            run_job(job)
-            dist.barrier()
+        if argv[:1] == ["--serve"]:
+            assert argv[2] == "--client", argv
+            serve(Path(argv[1]), int(argv[3]))
+        else:
+            for job in json.loads(open(argv[0]).read()):
+                run_job(job)
+                dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXAMPLES, HF_MODELS, compile_program, trace_file, write_hf_model
+from helpers import EXAMPLES, HF_MODELS, CheckProcesses, close_launches, compile_program, trace_file, write_hf_model
 from trace_memo import memoized
 
 
@@ -56,6 +56,26 @@ def _trace_once_per_model():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(partc.compile, "trace", memoized(partc.compile.trace))
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launches_end_with_the_session():
+    """`helpers.run_jobs` keeps one torchrun launch per world size for the whole session (per test process under
+    xdist): they stop here."""
+    yield
+    close_launches()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _check_processes_for_the_session():
+    """`partc check` in the tests spawns its processes once a session, not once a check (`helpers.CheckProcesses`)."""
+    import partc.runtime.check
+
+    processes = CheckProcesses()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(partc.runtime.check, "_processes", processes)
+        yield
+    processes.close()
 
 
 @pytest.fixture(autouse=True)

@@ -178,11 +178,131 @@ def torchrun(nproc: int, args: list[str], *, env: dict | None = None, check: boo
     return res
 
 
-def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:
-    """Run `partc.runtime.testing` jobs in one torchrun launch of `nproc` ranks."""
-    path = tmp / f"jobs_{nproc}.json"
+class _Launch:
+    """One torchrun launch of `nproc` ranks serving batches of `partc.runtime.testing` jobs (``--serve``) for the
+    rest of the test process: an 8-rank launch costs about 30 CPU seconds before its first job (torch, its
+    distributed packages and partc imported in every rank), more than most batches of jobs."""
+
+    def __init__(self, nproc: int):
+        import tempfile
+
+        self.nproc, self.next = nproc, 0
+        self.dir = Path(tempfile.mkdtemp(prefix=f"partc-launch{nproc}-"))
+        self.log = open(self.dir / "log.txt", "w+")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "partc.runtime.testing", "--serve", str(self.dir), "--client", str(os.getpid())]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+
+    def run(self, jobs: list[dict], timeout: float) -> None:
+        import time
+
+        k, self.next = self.next, self.next + 1
+        env = {n: v for n, v in os.environ.items() if n.startswith("PARTC_")}
+        (self.dir / f"batch-{k}.tmp").write_text(json.dumps({"jobs": jobs, "env": env}))
+        (self.dir / f"batch-{k}.tmp").rename(self.dir / f"batch-{k}.json")
+        deadline, wait = time.monotonic() + timeout, 0.01
+        while not (self.dir / f"done-{k}").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                what = "exited with %s" % self.proc.returncode if self.proc.poll() is not None else \
+                    f"timed out after {timeout}s"
+                self.close()
+                pytest.fail(f"torchrun ({self.nproc} ranks, batch {k}) {what}:\n{self.tail()}")
+            time.sleep(wait)
+            wait = min(2 * wait, 0.05)
+
+    def tail(self) -> str:
+        self.log.flush()
+        return (self.dir / "log.txt").read_text()[-8000:]
+
+    def close(self) -> None:
+        import shutil
+
+        _LAUNCHES.pop(self.nproc, None)
+        if self.proc.poll() is None:
+            (self.dir / "stop").write_text("")
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_LAUNCHES: dict[int, _Launch] = {}
+
+
+def close_launches() -> None:
+    """Stop every launch `run_jobs` started in this process (conftest.py: at the end of the session)."""
+    for launch in list(_LAUNCHES.values()):
+        launch.close()
+
+
+def run_jobs(nproc: int, jobs: list[dict], tmp: Path, timeout: float = LAUNCH_TIMEOUT_S) -> None:
+    """Run `partc.runtime.testing` jobs on `nproc` gloo ranks, under this process's PARTC_* environment. The ranks
+    are one torchrun launch of `nproc` kept for the test process (each xdist worker its own): every module's
+    batches of that world size share it. A failing job fails the test with the launch's output (and the next
+    batch starts a new launch)."""
+    path = tmp / f"jobs_{nproc}.json"  # what ran, for a reader of a failure
     path.write_text(json.dumps(jobs))
-    torchrun(nproc, ["-m", "partc.runtime.testing", str(path)])
+    if nproc not in _LAUNCHES:
+        _LAUNCHES[nproc] = _Launch(nproc)
+    _LAUNCHES[nproc].run(jobs, timeout)
+
+
+class CheckProcesses:
+    """Spawned processes for `partc.runtime.check.check_program` kept for the session (conftest.py swaps them in
+    for ``partc.runtime.check._processes``): a check process imports torch and partc's runtime (about 4 CPU
+    seconds) before it checks a tiny program's ranks in about as long. A process checks one rank after another
+    whatever the test, as it does within one `check_program` call; each submitted check runs under the caller's
+    PARTC_* environment (the model files read their size from it)."""
+
+    def __init__(self):
+        self.pools: dict[int, object] = {}
+
+    def __call__(self, workers: int):
+        import concurrent.futures
+        import multiprocessing
+
+        pool = self.pools.get(workers)
+        if pool is None or getattr(pool, "_broken", False):  # a process died: start them again
+            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            self.pools[workers] = pool
+        env = {n: v for n, v in os.environ.items() if n.startswith("PARTC_")}
+
+        class Shared:  # check_program's `with ... as pool: pool.submit(...)`, leaving the processes running
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def submit(self, fn, *args):
+                return pool.submit(_under_environment, env, fn, *args)
+
+        return Shared()
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.pools.clear()
+
+
+def _under_environment(env: dict, fn, *args):
+    """fn(*args) with exactly the PARTC_* variables of `env` (in a `CheckProcesses` process)."""
+    saved = {n: v for n, v in os.environ.items() if n.startswith("PARTC_")}
+    for n in saved:
+        del os.environ[n]
+    os.environ.update(env)
+    try:
+        return fn(*args)
+    finally:
+        for n in [n for n in os.environ if n.startswith("PARTC_")]:
+            del os.environ[n]
+        os.environ.update(saved)
 
 
 def assert_close_states(got: dict, want: dict, *, rtol: float = 1e-5, atol: float = 0.0) -> None:
