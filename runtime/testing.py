@@ -13,7 +13,8 @@ before the first step)}``. Rank 0 writes ``{"losses": [...], "state": full state
 of a parameter the program does not split (0.0: they stay identical), "initial": the full state dict before the
 first step, if asked, and with "data": "grad_norms", "lrs", "clipped" per step and "read": every rank's dataset
 indices read, by rank}`` to ``result``. A job ``{"check": "collectives", "result": FILE}`` runs `check_collectives`
-over all ranks instead.
+over all ranks instead, and ``{"call": "DIR/FILE.py:NAME", "args": [...]}`` a test's own function NAME(*args) on
+every rank (module FILE imported with DIR first on sys.path), in the launch's process group.
 
 The workers leave with ``os._exit`` after destroying the process group (see `partc.runtime.__main__`).
 
@@ -150,6 +151,17 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
 def run_job(job: dict[str, Any]) -> None:
     from partc.runtime import api
 
+    if "call" in job:
+        import importlib
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        file, name = job["call"].rsplit(":", 1)
+        directory, stem = str(Path(file).parent), Path(file).stem
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+        getattr(importlib.import_module(stem), name)(*job.get("args", []))
+        return
     if job.get("check") == "collectives":
         if not dist.is_initialized():
             dist.init_process_group("gloo")
