@@ -206,8 +206,9 @@ class _Launch:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 what = "exited with %s" % self.proc.returncode if self.proc.poll() is not None else \
                     f"timed out after {timeout}s"
+                tail = self.tail()
                 self.close()
-                pytest.fail(f"torchrun ({self.nproc} ranks, batch {k}) {what}:\n{self.tail()}")
+                pytest.fail(f"torchrun ({self.nproc} ranks, batch {k}) {what}:\n{tail}")
             time.sleep(wait)
             wait = min(2 * wait, 0.05)
 
@@ -233,6 +234,12 @@ class _Launch:
 
 
 _LAUNCHES: dict[int, _Launch] = {}
+"""The launches of this process by world size, the least recently used first."""
+
+MAX_LAUNCH_RANKS = int(os.environ.get("PARTC_TEST_MAX_RANKS", "12"))
+"""The most ranks the launches of one test process hold at once (a rank holds 350-600 MB: torch, and transformers
+after a Hugging Face model): starting another closes the least recently used. 12 keeps a 4- and an 8-rank launch,
+or a 2- and an 8-rank one, side by side."""
 
 
 def close_launches() -> None:
@@ -248,9 +255,13 @@ def run_jobs(nproc: int, jobs: list[dict], tmp: Path, timeout: float = LAUNCH_TI
     batch starts a new launch)."""
     path = tmp / f"jobs_{nproc}.json"  # what ran, for a reader of a failure
     path.write_text(json.dumps(jobs))
-    if nproc not in _LAUNCHES:
-        _LAUNCHES[nproc] = _Launch(nproc)
-    _LAUNCHES[nproc].run(jobs, timeout)
+    launch = _LAUNCHES.pop(nproc, None)
+    if launch is None:
+        while _LAUNCHES and sum(_LAUNCHES) + nproc > MAX_LAUNCH_RANKS:
+            next(iter(_LAUNCHES.values())).close()
+        launch = _Launch(nproc)
+    _LAUNCHES[nproc] = launch  # the most recently used last
+    launch.run(jobs, timeout)
 
 
 class CheckProcesses:
