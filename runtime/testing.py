@@ -13,25 +13,15 @@ before the first step)}``. Rank 0 writes ``{"losses": [...], "state": full state
 of a parameter the program does not split (0.0: they stay identical), "initial": the full state dict before the
 first step, if asked, and with "data": "grad_norms", "lrs", "clipped" per step and "read": every rank's dataset
 indices read, by rank}`` to ``result``. A job ``{"check": "collectives", "result": FILE}`` runs `check_collectives`
-over all ranks instead, and ``{"call": "DIR/FILE.py:NAME", "args": [...]}`` a test's own function NAME(*args) on
-every rank (module FILE imported with DIR first on sys.path), in the launch's process group.
+over all ranks instead.
 
 The workers leave with ``os._exit`` after destroying the process group (see `partc.runtime.__main__`).
-
-``-m partc.runtime.testing --serve DIR --client PID`` keeps the ranks for many batches of jobs (a test session
-pays the launch and the imports of every rank once, not once a batch): batch K is ``DIR/batch-K.json``, ``{"jobs":
-[...], "env": {the PARTC_* variables the batch runs under}}``; when every rank has run it, rank 0 writes
-``DIR/done-K``. The ranks leave when ``DIR/stop`` appears or process `PID` is gone; a job that raises ends the
-launch (torchrun stops the other ranks), as in the one-batch form.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -151,17 +141,6 @@ def reference_run(model_path: str, init_state: dict[str, torch.Tensor], *, steps
 def run_job(job: dict[str, Any]) -> None:
     from partc.runtime import api
 
-    if "call" in job:
-        import importlib
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        file, name = job["call"].rsplit(":", 1)
-        directory, stem = str(Path(file).parent), Path(file).stem
-        if directory not in sys.path:
-            sys.path.insert(0, directory)
-        getattr(importlib.import_module(stem), name)(*job.get("args", []))
-        return
     if job.get("check") == "collectives":
         if not dist.is_initialized():
             dist.init_process_group("gloo")
@@ -271,58 +250,13 @@ def check_collectives(group: dist.ProcessGroup) -> None:
         C.set_tp_group(None)
 
 
-def serve(directory: Path, client: int) -> None:
-    """Run the batches of jobs written to `directory` in order, until it holds ``stop`` or `client` is gone
-    (module docstring). Every rank polls the directory on its own: no collective is pending while it waits."""
-    k, wait = 0, 0.01
-    while True:
-        batch = directory / f"batch-{k}.json"
-        if not batch.exists():
-            if (directory / "stop").exists() or not _alive(client):
-                return
-            time.sleep(wait)
-            wait = min(2 * wait, 0.1)
-            continue
-        wait = 0.01
-        spec = json.loads(batch.read_text())
-        saved = {name: value for name, value in os.environ.items() if name.startswith("PARTC_")}
-        for name in saved:
-            del os.environ[name]
-        os.environ.update(spec["env"])
-        try:
-            for job in spec["jobs"]:
-                run_job(job)
-                dist.barrier()
-        finally:
-            for name in [n for n in os.environ if n.startswith("PARTC_")]:
-                del os.environ[name]
-            os.environ.update(saved)
-        if dist.get_rank() == 0:
-            (directory / f"done-{k}.tmp").write_text("ok")
-            (directory / f"done-{k}.tmp").rename(directory / f"done-{k}")
-        k += 1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
+    jobs = json.loads(open(argv[0]).read())
     try:
-        if argv[:1] == ["--serve"]:
-            assert argv[2] == "--client", argv
-            serve(Path(argv[1]), int(argv[3]))
-        else:
-            for job in json.loads(open(argv[0]).read()):
-                run_job(job)
-                dist.barrier()
+        for job in jobs:
+            run_job(job)
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -178,90 +178,11 @@ def torchrun(nproc: int, args: list[str], *, env: dict | None = None, check: boo
     return res
 
 
-class _Launch:
-    """One torchrun launch of `nproc` ranks serving batches of `partc.runtime.testing` jobs (``--serve``) for the
-    rest of the test process: an 8-rank launch costs about 30 CPU seconds before its first job (torch, its
-    distributed packages and partc imported in every rank), more than most batches of jobs."""
-
-    def __init__(self, nproc: int):
-        import tempfile
-
-        self.nproc, self.next = nproc, 0
-        self.dir = Path(tempfile.mkdtemp(prefix=f"partc-launch{nproc}-"))
-        self.log = open(self.dir / "log.txt", "w+")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "partc.runtime.testing", "--serve", str(self.dir), "--client", str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-
-    def run(self, jobs: list[dict], timeout: float) -> None:
-        import time
-
-        k, self.next = self.next, self.next + 1
-        env = {n: v for n, v in os.environ.items() if n.startswith("PARTC_")}
-        (self.dir / f"batch-{k}.tmp").write_text(json.dumps({"jobs": jobs, "env": env}))
-        (self.dir / f"batch-{k}.tmp").rename(self.dir / f"batch-{k}.json")
-        deadline, wait = time.monotonic() + timeout, 0.01
-        while not (self.dir / f"done-{k}").exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                what = "exited with %s" % self.proc.returncode if self.proc.poll() is not None else \
-                    f"timed out after {timeout}s"
-                tail = self.tail()
-                self.close()
-                pytest.fail(f"torchrun ({self.nproc} ranks, batch {k}) {what}:\n{tail}")
-            time.sleep(wait)
-            wait = min(2 * wait, 0.05)
-
-    def tail(self) -> str:
-        self.log.flush()
-        return (self.dir / "log.txt").read_text()[-8000:]
-
-    def close(self) -> None:
-        import shutil
-
-        _LAUNCHES.pop(self.nproc, None)
-        if self.proc.poll() is None:
-            (self.dir / "stop").write_text("")
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-_LAUNCHES: dict[int, _Launch] = {}
-"""The launches of this process by world size, the least recently used first."""
-
-MAX_LAUNCH_RANKS = int(os.environ.get("PARTC_TEST_MAX_RANKS", "12"))
-"""The most ranks the launches of one test process hold at once (a rank holds 350-600 MB: torch, and transformers
-after a Hugging Face model): starting another closes the least recently used. 12 keeps a 4- and an 8-rank launch,
-or a 2- and an 8-rank one, side by side."""
-
-
-def close_launches() -> None:
-    """Stop every launch `run_jobs` started in this process (conftest.py: at the end of the session)."""
-    for launch in list(_LAUNCHES.values()):
-        launch.close()
-
-
-def run_jobs(nproc: int, jobs: list[dict], tmp: Path, timeout: float = LAUNCH_TIMEOUT_S) -> None:
-    """Run `partc.runtime.testing` jobs on `nproc` gloo ranks, under this process's PARTC_* environment. The ranks
-    are one torchrun launch of `nproc` kept for the test process (each xdist worker its own): every module's
-    batches of that world size share it. A failing job fails the test with the launch's output (and the next
-    batch starts a new launch)."""
-    path = tmp / f"jobs_{nproc}.json"  # what ran, for a reader of a failure
+def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:
+    """Run `partc.runtime.testing` jobs in one torchrun launch of `nproc` ranks."""
+    path = tmp / f"jobs_{nproc}.json"
     path.write_text(json.dumps(jobs))
-    launch = _LAUNCHES.pop(nproc, None)
-    if launch is None:
-        while _LAUNCHES and sum(_LAUNCHES) + nproc > MAX_LAUNCH_RANKS:
-            next(iter(_LAUNCHES.values())).close()
-        launch = _Launch(nproc)
-    _LAUNCHES[nproc] = launch  # the most recently used last
-    launch.run(jobs, timeout)
+    torchrun(nproc, ["-m", "partc.runtime.testing", str(path)])
 
 
 class CheckProcesses:

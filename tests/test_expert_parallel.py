@@ -13,10 +13,9 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from helpers import run_jobs
+from helpers import torchrun
 from partc.collectives import expert_parallel
 from partc.passes.cost import ep_alltoall_bytes
 from partc.passes.experts import expert_split, local_experts, param_placeholders
@@ -77,11 +76,19 @@ def test_one_rank_computes_the_layer():
     torch.testing.assert_close(got, experts(h, idx, w), rtol=0, atol=0)
 
 
-def _on_two_ranks(result: str) -> None:
-    """Each rank's layer output and gradients for both routings, into RESULT.RANK.json (a `run_jobs` ``call`` job)."""
+WORKER = """
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from test_expert_parallel import E, H, K, T, config, split_of, routing
+    from transformers import MixtralForCausalLM
+    from partc.collectives import expert_parallel
+    from partc.passes.experts import local_experts
     from partc.runtime.comm import CommCounter
 
     torch.set_num_threads(1)
+    dist.init_process_group("gloo")
     rank, ep = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     experts = MixtralForCausalLM(config()).model.layers[0].mlp.experts
@@ -90,19 +97,21 @@ def _on_two_ranks(result: str) -> None:
     mine = slice(rank * E // ep, (rank + 1) * E // ep)
     local = [torch.nn.Parameter(dict(experts.named_parameters())[f.removeprefix("experts.")][mine].clone())
              for f in split.params]
-    out = {}
+    out = {{}}
     for name in ("uniform", "skewed"):
         h, idx, w, g = routing(name, rank)
         h.requires_grad_(), w.requires_grad_()
-        counter = CommCounter({"ep": [dist.group.WORLD]})
+        counter = CommCounter({{"ep": [dist.group.WORLD]}})
         with counter.counting() as counted:
             y = expert_parallel(h, idx, w, fn, *local, num_experts=E, group=dist.group.WORLD)
             (y * g).sum().backward()
-        out[name] = {"y": y.tolist(), "h": h.grad.tolist(), "w": w.grad.tolist(), "bytes": dict(counted),
-                     "params": [p.grad.tolist() for p in local]}
+        out[name] = {{"y": y.tolist(), "h": h.grad.tolist(), "w": w.grad.tolist(), "bytes": dict(counted),
+                      "params": [p.grad.tolist() for p in local]}}
         for p in local:
             p.grad = None
-    json.dump(out, open(result + f".{rank}.json", "w"))
+    json.dump(out, open({result!r} + f".{{rank}}.json", "w"))
+    dist.destroy_process_group()
+"""
 
 
 def routing(name: str, rank: int):
@@ -119,12 +128,15 @@ def routing(name: str, rank: int):
     return h, idx, w, g
 
 
-@pytest.mark.slow  # one batch on the 2-rank launch of run_jobs
+@pytest.mark.slow  # one torchrun launch of 2 gloo ranks
 def test_two_ranks_compute_the_layer_like_one(tmp_path):
     """ep = 2, each rank holding 2 of the 4 experts: the output, the tokens' and routing weights' gradients and the
     experts' gradients (summed over the ranks' tokens) equal one process's within 1e-5; the uniform routing's bytes
     equal `ep_alltoall_bytes`, the skewed one's differ from it."""
-    run_jobs(2, [{"call": f"{__file__}:_on_two_ranks", "args": [str(tmp_path / "out")]}], tmp_path)
+    from pathlib import Path
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(WORKER.format(tests=str(Path(__file__).parent), result=str(tmp_path / "out"))))
+    torchrun(2, [str(worker)])
     got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
     torch.manual_seed(0)
     experts = MixtralForCausalLM(config()).model.layers[0].mlp.experts
