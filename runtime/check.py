@@ -218,8 +218,7 @@ def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float 
     # Always in processes of their own (one with jobs = 1): a fresh process inherits no process group and no fake
     # mode, and the fake world's device meshes and groups do not outlive the check in the caller's process (a
     # program loaded there afterwards would resolve stale process-group names).
-    spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(ranks)), mp_context=spawn) as pool:
+    with _processes(min(jobs, len(ranks))) as pool:
         running = {pool.submit(_check_in_worker, str(out_dir), rank, optimizer, slack_bytes): rank
                    for rank in ranks}
         tell(0, ranks[0])
@@ -228,6 +227,12 @@ def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float 
             tell(len(results), next((r for r in ranks if r not in results), -1))
     tell(len(ranks), -1)
     return [results[r] for r in ranks]
+
+
+def _processes(workers: int) -> concurrent.futures.Executor:
+    """`workers` spawned processes for `check_program` (the test suite swaps in processes it keeps for the session:
+    a check's imports cost about as much as a tiny program's check)."""
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
 
 def _check_in_worker(out_dir: str, rank: int, optimizer: str, slack_bytes: float) -> RankCheck:

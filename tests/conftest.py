@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXAMPLES, HF_MODELS, compile_program, trace_file, write_hf_model
+from helpers import EXAMPLES, HF_MODELS, CheckProcesses, compile_program, trace_file, write_hf_model
 from trace_memo import memoized
 
 
-HEAVY_FIRST = ("test_check", "test_runtime_safety", "test_runtime_tp", "test_tp_rewrite", "test_runtime_dist",
-               "test_calibration", "test_precision", "test_moe", "test_zoo_dist", "test_sequence_parallel",
-               "test_user_models", "test_compile_safety", "test_data", "test_cli", "test_compile", "test_search",
-               "test_report", "test_vocab_loss", "test_runtime_init")
-"""The modules that take longest (torchrun launches, `partc run`, `partc check`), longest first: under xdist they
-start first, and the short modules fill in around them."""
+HEAVY_FIRST = ("test_check", "test_runtime_safety", "test_sequence_parallel", "test_runtime_tp",
+               "test_expert_parallel", "test_runtime_dist", "test_context_parallel", "test_precision", "test_data",
+               "test_user_models", "test_tp_rewrite", "test_zoo_dist", "test_moe", "test_compile", "test_calibration",
+               "test_compile_safety", "test_cli", "test_search", "test_report", "test_vocab_loss", "test_runtime_init")
+"""The modules that take longest (torchrun launches, `partc run`, `partc check`), longest first (CPU seconds of each
+module run alone): under xdist they start first, and the short modules fill in around them."""
 
 
 def pytest_configure(config):
@@ -56,6 +56,18 @@ def _trace_once_per_model():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(partc.compile, "trace", memoized(partc.compile.trace))
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _check_processes_for_the_session():
+    """`partc check` in the tests spawns its processes once a session, not once a check (`helpers.CheckProcesses`)."""
+    import partc.runtime.check
+
+    processes = CheckProcesses()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(partc.runtime.check, "_processes", processes)
+        yield
+    processes.close()
 
 
 @pytest.fixture(autouse=True)

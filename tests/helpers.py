@@ -200,6 +200,58 @@ def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:
     torchrun(nproc, ["-m", "partc.runtime.testing", str(path)])
 
 
+class CheckProcesses:
+    """Spawned processes for `partc.runtime.check.check_program` kept for the session (conftest.py swaps them in
+    for ``partc.runtime.check._processes``): a check process imports torch and partc's runtime (about 4 CPU
+    seconds) before it checks a tiny program's ranks in about as long. A process checks one rank after another
+    whatever the test, as it does within one `check_program` call; each submitted check runs under the caller's
+    PARTC_* environment (the model files read their size from it)."""
+
+    def __init__(self):
+        self.pools: dict[int, object] = {}
+
+    def __call__(self, workers: int):
+        import concurrent.futures
+        import multiprocessing
+
+        pool = self.pools.get(workers)
+        if pool is None or getattr(pool, "_broken", False):  # a process died: start them again
+            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            self.pools[workers] = pool
+        env = {n: v for n, v in os.environ.items() if n.startswith("PARTC_")}
+
+        class Shared:  # check_program's `with ... as pool: pool.submit(...)`, leaving the processes running
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def submit(self, fn, *args):
+                return pool.submit(_under_environment, env, fn, *args)
+
+        return Shared()
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.pools.clear()
+
+
+def _under_environment(env: dict, fn, *args):
+    """fn(*args) with exactly the PARTC_* variables of `env` (in a `CheckProcesses` process)."""
+    saved = {n: v for n, v in os.environ.items() if n.startswith("PARTC_")}
+    for n in saved:
+        del os.environ[n]
+    os.environ.update(env)
+    try:
+        return fn(*args)
+    finally:
+        for n in [n for n in os.environ if n.startswith("PARTC_")]:
+            del os.environ[n]
+        os.environ.update(saved)
+
+
 def assert_close_states(got: dict, want: dict, *, rtol: float = 1e-5, atol: float = 0.0) -> None:
     assert list(got) == list(want), "the gathered state dict must have the model's keys, in order"
     for k, w in want.items():

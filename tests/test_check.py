@@ -346,7 +346,7 @@ def test_last_stage_lets_each_input_go_after_its_backward(tmp_path, monkeypatch)
         compile_model(str(EXAMPLES / "gpt.py"), gpus=2, global_batch_size=4 * m, out_dir=out,
                       pins=Pins(tp=1, pp=2, dp=1, zero=0, micro_batch_size=4, schedule="interleaved-1f1b",
                                 virtual_stages=2))
-        last = check_program(str(out))[-1]
+        [last] = check_program(str(out), pp_ranks=[1])  # the last rank alone: the first's check is not compared
         assert all(row.agrees for row in last.rows()), [row for row in last.rows() if not row.agrees]
         measured.append(last.memory_bytes["activations"])
     boundary = 4 * 64 * 64 * 2  # one micro-batch's input to the last stage: b x s x h in bf16
