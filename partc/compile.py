@@ -180,18 +180,11 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
             raise PartcError(_no_fit_message(clus, result))
         if result.best.parallel.sequence_parallel and pins.sequence_parallel is None:
             # The search chose sequence parallelism: the plan prices it on every unit, so the program must keep the
-            # split everywhere. Where it cannot (`GeneratedProgram.sequence_gathers`, or a unit whose program runs
-            # other collectives than the formulas: `price_sequence_fallbacks`), the plan is searched again without it, so
-            # that the best plan and its alternatives are all priced as their programs run.
+            # split everywhere. Where it cannot (`sequence_fallbacks`), the plan is searched again
+            # without it, so that the best plan and its alternatives are all priced as their programs run.
             sp_plan = make_plan(graph, clus, result.best, result, path=path, entry=entry,
                                 tokens=spec.seq_len is not None)
-            try:
-                program = make_program(spec, model, traced, sp_plan, path=path, entry=entry)
-                falls_back = bool(program.sequence_gathers) or bool(
-                    price_sequence_fallbacks(graph, clus, result.best, program).tp.program)
-            except PartcError:  # the sequence does not divide over tp: no such program
-                falls_back = True
-            if falls_back:
+            if sequence_fallbacks(spec, model, traced, sp_plan, path=path, entry=entry):
                 pins = dataclasses.replace(pins, sequence_parallel=False, sp_regather=None)
                 result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
                 if result.best is None:
@@ -211,7 +204,8 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     if best.parallel.sequence_parallel and not best.tp.program:
         program = make_program(spec, model, traced, make_plan(graph, clus, best, result, path=path, entry=entry,
                                                               tokens=spec.seq_len is not None), path=path, entry=entry)
-        best = price_sequence_fallbacks(graph, clus, best, program)  # charged only where the program differs
+        if program.sequence_gathers:
+            best = price_sequence_fallbacks(graph, clus, best, program)
     plan = make_plan(graph, clus, best, result, path=path, entry=entry, tokens=spec.seq_len is not None)
     if plan_in is not None:
         plan.alternatives = []
@@ -303,6 +297,17 @@ def find_vocab_loss(spec: ModelSpec, model: torch.nn.Module, traced: Traced) -> 
     if isinstance(m, str):
         return {}, m
     return {"head": fqn, "output": i, "rows": m.rows_per_sample}, ""
+
+
+def sequence_fallbacks(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,
+                       entry: str) -> list[str]:
+    """Where the program of a sequence-parallel `plan` does not keep the activations split along the sequence
+    (`tp_rewrite.Rewrite.sequence_gathers`, one line each; empty: everywhere, as the plan prices it). The program
+    is generated and dropped."""
+    try:
+        return make_program(spec, model, traced, plan, path=path, entry=entry).sequence_gathers
+    except PartcError as e:  # the sequence found by the rewrite does not divide over tp
+        return [str(e)]
 
 
 def price_sequence_fallbacks(graph: ModelGraph, clus: Cluster, best: Candidate,

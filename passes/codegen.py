@@ -186,7 +186,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         code.source = _render(code, plan, names, model_path, ep.call_spec.out_spec if st.index == len(plan.stages) - 1
                               else None)
         stages.append(code)
-    traffic = _tp_traffic(stages, _needs_grad(ep, io)) if plan.parallel.tp > 1 else {}
+    traffic = _tp_traffic(stages, _needs_grad(ep, io), plan.parallel.tp) if plan.parallel.tp > 1 else {}
     manifest = _manifest(ep, a, io, rw, layers, plan, stages, names, aliases, model_path=model_path, entry=entry)
     if experts or routed:  # the packed parameters each ep rank holds E/ep experts of (dim 0); the expert modules
         # (plain PyTorch) and the ep rank holding each
@@ -213,14 +213,18 @@ TP_TRAFFIC = {
     "reduce_scatter_to_tp": (("reduce_scatter", "fwd", "in"), ("all_gather", "bwd", "in")),
     "reduce_scatter_to_sp": (("reduce_scatter", "fwd", "in"), ("all_gather", "bwd", "in")),
     "gather_from_sp": (("all_gather", "fwd", "out"), ("reduce_scatter", "bwd", "out")),
+    # `sp_regather`: the gather, again in backward (`passes.cost.REGATHER`), and the input gradient's reduce-scatter
+    "linears_from_sp": (("all_gather", "fwd", "gathered"), ("all_gather", "bwd-regather", "gathered"),
+                        ("reduce_scatter", "bwd", "gathered")),
 }
 """`partc.collectives`' TP functions in the stage code -> (kind, phase, whose bytes) of each collective they run:
 an all-gather counted by its output, a reduce-scatter by its input, an all-reduce by its tensor (`partc.runtime.
 comm`); "in": the whole tensor the function takes (a partial sum, or a value every rank holds whole), "out": the
-tensor it gives. A backward one runs only for a value that needs a gradient."""
+tensor it gives; "gathered": the whole sequence of the input (t times its local part). A backward one runs only
+for a value that needs a gradient."""
 
 
-def _tp_traffic(stages: list[StageCode], grad: set[torch.fx.Node]) -> dict[str, list[tuple[str, str, float]]]:
+def _tp_traffic(stages: list[StageCode], grad: set[torch.fx.Node], t: int) -> dict[str, list[tuple[str, str, float]]]:
     """`GeneratedProgram.tp_traffic`: each TP collective of the stage code, charged to the first unit of the
     function that runs it. The rewrite gives every collective's output its local shape (`tp_rewrite`), and its
     input here is a partial sum or a whole value, whose local shape is the traced one."""
@@ -234,9 +238,10 @@ def _tp_traffic(stages: list[StageCode], grad: set[torch.fx.Node]) -> dict[str, 
                 if getattr(n.target, "__module__", None) != collectives.__name__ or fn not in TP_TRAFFIC:
                     continue
                 for kind, phase, whose in TP_TRAFFIC[fn]:
-                    if phase == "bwd" and n.args[0] not in grad:
+                    if phase.startswith("bwd") and n.args[0] not in grad:
                         continue
-                    nbytes = val_bytes(n if whose == "out" else n.args[0])
+                    nbytes = t * val_bytes(n.args[0]) if whose == "gathered" else val_bytes(
+                        n if whose == "out" else n.args[0])
                     out.setdefault(uc.units[0], []).append((kind, phase, float(nbytes)))
     return out
 
