@@ -134,11 +134,9 @@ def test_sequence_parallel_activations(t):
     assert full_tp == unit.input_bytes * b and full == pytest.approx(full_tp / t)
 
 
-def test_sequence_parallel_collectives():
-    """Each all-reduce becomes a reduce-scatter and an all-gather of the same tensor: twice the payload as the plan
-    counts it (an all-gather its output, a reduce-scatter its input), the same time on the ring; the norms' and
-    the rowwise biases' gradients are all-reduced once a micro-batch."""
-    s, h, t = 32, 64, 4
+def sp_gpt(s: int, h: int):
+    """The GPT graph and Megatron's TP plan, each block's collectives named by the layer they convert (the
+    sequence-parallel formulas read them)."""
     g = gpt(s=s, h=h)
     tp = megatron_tp(g, s=s, h=h)
     for u in g.units:
@@ -146,6 +144,15 @@ def test_sequence_parallel_collectives():
             srcs = [f"{u.fqn}.attn.proj", f"{u.fqn}.mlp.fc2", f"{u.fqn}.ln_1", f"{u.fqn}.ln_2"]
             for c, src in zip(tp.collectives[u.fqn], srcs):
                 c.src = src
+    return g, tp
+
+
+def test_sequence_parallel_collectives():
+    """Each all-reduce becomes a reduce-scatter and an all-gather of the same tensor: twice the payload as the plan
+    counts it (an all-gather its output, a reduce-scatter its input), the same time on the ring; the norms' and
+    the rowwise biases' gradients are all-reduced once a micro-batch."""
+    s, h, t = 32, 64, 4
+    g, tp = sp_gpt(s, h)
     for b in (1, 4):
         plain, sp = par(tp=t, micro_batch_size=b), par(tp=t, micro_batch_size=b, sequence_parallel=True)
         colls = cost.unit_collectives(g, sp, tp, g.units[1])
@@ -193,13 +200,7 @@ def test_regather_collectives():
     """Each all-gather before colwise layers runs again in backward, the same bytes; its time is what the colwise
     Linears' input-gradient GEMMs do not hide."""
     s, h, t = 32, 64, 4
-    g = gpt(s=s, h=h)
-    tp = megatron_tp(g, s=s, h=h)
-    for u in g.units:
-        if u.kind == "block":
-            srcs = [f"{u.fqn}.attn.proj", f"{u.fqn}.mlp.fc2", f"{u.fqn}.ln_1", f"{u.fqn}.ln_2"]
-            for c, src in zip(tp.collectives[u.fqn], srcs):
-                c.src = src
+    g, tp = sp_gpt(s, h)
     b = 2
     sp = par(tp=t, micro_batch_size=b, sequence_parallel=True)
     rg = dataclasses.replace(sp, sp_regather=True)

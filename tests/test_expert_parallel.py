@@ -8,7 +8,6 @@ gradient equal one process's, and with a uniform routing the bytes counted equal
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from helpers import torchrun
+from helpers import HF_EXPERT_MODELS, torchrun
 from partc.collectives import expert_parallel
 from partc.passes.cost import ep_alltoall_bytes
 from partc.passes.experts import expert_split, local_experts, param_placeholders
@@ -223,15 +222,7 @@ def test_gpt_oss_expert_biases_are_refused():
 # -- the whole model, trained under ep ----------------------------------------------------------------------------
 
 MODELS = {
-    "mixtral": """
-        from transformers import MixtralConfig, MixtralForCausalLM
-
-        def model():
-            return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
-                                                    num_hidden_layers=2, num_attention_heads=4,
-                                                    num_key_value_heads=2, num_local_experts=4,
-                                                    num_experts_per_tok=2, max_position_embeddings=128))
-    """,
+    "mixtral": HF_EXPERT_MODELS["mixtral"],
     # DeepSeek-V3's layout: a dense first layer, then 8 fine-grained routed experts in 2 groups (group-limited
     # routing: the top group's experts only) beside a shared expert
     "deepseek_v3": """
@@ -531,17 +522,22 @@ def test_skewed_routing_sends_and_computes_as_planned(runs):
     assert_close_losses(got["losses"], losses)
 
 
-@pytest.mark.slow  # `partc check` of the plan above (one process, fake tensors)
-def test_check_agrees_on_an_ep_plan(runs):
+def check_rows(out: Path) -> dict[str, dict]:
+    """`partc check OUT --format json` on pipeline rank 0: it agrees; its rows by what they measure."""
     from click.testing import CliRunner
 
     from partc.cli.main import main
 
-    result = CliRunner().invoke(main, ["check", str(runs / "uniform_ep2"), "--format", "json"])
+    result = CliRunner().invoke(main, ["check", str(out), "--format", "json"])
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert record["agrees"], result.output
-    rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+    return {row["what"]: row for row in record["ranks"][0]["rows"]}
+
+
+@pytest.mark.slow  # `partc check` of the plan above (one process, fake tensors)
+def test_check_agrees_on_an_ep_plan(runs):
+    rows = check_rows(runs / "uniform_ep2")
     assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] > 0
     assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"]
     # plain-PyTorch experts, their router made uniform: the all-to-all bytes measured in training and by the check
@@ -550,36 +546,22 @@ def test_check_agrees_on_an_ep_plan(runs):
     got = torch.load(runs / "plain_uniform_ep2.pt", weights_only=True)
     assert [r["ep"] for step in got["comm"] for r in step] == [plan["ep"]] * 4
     assert [r["dp"] for step in got["comm"] for r in step] == [plan["dp"]] * 4
-    result = CliRunner().invoke(main, ["check", str(runs / "plain_uniform_ep2"), "--format", "json"])
-    assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
-    assert record["agrees"], result.output
-    rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+    rows = check_rows(runs / "plain_uniform_ep2")
     assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] == plan["ep"]
     assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"]
     # dp 4 ep 2 ZeRO-1: each expert module sharded over the 2 ranks holding it (the other 2 experts nowhere on the
     # rank); the optimizer row within Adam's step counters (4 bytes a tensor, not priced)
-    result = CliRunner().invoke(main, ["check", str(runs / "user_moe_ep2_dp2_z1"), "--format", "json"])
-    assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
-    assert record["agrees"], result.output
-    rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+    rows = check_rows(runs / "user_moe_ep2_dp2_z1")
     assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0
     assert rows["memory params"]["measured"] == pytest.approx(rows["memory params"]["predicted"], rel=1e-3)
     assert rows["memory optimizer"]["measured"] == pytest.approx(rows["memory optimizer"]["predicted"], rel=1e-2)
     # the skewed plan (ep 4, F 2): the check routes its fake tokens as the plan prices them and measures the busiest
-    result = CliRunner().invoke(main, ["check", str(runs / "skewed_ep4"), "--format", "json"])
-    assert result.exit_code == 0, result.output
-    rows = {row["what"]: row for row in json.loads(result.stdout)["ranks"][0]["rows"]}
+    rows = check_rows(runs / "skewed_ep4")
     assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] == json.loads(
         (runs / "skewed_ep4" / "plan.json").read_text())["predicted"]["ranks"][0]["comm_bytes"]["ep"]
     # dp 4 ep 2, ZeRO-1 and ZeRO-3: the experts sharded over the 2 ranks holding them, states and traffic as planned
     for name in ("mixtral_ep2_dp2_z1", "mixtral_ep2_dp2_z3"):
-        result = CliRunner().invoke(main, ["check", str(runs / name), "--format", "json"])
-        assert result.exit_code == 0, result.output
-        record = json.loads(result.stdout)
-        assert record["agrees"], result.output
-        rows = {row["what"]: row for row in record["ranks"][0]["rows"]}
+        rows = check_rows(runs / name)
         assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0
         for what in ("memory params", "memory optimizer"):  # the sharded experts' (and the gathered ones' below
             assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=1e-3), what  # ZeRO-3)
