@@ -314,9 +314,10 @@ def price_sequence_fallbacks(graph: ModelGraph, clus: Cluster, best: Candidate,
                              program: GeneratedProgram) -> Candidate:
     """`best`, a sequence-parallel plan, predicted again with the TP collectives its `program` runs
     (`GeneratedProgram.tp_traffic`) charged to the units where their bytes by kind and phase differ from the cost
-    model's sequence-parallel ones: where the program falls back to tensor parallelism (a whole layer, an op not proven per-position, a
-    rowwise output without a sequence dim), today's collectives inside the unit, and the conversions at its edges
-    (the gather of the sequence-split input, the scatter of its whole output: each in the unit that runs it)."""
+    model's sequence-parallel ones: where the program falls back to tensor parallelism (a whole layer, an op not
+    proven per-position, a rowwise output without a sequence dim), today's collectives inside the unit, and the
+    conversions at its edges (the gather of the sequence-split input, the scatter of its whole output: each in the
+    unit that runs it)."""
     par, tp = best.parallel, best.tp
 
     def key(colls):  # bytes by kind and phase (the formulas sum the norms' gradients in one all-reduce)
@@ -495,8 +496,8 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
                              "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
                              "mfu": c.prediction.mfu})
     return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
-                predicted=_predicted(pred, par.global_batch_size, par.imbalance), alternatives=alternatives, tp_why=dict(best.tp.why),
-                tp_loss=cost.tp_loss(graph, par, best.tp))
+                predicted=_predicted(pred, par.global_batch_size, par.imbalance), alternatives=alternatives,
+                tp_why=dict(best.tp.why), tp_loss=cost.tp_loss(graph, par, best.tp))
 
 
 def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path) -> None:
