@@ -10,12 +10,14 @@ ResNet-50 v1.5 (benchmarks/models/resnet50.py, plain PyTorch) on DGX A100 (8x A1
   DGXA100 / AMP), PyTorch DDP, 1 GPU 2,470 img/s and 8 GPUs 16,621 (TF32: 938 and 7,248). The benchmark command
   the README gives (``launch.py --mode benchmark_training``) takes its input pipeline from configs.yml:
   ``data_backend: pytorch`` (torchvision's ImageFolder, JPEG decoded and cropped by PIL in DataLoader worker
-  processes on the CPU), ``workers: 16`` per GPU on DGXA100.
+  processes on the CPU), ``workers: 16`` per GPU on DGXA100. Its TF32 configuration sets no ``memory_format``, so
+  the TF32 runs are NCHW (``main.py``'s default).
 - MXNet (MxNet/Classification/RN50v1.5/README.md, same section title, mxnet-22.10-py3): float16, 512 images per
   GPU (``benchmark.py -b 512``), Horovod, DALI decoding on the GPU (the runner's default ``dali-gpu``), total
   images/s with data loading: 1 GPU 3,410.52 and 8 GPUs 26,673.72 (TF32: 1,055.78 and 8,247.44). Its float16 runs
   fuse batch norm with ReLU and with the residual add and use CUDA graphs (the runner's flags): a faster program
-  than the plain PyTorch model partc prices.
+  than the plain PyTorch model partc prices. The runner sets those fusions and the NHWC layouts for float16 only:
+  its float32 (TF32) runs are NCHW and unfused.
 
 Table 1 compiles the model for ``a100-80g`` with each published run pinned (``--gpus n --dp n --zero 0
 --micro-batch-size B --global-batch-size Bn``: DDP and Horovod are ZeRO-0's fp32 all-reduce of the gradients once a
@@ -219,8 +221,8 @@ def main() -> None:
                 "mfu": u.prediction.mfu, "images_per_s": unet_gbs / u.step_time_s,
                 "model_tflops_per_gpu": u.prediction.model_tflops_per_gpu}
 
-    lines = [f"ResNet-50 v1.5 training on {CLUSTER}: NVIDIA Deep Learning Examples (DGX A100 80GB, mixed precision and TF32; "
-             f"PyTorch: 256 images/GPU, DDP; MXNet: 512 images/GPU, Horovod) vs partc's prediction",
+    lines = [f"ResNet-50 v1.5 training on {CLUSTER}: NVIDIA Deep Learning Examples (DGX A100 80GB, mixed precision "
+             f"and TF32; PyTorch: 256 images/GPU, DDP; MXNet: 512 images/GPU, Horovod) vs partc's prediction",
              "",
              "| publication | precision (partc's) | GPUs | batch | published img/s | predicted img/s | error | MFU | "
              "plan (pinned as published) | partc's pick | its img/s | TF32 row | error at tf32_conv_efficiency 1 |",

@@ -165,7 +165,8 @@ _FLOORS = {
 }
 """Rates and sizes: at least this (and what it means)."""
 _RANGES = {
-    "gemm_efficiency": (0.01, 1.0), "tf32_conv_efficiency": (0.01, 1.0), "memory_efficiency": (0.01, 1.0), "intra_node_efficiency": (0.01, 1.0),
+    "gemm_efficiency": (0.01, 1.0), "memory_efficiency": (0.01, 1.0), "intra_node_efficiency": (0.01, 1.0),
+    "tf32_conv_efficiency": (0.01, 1.0),
     "inter_node_efficiency": (0.01, 1.0), "dp_overlap": (0.0, 1.0), "intra_node_latency": (0.0, 1.0),
     "inter_node_latency": (0.0, 1.0), "kernel_launch_s": (0.0, 1.0), "gemm_half_size": (0.0, 2.0**20), "memory_reserve_fraction": (0.0, 0.9),
 }
