@@ -10,19 +10,24 @@ ResNet-50 v1.5 (benchmarks/models/resnet50.py, plain PyTorch) on DGX A100 (8x A1
   DGXA100 / AMP), PyTorch DDP, 1 GPU 2,470 img/s and 8 GPUs 16,621 (TF32: 938 and 7,248). The benchmark command
   the README gives (``launch.py --mode benchmark_training``) takes its input pipeline from configs.yml:
   ``data_backend: pytorch`` (torchvision's ImageFolder, JPEG decoded and cropped by PIL in DataLoader worker
-  processes on the CPU), ``workers: 16`` per GPU on DGXA100.
+  processes on the CPU), ``workers: 16`` per GPU on DGXA100. Its TF32 configuration sets no ``memory_format``, so
+  the TF32 runs are NCHW (``main.py``'s default).
 - MXNet (MxNet/Classification/RN50v1.5/README.md, same section title, mxnet-22.10-py3): float16, 512 images per
   GPU (``benchmark.py -b 512``), Horovod, DALI decoding on the GPU (the runner's default ``dali-gpu``), total
   images/s with data loading: 1 GPU 3,410.52 and 8 GPUs 26,673.72 (TF32: 1,055.78 and 8,247.44). Its float16 runs
   fuse batch norm with ReLU and with the residual add and use CUDA graphs (the runner's flags): a faster program
-  than the plain PyTorch model partc prices.
+  than the plain PyTorch model partc prices. The runner sets those fusions and the NHWC layouts for float16 only:
+  its float32 (TF32) runs are NCHW and unfused.
 
 Table 1 compiles the model for ``a100-80g`` with each published run pinned (``--gpus n --dp n --zero 0
 --micro-batch-size B --global-batch-size Bn``: DDP and Horovod are ZeRO-0's fp32 all-reduce of the gradients once a
 step), in bf16 for the mixed-precision runs (A100's fp16 and bf16 tensor-core rates are equal) and in fp32 for the
 TF32 ones (partc prices fp32 convolutions at the TF32 rate, PyTorch's default for cuDNN), and compares the
 predicted images/s with the published ones; a last column shows the plan partc picks with only the global batch
-given.
+given. The TF32 rows depend on `Cluster.tf32_conv_efficiency`, the fraction of the 16-bit GEMM efficiency a TF32
+convolution reaches: the script fits it on one row (``FIT``: PyTorch, TF32, 1 GPU), prints the fit next to the
+cluster's value, and marks the other TF32 rows as its validation; the TF32 rows' errors at 1 (the efficiency of a
+16-bit convolution) are in the last column.
 
 Table 2 compares each publication's scaling from 1 to 8 GPUs (8-GPU images/s over 8 x the 1-GPU ones) with
 partc's at the same images per GPU, and gives the time each published 8-GPU step takes beyond its 1-GPU step. Every
@@ -57,6 +62,10 @@ UNET = HERE / "models" / "unet.py"
 CLUSTER = "a100-80g"
 TOLERANCE = 0.25
 """The issue's bar: predicted throughput within 25% of the published one."""
+FIT = ("PyTorch DLE (pytorch-21.03)", "fp32", 1)
+"""The one published row `Cluster.tf32_conv_efficiency` is fitted on (source, partc's precision, GPUs): plain PyTorch,
+the program partc writes for the model; one GPU, so no collective; its CPU input pipeline keeps up with 2.6 times
+its rate in the same README's 1-GPU mixed-precision run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +116,22 @@ def ddp(gpus: int, per_gpu_batch: int, precision: str = "bf16"):
     return Pins(dp=gpus, zero=0, micro_batch_size=per_gpu_batch, precision=precision)
 
 
+def fit_tf32_conv_efficiency(graph, gpus: int, per_gpu_batch: int, published: float, cluster) -> float:
+    """The `Cluster.tf32_conv_efficiency` at which the pinned fp32 prediction of `graph` matches `published` images/s
+    (bisection: the prediction grows with it)."""
+    def rate(eff: float) -> float:
+        c = dataclasses.replace(cluster, tf32_conv_efficiency=eff)
+        return gpus * per_gpu_batch / predict(graph, gpus, gpus * per_gpu_batch, ddp(gpus, per_gpu_batch, "fp32"),
+                                              c).step_time_s
+
+    low, high = 0.01, 1.0
+    assert rate(low) < published < rate(high), "the published rate is out of the fit's range"
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if rate(mid) < published else (low, mid)
+    return (low + high) / 2
+
+
 def plan_text(c) -> str:
     p = c.parallel
     return f"dp {p.dp} tp {p.tp} pp {p.pp} ZeRO {p.zero} mb {p.micro_batch_size}"
@@ -131,6 +156,10 @@ def main() -> None:
     cluster = load_cluster(CLUSTER)
     resnet = trace_file(RESNET)
     resnet_fp32 = trace_file(RESNET, "fp32")
+    fit_pub = next(p for p in (PYTORCH, MXNET) if p.source == FIT[0])
+    fitted = fit_tf32_conv_efficiency(resnet_fp32, FIT[2], fit_pub.per_gpu_batch, fit_pub.tf32_images_per_s[FIT[2]],
+                                      cluster)
+    as_16bit = dataclasses.replace(cluster, tf32_conv_efficiency=1.0)
     rows = []
     for pub, precision, gpus in ((pub, precision, gpus) for pub in (PYTORCH, MXNET) for precision in ("bf16", "fp32")
                                  for gpus in pub.images_per_s):
@@ -141,13 +170,18 @@ def main() -> None:
         free = predict(graph, gpus, gbs, Pins(precision=precision))
         predicted = gbs / pinned.step_time_s
         pred = pinned.prediction
+        role = "16-bit" if precision == "bf16" else "fit" if (pub.source, precision, gpus) == FIT else "validation"
+        at_one = None if precision == "bf16" else \
+            gbs / predict(graph, gpus, gbs, ddp(gpus, pub.per_gpu_batch, precision), as_16bit).step_time_s
         rows.append({
             "model": "ResNet-50 v1.5 (224)", "source": pub.source, "gpus": gpus, "global_batch": gbs,
             "published_precision": "AMP" if precision == "bf16" else "TF32", "precision": precision,
             "published_images_per_s": published, "predicted_images_per_s": predicted,
             "error": predicted / published - 1, "mfu": pred.mfu, "step_s": pinned.step_time_s,
             "compute_s": pred.compute_s, "dp_comm_s": pred.dp_comm_s, "plan": plan_text(pinned),
-            "free_plan": plan_text(free), "free_images_per_s": gbs / free.step_time_s,
+            "free_plan": plan_text(free), "free_images_per_s": gbs / free.step_time_s, "role": role,
+            "tf32_conv_efficiency_1_images_per_s": at_one,
+            "tf32_conv_efficiency_1_error": None if at_one is None else at_one / published - 1,
         })
 
     scalings = []
@@ -172,7 +206,9 @@ def main() -> None:
     # The bus bandwidth at which a ring all-reduce of the fp32 gradients (4 bytes a parameter, 2(n-1)/n of them
     # over the bus: nccl-tests' doc/PERFORMANCE.md) would take the whole extra step time of the published 8-GPU run.
     implied_busbw = 2 * 7 / 8 * 4 * params / scalings[0]["published_extra_step_s"]
-    sensitivity = {"kernel_launch_s_0_images_per_s": no_launch, "dp_overlap_1_images_per_s": overlapped,
+    sensitivity = {"tf32_conv_efficiency": cluster.tf32_conv_efficiency, "tf32_conv_efficiency_fitted": fitted,
+                   "tf32_conv_efficiency_fitted_on": list(FIT),
+                   "kernel_launch_s_0_images_per_s": no_launch, "dp_overlap_1_images_per_s": overlapped,
                    "params": params, "implied_allreduce_bus_bandwidth": implied_busbw,
                    "cluster_allreduce_bus_bandwidth": cluster.intra_node_bandwidth * cluster.intra_node_efficiency}
 
@@ -185,17 +221,23 @@ def main() -> None:
                 "mfu": u.prediction.mfu, "images_per_s": unet_gbs / u.step_time_s,
                 "model_tflops_per_gpu": u.prediction.model_tflops_per_gpu}
 
-    lines = [f"ResNet-50 v1.5 training on {CLUSTER}: NVIDIA Deep Learning Examples (DGX A100 80GB, mixed precision; "
-             f"PyTorch: 256 images/GPU, DDP; MXNet: 512 images/GPU, Horovod) vs partc's prediction",
+    lines = [f"ResNet-50 v1.5 training on {CLUSTER}: NVIDIA Deep Learning Examples (DGX A100 80GB, mixed precision "
+             f"and TF32; PyTorch: 256 images/GPU, DDP; MXNet: 512 images/GPU, Horovod) vs partc's prediction",
              "",
              "| publication | precision (partc's) | GPUs | batch | published img/s | predicted img/s | error | MFU | "
-             "plan (pinned as published) | partc's pick | its img/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "plan (pinned as published) | partc's pick | its img/s | TF32 row | error at tf32_conv_efficiency 1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        before = "" if r["tf32_conv_efficiency_1_error"] is None else f"{100 * r['tf32_conv_efficiency_1_error']:+.1f}%"
         lines.append(f"| {r['source']} | {r['published_precision']} ({r['precision']}) | {r['gpus']} | "
                      f"{r['global_batch']} | {r['published_images_per_s']:,.0f} | "
                      f"{r['predicted_images_per_s']:,.0f} | {100 * r['error']:+.1f}% | {100 * r['mfu']:.1f}% | "
-                     f"{r['plan']} | {r['free_plan']} | {r['free_images_per_s']:,.0f} |")
+                     f"{r['plan']} | {r['free_plan']} | {r['free_images_per_s']:,.0f} | "
+                     f"{'' if r['role'] == '16-bit' else r['role']} | {before} |")
+    lines += ["",
+              f"tf32_conv_efficiency (the fraction of the 16-bit GEMM efficiency a TF32 convolution reaches): "
+              f"{cluster.tf32_conv_efficiency:g} in {CLUSTER}; fitted on {FIT[0]}, TF32, {FIT[2]} GPU: {fitted:.3f}; "
+              f"validated on the other TF32 rows"]
     lines += ["",
               "Scaling from 1 to 8 GPUs (8-GPU img/s over 8 x 1-GPU img/s) at the same images per GPU, and the time "
               "an 8-GPU step takes beyond a 1-GPU step",

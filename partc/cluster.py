@@ -47,6 +47,16 @@ class Cluster:
     peak_flops_tf32: float = 156e12
     """Dense TF32 tensor-core FLOP/s (datasheet), for the convolutions of ``precision: fp32`` plans: PyTorch lets
     cuDNN run fp32 convolutions in TF32 by default (``torch.backends.cudnn.allow_tf32`` is True), unlike matmuls."""
+    tf32_conv_efficiency: float = 0.44
+    """Fraction of the 16-bit efficiency (`gemm_efficiency` and `passes.hw.gemm_efficiency`'s factors) that a TF32
+    convolution reaches of `peak_flops_tf32`: a calibrated figure, not a cause. A100: 0.44, fitted on ONE published
+    run, NVIDIA Deep Learning Examples' PyTorch ResNet-50 v1.5 in TF32 on one A100 80GB (938 images/s,
+    pytorch-21.03), and validated on the same README's 8-GPU TF32 run and on MXNet's 1- and 8-GPU TF32 runs
+    (benchmarks/convnets.py, docs/convolutions.md). What partc prices already scales exactly with the precision (half
+    the tensor-core rate, twice the bytes, the same roofline ridge), which makes a TF32 step twice a 16-bit one; the
+    publications run it 2.6x (PyTorch) and 3.2x (MXNet) slower. Their TF32 runs also differ from their
+    mixed-precision ones in layout (NCHW against NHWC), which partc does not model; this fraction holds both. 1:
+    TF32 convolutions as efficient as 16-bit ones."""
     gemm_efficiency: float = 0.75
     """Fraction of `peak_flops` that a large GEMM reaches when compute-bound, before the tile, wave and
     short-k factors of `passes.hw.gemm_efficiency`. A100: 0.75, fitted on Megatron-LM's Table 1 (fp16,
@@ -156,6 +166,7 @@ _FLOORS = {
 """Rates and sizes: at least this (and what it means)."""
 _RANGES = {
     "gemm_efficiency": (0.01, 1.0), "memory_efficiency": (0.01, 1.0), "intra_node_efficiency": (0.01, 1.0),
+    "tf32_conv_efficiency": (0.01, 1.0),
     "inter_node_efficiency": (0.01, 1.0), "dp_overlap": (0.0, 1.0), "intra_node_latency": (0.0, 1.0),
     "inter_node_latency": (0.0, 1.0), "kernel_launch_s": (0.0, 1.0), "gemm_half_size": (0.0, 2.0**20), "memory_reserve_fraction": (0.0, 0.9),
 }

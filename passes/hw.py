@@ -73,9 +73,10 @@ def gemm_time(cluster: Cluster, gemm: Gemm, *, micro_batch_size: int = 1, split:
     # (k or n = the head dim, 64-160) move about as many bytes as they do FLOPs / 100, below A100's ridge point of
     # peak_flops / memory_bandwidth = 153 FLOP/byte, so they run at memory speed.
     flops = 2.0 * batch * m * n * k
-    # fp32: matmuls at the fp32 rate, convolutions in TF32 (PyTorch's defaults: `Cluster.peak_flops_tf32`).
+    # fp32: matmuls at the fp32 rate, convolutions in TF32 (PyTorch's defaults: `Cluster.peak_flops_tf32`), at the
+    # calibrated fraction of the 16-bit efficiency that TF32 convolutions reach (`Cluster.tf32_conv_efficiency`).
     peak = cluster.peak_flops if gemm.dtype_bytes <= 2 else \
-        cluster.peak_flops_tf32 if gemm.io_bytes else cluster.peak_flops_fp32
+        cluster.peak_flops_tf32 * cluster.tf32_conv_efficiency if gemm.io_bytes else cluster.peak_flops_fp32
     compute = flops / (peak * gemm_efficiency(cluster, m, n, k, batch))
     if gemm.fused:  # inside a fused kernel: the kernel's own HBM traffic is counted with it
         return compute

@@ -101,11 +101,40 @@ def test_fp32_convolutions_run_at_the_tf32_rate_and_fp32_matmuls_do_not():
     b = 64
     eff = hw.gemm_efficiency(A100, gemm.m * b, gemm.n, gemm.k, gemm.batch)
     assert hw.gemm_time(A100, gemm, micro_batch_size=b) == pytest.approx(
-        b * gemm.flops / (A100.peak_flops_tf32 * eff))
-    matmul = dataclasses.replace(gemm, io_bytes=0)  # the same product as a matmul
-    assert hw.gemm_time(A100, matmul, micro_batch_size=b) == pytest.approx(
-        b * gemm.flops / (A100.peak_flops_fp32 * eff))
+        b * gemm.flops / (A100.peak_flops_tf32 * A100.tf32_conv_efficiency * eff))
+    matmul = dataclasses.replace(gemm, io_bytes=0)  # the same product as a matmul: no TF32, no TF32 efficiency
+    for cluster in (A100, dataclasses.replace(A100, tf32_conv_efficiency=0.1)):
+        assert hw.gemm_time(cluster, matmul, micro_batch_size=b) == pytest.approx(
+            b * gemm.flops / (A100.peak_flops_fp32 * eff))
     assert A100.peak_flops_fp32 < A100.peak_flops_tf32 < A100.peak_flops
+
+
+def test_a_tf32_convolution_unit_costs_what_tf32_conv_efficiency_says():
+    """Per unit, a TF32 step over a bf16 one: everything partc prices scales with the element size (half the
+    tensor-core rate, twice the bytes), so at ``tf32_conv_efficiency`` 1 a TF32 unit takes exactly twice its bf16
+    time, compute-bound or memory-bound; the calibrated fraction (fitted on a published ResNet-50 run,
+    benchmarks/convnets.py) slows a compute-bound convolution by 1 / fraction more and leaves a memory-bound one
+    alone."""
+    net = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, bias=False),  # 288 FLOPs a bf16 byte: compute-bound
+                        nn.Conv2d(64, 16, 1, bias=False))  # 13 FLOPs a bf16 byte: memory-bound
+    graphs = {p: trace(net.to("meta"), (torch.empty(1, 64, 32, 32, device="meta"),), {}, name="convs",
+                       precision=p).graph for p in ("bf16", "fp32")}
+    par = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=64, global_batch_size=64)
+    no_floor = dataclasses.replace(A100, kernel_launch_s=0.0)
+    assert A100.tf32_conv_efficiency < 1
+
+    def seconds(cluster, precision):
+        return [p.compute_s for p in cost.unit_time_parts(graphs[precision], cluster, par, None)]
+
+    (dense16, thin16), (dense32, thin32) = seconds(no_floor, "bf16"), seconds(no_floor, "fp32")
+    (dense_at_1, thin_at_1) = seconds(dataclasses.replace(no_floor, tf32_conv_efficiency=1.0), "fp32")
+    assert dense_at_1 / dense16 == pytest.approx(2) and thin_at_1 / thin16 == pytest.approx(2)
+    assert dense32 / dense16 == pytest.approx(2 / A100.tf32_conv_efficiency)
+    assert thin32 == pytest.approx(thin_at_1)
+    (gemm,) = graphs["fp32"].layers["1"].gemms  # the 1x1 convolution: its input, output and weight through HBM
+    assert thin32 == pytest.approx(3 * hw.memory_time(A100, 64 * gemm.io_bytes + 4 * 64 * 16))
+    with pytest.raises(PartcError, match="tf32_conv_efficiency"):
+        Cluster.from_dict({"tf32_conv_efficiency": 1.5})
 
 
 def test_kernel_launches_floor_a_units_time():
