@@ -146,7 +146,7 @@ class _Rewriter:
         node.meta["partc_why"] = why
         self.val[node] = local
         self.state[node] = state
-        if fn.__module__ == C.__name__:
+        if C.is_collective(fn):
             self.result.collectives.append((fn.__name__, why))
         return node
 

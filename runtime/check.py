@@ -53,7 +53,7 @@ from torch.distributed.fsdp import FSDPModule
 from partc._torch import (TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPModMemStats, FSDPRefType, InferenceMode,
                           mod_tracker_module)
 from partc.cluster import Cluster
-from partc.collectives import set_tp_group
+from partc.collectives import set_groups
 from partc.value_sized import expected_sizes
 from partc.errors import PartcError
 from partc.parallel import MESH_AXES, SHOWN_AXES, Parallel
@@ -313,7 +313,7 @@ def _fake_world(par: Parallel, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
-        set_tp_group(None)
+        set_groups({})
         dist.destroy_process_group()
 
 

@@ -5,8 +5,8 @@ later step asks for ``mesh["dp"]`` rather than computing rank arithmetic. The pl
 axis order and the rank arithmetic (`Parallel.coords`, `Parallel.rank_of`); this module checks the world size and
 builds the mesh.
 
-The stage files find the ``tp`` group through `partc.collectives.set_tp_group`, which `partc.runtime.load`
-calls with ``world.tp_group`` before any stage runs (on meta or for real).
+The stage files find their groups through `partc.collectives.set_groups`, which `partc.runtime.load` calls with
+``world.groups`` before any stage runs (on meta or for real).
 
 Checkpoints see a tensor-parallel shard further sharded by FSDP over dp as a DTensor on `World.tp_dp_mesh`: the
 same ranks as ``mesh["dp", "tp"]`` with the axes in the other order, so that two ``Shard(0)`` placements nest the

@@ -60,7 +60,7 @@ def _worker(rank, world, port, cases, result_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        collectives.set_tp_group(dist.group.WORLD)
+        collectives.set_groups({"tp": dist.group.WORLD})
         results = {name: _run_case(rank, world, path, out) for name, (path, out) in cases.items()}
         if rank == 0:
             Path(result_file).write_text(json.dumps(results))
