@@ -14,18 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from partc.parallel import MESH_AXES
-
-AXES = (*MESH_AXES, "ep")
-"""The table's keys: the mesh axes, and ``ep``, whose groups split the ``dp`` groups (`partc.parallel.Parallel.ep`)."""
+from partc.parallel import AXES_BY_NAME
 
 _GROUPS: dict[str, dist.ProcessGroup | None] = {}
 
 
 def set_groups(groups: Mapping[str, dist.ProcessGroup | None]) -> None:
-    """The process group of each axis (`AXES`), replacing the whole table: an axis left out has none, and
-    ``set_groups({})`` forgets every group."""
-    unknown = sorted(set(groups) - set(AXES))
+    """The process group of each axis (`partc.parallel.AXES`), replacing the whole table: an axis left out has
+    none, and ``set_groups({})`` forgets every group."""
+    unknown = sorted(set(groups) - set(AXES_BY_NAME))
     assert not unknown, f"not axes of the mesh: {unknown}"
     _GROUPS.clear()
     _GROUPS.update(groups)
@@ -33,7 +30,7 @@ def set_groups(groups: Mapping[str, dist.ProcessGroup | None]) -> None:
 
 def axis_group(axis: str) -> dist.ProcessGroup | None:
     """The group of `axis` in the table (None: one rank)."""
-    assert axis in AXES, axis
+    assert axis in AXES_BY_NAME, axis
     return _GROUPS.get(axis)
 
 

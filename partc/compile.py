@@ -26,7 +26,7 @@ from partc.cluster import Cluster, load_cluster
 from partc.deferred_init import record
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.parallel import MAX_BATCH, MAX_GPUS, MESH_AXES, Pins, check_gpus
+from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
 from partc.precision import cast_floating, compute_dtype
 from partc.plan import Plan, Stage, read_plan
 from partc.passes import assemble, cost
@@ -468,8 +468,7 @@ def _predicted(pred: cost.Prediction, global_batch_size: int, imbalance: float =
         # One entry per pipeline rank, in rank order: what one GPU of it needs and moves in a step (the runtime
         # measures the same: partc.runtime.comm, `--log-jsonl`).
         "ranks": [{"time_s": r.time_s, "memory_bytes": r.memory.to_dict(),
-                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0)))
-                                  for axis in (*MESH_AXES, *(("ep",) if "ep" in r.comm_bytes else ()))},
+                   "comm_bytes": {axis: int(round(nbytes)) for axis, nbytes in r.comm_bytes.items()},  # axes in use
                    "timeline_s": r.timeline_s}  # what the step's walk takes (`partc.timeline`, report.html)
                   for r in pred.ranks],
         # Under ep, the routing the all-to-alls and the experts' GEMMs are priced at (docs/expert-parallel.md).
