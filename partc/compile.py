@@ -26,7 +26,7 @@ from partc.cluster import Cluster, load_cluster
 from partc.deferred_init import record
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.parallel import MAX_BATCH, MAX_GPUS, MESH_AXES, Pins, check_gpus
+from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
 from partc.precision import cast_floating, compute_dtype
 from partc.plan import Plan, Stage, read_plan
 from partc.passes import assemble, cost
@@ -162,6 +162,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     #    needs micro-batches of two samples or more (its statistics of one value are undefined).
     norms = batch_norms(model, traced)
     on_phase(2, PHASES[2])
+    program = None  # a sequence-parallel plan's program, generated to price it and then written
     if plan_in is None:
         gbs = global_batch_size or default_global_batch(gpus, spec.seq_len)
         result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
@@ -184,7 +185,9 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
             # without it, so that the best plan and its alternatives are all priced as their programs run.
             sp_plan = make_plan(graph, clus, result.best, result, path=path, entry=entry,
                                 tokens=spec.seq_len is not None)
-            if sequence_fallbacks(spec, model, traced, sp_plan, path=path, entry=entry):
+            fallbacks, program = sequence_fallbacks(spec, model, traced, sp_plan, path=path, entry=entry)
+            if fallbacks:
+                program = None
                 pins = dataclasses.replace(pins, sequence_parallel=False, sp_regather=None)
                 result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
                 if result.best is None:
@@ -198,12 +201,13 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
     t_solve = time.perf_counter()
 
     # 4. The plan. A sequence-parallel plan whose program falls back to tensor parallelism in places (pinned, or
-    #    read from a file) is priced as that program runs.
+    #    read from a file) is priced as that program runs: its program is generated here (or was, by the search's
+    #    check above) and written in step 5.
     on_phase(3, PHASES[3])
-    program = None
     if best.parallel.sequence_parallel and not best.tp.program:
-        program = make_program(spec, model, traced, make_plan(graph, clus, best, result, path=path, entry=entry,
-                                                              tokens=spec.seq_len is not None), path=path, entry=entry)
+        program = program or make_program(spec, model, traced, make_plan(graph, clus, best, result, path=path,
+                                                                         entry=entry, tokens=spec.seq_len is not None),
+                                          path=path, entry=entry)
         if program.sequence_gathers:
             best = price_sequence_fallbacks(graph, clus, best, program)
     plan = make_plan(graph, clus, best, result, path=path, entry=entry, tokens=spec.seq_len is not None)
@@ -300,14 +304,15 @@ def find_vocab_loss(spec: ModelSpec, model: torch.nn.Module, traced: Traced) -> 
 
 
 def sequence_fallbacks(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,
-                       entry: str) -> list[str]:
+                       entry: str) -> tuple[list[str], GeneratedProgram | None]:
     """Where the program of a sequence-parallel `plan` does not keep the activations split along the sequence
-    (`tp_rewrite.Rewrite.sequence_gathers`, one line each; empty: everywhere, as the plan prices it). The program
-    is generated and dropped."""
+    (`tp_rewrite.Rewrite.sequence_gathers`, one line each; empty: everywhere, as the plan prices it), and that
+    program (None where it cannot be generated), which compile writes when it keeps the plan."""
     try:
-        return make_program(spec, model, traced, plan, path=path, entry=entry).sequence_gathers
+        program = make_program(spec, model, traced, plan, path=path, entry=entry)
     except PartcError as e:  # the sequence found by the rewrite does not divide over tp
-        return [str(e)]
+        return [str(e)], None
+    return program.sequence_gathers, program
 
 
 def price_sequence_fallbacks(graph: ModelGraph, clus: Cluster, best: Candidate,
@@ -468,8 +473,7 @@ def _predicted(pred: cost.Prediction, global_batch_size: int, imbalance: float =
         # One entry per pipeline rank, in rank order: what one GPU of it needs and moves in a step (the runtime
         # measures the same: partc.runtime.comm, `--log-jsonl`).
         "ranks": [{"time_s": r.time_s, "memory_bytes": r.memory.to_dict(),
-                   "comm_bytes": {axis: int(round(r.comm_bytes.get(axis, 0)))
-                                  for axis in (*MESH_AXES, *(("ep",) if "ep" in r.comm_bytes else ()))},
+                   "comm_bytes": {axis: int(round(nbytes)) for axis, nbytes in r.comm_bytes.items()},  # axes in use
                    "timeline_s": r.timeline_s}  # what the step's walk takes (`partc.timeline`, report.html)
                   for r in pred.ranks],
         # Under ep, the routing the all-to-alls and the experts' GEMMs are priced at (docs/expert-parallel.md).

@@ -45,15 +45,21 @@ class MeshAxis:
     dimension and process group (``world.groups[<name>]``), a rank's coordinate (``<name>_rank`` in `partc run`'s
     and `partc check`'s per-rank records) and the CLI pin (``--<name>``, made from the field like every pin).
 
-    How it divides the world: the degrees of all axes multiply to the world size, and the axes nest in `MESH`
-    order, outermost first (`Parallel.coords`): the members of one of its groups are the product of the degrees
-    inside it apart (`Parallel.spans_nodes`)."""
+    How it divides the world: the degrees of the axes of `MESH` multiply to the world size, and the axes nest in
+    `MESH` order, outermost first (`Parallel.coords`): the members of one of its groups are the product of the
+    degrees inside it apart (`Parallel.spans_nodes`). A sub-axis (`within`) divides another axis instead."""
 
     name: str
+    within: str | None = None
+    """None: a dimension of the device mesh (in `MESH`). Otherwise the mesh axis it is a sub-axis of (``ep`` of
+    ``dp``, as torchtitan and Megatron-Core carve expert parallelism from data parallelism), not a dimension of the
+    mesh: its degree divides that axis's, each group of that axis splits into groups of this many neighbours on it
+    (`coordinate`), and the world size does not count it. Its groups exist, and plans and per-rank traffic carry
+    it, only where its degree is above 1 (`in_use`): plans without it read as before it existed."""
 
     @property
     def position(self) -> int:
-        """Its index in the mesh, outermost first."""
+        """Its index in the mesh, outermost first (an axis of `MESH`)."""
         return MESH_AXES.index(self.name)
 
     @property
@@ -70,6 +76,15 @@ class MeshAxis:
         """How it divides the world: its degree in `par`."""
         return getattr(par, self.name)
 
+    def in_use(self, par: Parallel) -> bool:
+        """Whether `par` has this axis's groups and its traffic: every mesh axis; a sub-axis of degree above 1."""
+        return self.within is None or self.degree(par) > 1
+
+    def coordinate(self, coords: dict[str, int], par: Parallel) -> int:
+        """This axis's coordinate of the rank at mesh coordinates `coords` (`Parallel.coords`): a sub-axis's is the
+        place in its block of neighbours on `within` (``dp_rank % ep``)."""
+        return coords[self.name] if self.within is None else coords[self.within] % self.degree(par)
+
 
 MESH = (MeshAxis("pp"), MeshAxis("dp"), MeshAxis("cp"), MeshAxis("tp"))
 """The device mesh, outermost first: torchtitan's order. ``pp`` outermost: activations and their gradients between
@@ -84,6 +99,16 @@ MESH_AXES = tuple(axis.name for axis in MESH)
 """The names of `MESH`, outermost first."""
 
 MESH_BY_NAME = {axis.name: axis for axis in MESH}
+
+SUB_AXES = (MeshAxis("ep", within="dp"),)
+"""The axes that divide an axis of `MESH` rather than the world (`MeshAxis.within`): ``ep``, the data-parallel
+ranks among which the routed experts are divided (`Parallel.ep`)."""
+
+AXES = (*MESH, *SUB_AXES)
+"""Every axis with process groups of its own: the mesh's, then the sub-axes. The runtime's groups, the plan's and
+the runtime's traffic per axis and `partc check`'s rows read them."""
+
+AXES_BY_NAME = {axis.name: axis for axis in AXES}
 
 MAX_GPUS = 2**20
 """The most GPUs partc plans for (1,048,576), and the bound of each degree: several times the largest GPU clusters
@@ -157,7 +182,8 @@ class Parallel:
     """Expert-parallel degree, carved from the data-parallel ranks as torchtitan and Megatron-Core carve it: ``dp``
     ranks ``dp_rank // ep`` hold the same experts in groups of ``ep`` neighbours, each rank ``E/ep`` of every layer
     of packed experts (``dp_rank % ep`` its share); tokens travel to their experts' ranks and back with an
-    all-to-all (`partc.collectives.expert_parallel`). Not a mesh axis: its groups split the ``dp`` groups. Expert
+    all-to-all (`partc.collectives.expert_parallel`). A sub-axis of ``dp`` (`SUB_AXES`): its groups split the ``dp``
+    groups. Expert
     gradients are reduced (and, with ZeRO, sharded) over the ``dp / ep`` ranks holding the same experts,
     everything else over ``dp`` as without it (docs/expert-parallel.md)."""
     expert_imbalance: float = field(default=1.0, metadata=_choice(

@@ -14,7 +14,7 @@ from typing import Sequence
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.parallel import MESH_AXES, Parallel, Reads
+from partc.parallel import AXES, Parallel, Reads
 from partc import timeline
 from partc.passes.cost import cp_bytes, cp_time, tokens
 from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes,
@@ -249,16 +249,16 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         if par.ep > 1:  # the experts' all-to-alls, per micro-batch, with the in-layer communication
             ep_fwd, ep_bwd = keep(EP_TIME.key(par, ck), lambda: ep_time(graph, cluster, par, idx))
             tp_comm, fwd_tp = tp_comm + ep_fwd + ep_bwd, fwd_tp + ep_fwd
-        # What one GPU of the rank passes to collectives in a step, on each mesh axis (`MeshAxis.traffic`; the
-        # runtime counts the same, `partc.runtime.comm`): every axis has its payload, in mesh order.
+        # What one GPU of the rank passes to collectives in a step, on each axis in use (`MeshAxis.in_use`; the
+        # runtime counts the same, `partc.runtime.comm`): every such axis has its payload, in `AXES` order.
         comm = {"pp": pp_bytes(graph, par, chunks) + shared.get(r, 0.0),
                 "dp": (sum(zero.dp_bytes(par, params - held, *padded).values())
                        + expert_dp_bytes(held, held_padded, par)),
                 "cp": cp_bytes(graph, par, tp, idx),
                 "tp": tp_payload + gather_bytes(graph, par, chunks)}
-        assert tuple(comm) == MESH_AXES, (tuple(comm), MESH_AXES)
         if par.ep > 1:  # the experts' all-to-alls over the ep groups carved from dp (`Parallel.ep`)
             comm["ep"] = ep_bytes(graph, par, idx)
+        assert tuple(comm) == tuple(a.name for a in AXES if a.in_use(par)), tuple(comm)
         comps.append((compute, tp_comm, pp_comm))
         dp_time = keep(DP_TIME.key(par, spans["dp"], params, padded, groups_n),
                        lambda: dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n))

@@ -235,7 +235,7 @@ def _tp_traffic(stages: list[StageCode], grad: set[torch.fx.Node], t: int) -> di
         for uc in st.units:
             for n in uc.nodes:
                 fn = getattr(n.target, "__name__", None)
-                if getattr(n.target, "__module__", None) != collectives.__name__ or fn not in TP_TRAFFIC:
+                if not collectives.is_collective(n.target) or fn not in TP_TRAFFIC:
                     continue
                 for kind, phase, whose in TP_TRAFFIC[fn]:
                     if phase.startswith("bwd") and n.args[0] not in grad:

@@ -92,7 +92,7 @@ class Emitter:
             return f"{'aten' if ns == 'aten' else f'torch.ops.{ns}'}.{packet}.{t._overloadname}"
         if isinstance(t, torch._ops.OpOverloadPacket):
             return f"torch.ops.{t._qualified_op_name.replace('::', '.')}"
-        if getattr(t, "__module__", None) == collectives.__name__:
+        if collectives.is_collective(t):
             self.needs.add("tp")
             return f"tp.{t.__name__}"
         if getattr(t, "__module__", None) == "_operator" or t in vars(operator).values():

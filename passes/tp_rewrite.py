@@ -23,7 +23,7 @@ weight, a rowwise bias added after the reduce-scatter) has a partial gradient on
 `copy_to_tp`, whose backward all-reduces it. A whole operand spanning the sequence (learned positions) is sliced
 to the local part. An op that cannot be proven per-position gathers its input (`gather_from_tp`), as today.
 A mixture of experts split inside runs as Megatron-Core's: its router on the local part (`_routers`), the experts'
-inputs all-gathered (`_gather_for_inner`), their partial output reduce-scattered (`_partial_to_sequence`). A stream
+inputs all-gathered (`_gather_sequence`), their partial output reduce-scattered (`_partial_to_sequence`). A stream
 that enters whole (a vision transformer's patches) is scattered at the first norm (`_enter_sequence`); a pooled
 head's norm output is gathered (`_pools`).
 
@@ -146,7 +146,7 @@ class _Rewriter:
         node.meta["partc_why"] = why
         self.val[node] = local
         self.state[node] = state
-        if fn.__module__ == C.__name__:
+        if C.is_collective(fn):
             self.result.collectives.append((fn.__name__, why))
         return node
 
@@ -207,26 +207,43 @@ class _Rewriter:
                             self.val[node].transpose(d, d + 1), R)
         return self._insert(node, aten.reshape.default, (node, shape), why, user, local, R)
 
-    def _gather_for_inner(self, x: Node, user: Node, what: str) -> Node:
-        """`x`, split along the sequence, all-gathered before `user` (in its unit and pipeline stage): a floating
-        value through `gather_from_sp` (its gradient, a partial sum on each rank, reduce-scattered back), an
-        integer one (a router's choice of experts) through `gather_from_tp`. Once per value."""
+    def _gather_sequence(self, x: Node, user: Node, what: str) -> Node:
+        """`x`, split along the sequence, all-gathered whole before `user` (its first reader that needs it whole:
+        a colwise layer, a layer split inside; in its unit and pipeline stage), once per value: a floating value
+        through `gather_from_sp` (its gradient, a partial sum on each rank, reduce-scattered back), an integer one
+        (a router's choice of experts) through `gather_from_tp`. A local part held in k pieces (the tokens of k
+        samples flattened, [b*s/t, h] of Hugging Face's Conv1D: `view_split`) is viewed as [k, n/k] along its split
+        dim, gathered on the second and viewed back: every sample gets its whole sequence, in order."""
         key = (x, "gather_sp")
-        if key not in self.memo:
-            v, d = self.val[x], self.state[x]
-            fn = C.gather_from_sp if v.is_floating_point() else C.gather_from_tp
+        if key in self.memo:
+            return self.memo[key]
+        v, d, k = self.val[x], self.state[x], self.pieces.get(x, 1)
+        fn = C.gather_from_sp if v.is_floating_point() else C.gather_from_tp
+        why = (f"{what}: all-gather the sequence forward, reduce-scatter its gradient backward"
+               if fn is C.gather_from_sp else f"{what}: all-gather the sequence forward")
+        meta = {k_: user.meta[k_] for k_ in ("nn_module_stack", "stack_trace") if k_ in user.meta}
+
+        def add(fn, args, local):
             with self.graph.inserting_before(user):
-                g = self.graph.call_function(fn, (x, d))
-            g.meta = {k: user.meta[k] for k in ("nn_module_stack", "stack_trace") if k in user.meta}
-            why = (f"{what}: all-gather the sequence forward, reduce-scatter its gradient backward"
-                   if fn is C.gather_from_sp else f"{what}: all-gather the sequence forward")
-            g.meta["partc_why"] = why
-            g.meta["val"] = self.val[g] = torch.empty(
-                [n * (self.t if i == d else 1) for i, n in enumerate(v.shape)], dtype=v.dtype, device="meta")
-            self.state[g] = R
-            self.result.collectives.append((fn.__name__, why))
-            self.memo[key] = self._in_order(g, x, d, user)
-        return self.memo[key]
+                n = self.graph.call_function(fn, args)
+            n.meta = dict(meta, val=local, partc_why=why)
+            self.val[n], self.state[n] = local, R
+            return n
+
+        shape = list(v.shape)
+        src, dim = x, d
+        if k > 1:
+            parts = shape[:d] + [k, shape[d] // k] + shape[d + 1:]
+            src, dim = add(aten.reshape.default, (x, parts), torch.empty(parts, dtype=v.dtype, device="meta")), d + 1
+        have = list(self.val[src].shape)
+        whole = [n * (self.t if i == dim else 1) for i, n in enumerate(have)]
+        g = add(fn, (src, dim), torch.empty(whole, dtype=v.dtype, device="meta"))
+        self.result.collectives.append((fn.__name__, why))
+        if k > 1:
+            out = shape[:d] + [shape[d] * self.t] + shape[d + 1:]
+            g = add(aten.reshape.default, (g, out), torch.empty(out, dtype=v.dtype, device="meta"))
+        self.memo[key] = g
+        return g
 
     def _partial_to_sequence(self, x: Node, what: str) -> Node | None:
         """The partial sums `x` (a layer split inside) reduce-scattered along the sequence: along its sequence dim,
@@ -270,11 +287,16 @@ class _Rewriter:
 
     def _to_sequence(self, x: Node, d: int, what: str) -> Node:
         """The partial sums `x` reduce-scattered along the sequence dim `d` (instead of all-reduced)."""
+        return self._split_sequence(x, C.reduce_scatter_to_sp, d,
+                                    f"sum the partial outputs of {what}, each rank keeping 1/{self.t} of the sequence "
+                                    f"(reduce-scatter forward, all-gather backward)", x)
+
+    def _split_sequence(self, x: Node, fn, d: int, why: str, anchor: Node) -> Node:
+        """`fn(x, d)` inserted after `x`, a collective that leaves each rank 1/t of `x` along its sequence dim `d`
+        (`reduce_scatter_to_sp`, `scatter_to_tp`), with its local shape; its output is split along the sequence."""
         v = self.val[x]
         local = torch.empty(_local_shape(v.shape, d, self.t, x.name), dtype=v.dtype, device="meta")
-        out = self._insert(x, C.reduce_scatter_to_sp, (x, d),
-                           f"sum the partial outputs of {what}, each rank keeping 1/{self.t} of the sequence "
-                           f"(reduce-scatter forward, all-gather backward)", x, local, d)
+        out = self._insert(x, fn, (x, d), why, anchor, local, d)
         self.seq.add(out)
         return out
 
@@ -528,7 +550,7 @@ class _Rewriter:
                 continue
             if a in self.seq and isinstance(self.state.get(a), int):  # Megatron-Core's MoE under SP: the tokens,
                 # the routing weights and the chosen experts all-gathered; the gradients, partial sums, scattered
-                node.replace_input_with(a, self._gather_for_inner(a, node, f"input of split-inside {layer.fqn}"))
+                node.replace_input_with(a, self._gather_sequence(a, node, f"input of split-inside {layer.fqn}"))
                 continue
             whole = self.need(a, R, node)
             node.replace_input_with(a, self.copy_to_tp(whole, node, "split-inside")
@@ -726,46 +748,11 @@ class _Rewriter:
                 f"colwise {layer.fqn}'s output has no sequence dim: gathered whole (tensor parallelism)")
             return
         users = list(node.users)
-        whole = self.need(node, R, node)
-        v = self.val[whole]
-        local = torch.empty(_local_shape(v.shape, d, self.t, node.name), dtype=v.dtype, device="meta")
-        out = self._insert(whole, C.scatter_to_tp, (whole, d),
-                           f"colwise {layer.fqn}'s output gathered, each rank keeping 1/{self.t} of the sequence "
-                           f"(all-gather of its gradient backward)", node, local, d)
-        self.seq.add(out)
+        out = self._split_sequence(self.need(node, R, node), C.scatter_to_tp, d,
+                                   f"colwise {layer.fqn}'s output gathered, each rank keeping 1/{self.t} of the "
+                                   f"sequence (all-gather of its gradient backward)", node)
         for u in users:
             u.replace_input_with(node, out)
-
-    def _gather_sequence(self, x: Node, user: Node) -> Node:
-        """`x`, split along the sequence, all-gathered whole (`gather_from_sp`, its backward a reduce-scatter),
-        inserted before `user`. A local part held in k pieces (the tokens of k samples flattened, [b*s/t, h] of
-        Hugging Face's Conv1D: `view_split`) is viewed as [k, n/k] along its split dim, gathered on the second and
-        viewed back: every sample gets its whole sequence, in order."""
-        v, d, k = self.val[x], self.state[x], self.pieces.get(x, 1)
-        why = (f"input of colwise {self._where(user)}: all-gather the sequence forward, reduce-scatter its gradient "
-               f"backward")
-        meta = {k_: user.meta[k_] for k_ in ("nn_module_stack", "stack_trace") if k_ in user.meta}
-
-        def add(fn, args, local):
-            with self.graph.inserting_before(user):
-                n = self.graph.call_function(fn, args)
-            n.meta = dict(meta, val=local, partc_why=why)
-            self.val[n], self.state[n] = local, R
-            return n
-
-        shape = list(v.shape)
-        src, dim = x, d
-        if k > 1:
-            parts = shape[:d] + [k, shape[d] // k] + shape[d + 1:]
-            src, dim = add(aten.reshape.default, (x, parts), torch.empty(parts, dtype=v.dtype, device="meta")), d + 1
-        have = list(self.val[src].shape)
-        whole = [n * (self.t if i == dim else 1) for i, n in enumerate(have)]
-        g = add(C.gather_from_sp, (src, dim), torch.empty(whole, dtype=v.dtype, device="meta"))
-        self.result.collectives.append((C.gather_from_sp.__name__, why))
-        if k > 1:
-            out = shape[:d] + [shape[d] * self.t] + shape[d + 1:]
-            g = add(aten.reshape.default, (g, out), torch.empty(out, dtype=v.dtype, device="meta"))
-        return g
 
     def _view_to_sequence(self, node: Node) -> tuple[Node, int] | None:
         """(view, its sequence dim) where a rowwise output without a sequence dim (Hugging Face's Conv1D: the
@@ -811,11 +798,8 @@ class _Rewriter:
             lookup.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
             return None
         x = node.args[1] if kind == "addmm" else node.args[0]
-        if style == "colwise" and x in self.seq:
-            key = (x, "gather_sp")
-            if key not in self.memo:  # before the first colwise reader: in its unit and its pipeline stage
-                self.memo[key] = self._gather_sequence(x, node)
-            node.replace_input_with(x, self.memo[key])
+        if style == "colwise" and x in self.seq:  # before the first colwise reader: in its unit and pipeline stage
+            node.replace_input_with(x, self._gather_sequence(x, node, f"input of colwise {self._where(node)}"))
         elif style == "colwise":
             if self.sp:
                 self.result.sequence_gathers.append(

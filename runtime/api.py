@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partc.collectives import counting_expert_rows, set_cp_group, set_ep_group, set_tp_group
+from partc.collectives import counting_expert_rows, set_expert_imbalance, set_groups
 from partc.deferred_init import InitRecord
 from partc.errors import PartcError
 from partc.model_file import ModelSpec, load_model_file
@@ -278,10 +278,9 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
     own construction may do what fake tensors refuse, as Hugging Face's does)."""
     par = files.plan.parallel
     opt_config = optimizer or OptimizerConfig()
-    # The stage files find the tp group through `collectives`.
-    set_tp_group(world.tp_group)
-    set_ep_group(world.ep_group, par.imbalance)
-    set_cp_group(world.cp_group)
+    # The stage files find their groups through `collectives`.
+    set_groups(world.groups)
+    set_expert_imbalance(par.imbalance)
 
     # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes
     #    (the stage files chained on meta, on this rank's shard shapes).
@@ -323,8 +322,7 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
     grad_sync = GradSync(stages, world, holders=holders, canon=canon, experts=experts)
     counter = CommCounter({**{axis: [g] for axis, g in world.groups.items()}, "pp": [world.pp_group, *grad_sync.groups],
                            "dp": [world.dp_group, *world.dp_shard_groups,
-                                  *([world.expert_dp_group] if world.expert_dp_group else [])],
-                           **({"ep": [world.ep_group]} if world.ep_group else {})})
+                                  *([world.expert_dp_group] if world.expert_dp_group else [])]})
     runner = PipelineRunner(files, spec, world, modules, optimizers, grad_sync, shapes, counter)
     split = {n for n in canon if layout.shard(n) is not None}
     runner.grad_copies = grad_copies(stages, tp=par.tp, dp=par.dp_shard, split=split, experts=experts, ep=par.ep,

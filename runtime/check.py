@@ -53,10 +53,10 @@ from torch.distributed.fsdp import FSDPModule
 from partc._torch import (TRACKER_TOTAL, FakeStore, FSDPMemTracker, FSDPModMemStats, FSDPRefType, InferenceMode,
                           mod_tracker_module)
 from partc.cluster import Cluster
-from partc.collectives import set_tp_group
+from partc.collectives import set_groups
 from partc.value_sized import expected_sizes
 from partc.errors import PartcError
-from partc.parallel import MESH_AXES, SHOWN_AXES, Parallel
+from partc.parallel import AXES_BY_NAME, MESH_AXES, SHOWN_AXES, SUB_AXES, Parallel
 from partc.runtime.api import Program, build, meta_model
 from partc.runtime.mesh import init_world, rank_record
 from partc.runtime.optim import OptimizerConfig
@@ -89,8 +89,9 @@ def categories(zero: int) -> dict[str, tuple[str, ...]]:
             "activations": transient}
 
 
-AXES = SHOWN_AXES
-"""The mesh axes whose traffic is compared, in the order the rows show them (`partc.parallel.SHOWN_AXES`)."""
+AXES = (*(AXES_BY_NAME[a] for a in SHOWN_AXES), *SUB_AXES)
+"""The axes whose traffic is compared, in the order the rows show them: the mesh's as `partc.parallel.SHOWN_AXES`,
+then the sub-axes (``ep``), each where the plan uses it (`MeshAxis.in_use`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,7 +103,7 @@ class RankCheck:
     coords: dict[str, int]
     """Its coordinate on each mesh axis (`Parallel.coords`)."""
     comm_bytes: dict[str, int]
-    """Measured collective payload by mesh axis."""
+    """Measured collective payload by axis (the plan's axes in use, `AXES`)."""
     memory_bytes: dict[str, int]
     """Measured: the most each category (`CATEGORIES`) held at any moment of the step; ``total``: the peak."""
     predicted_comm_bytes: dict[str, float]
@@ -131,7 +132,7 @@ class RankCheck:
                        measured=mem["total"], slack=self.slack_bytes))
         out += [Row(pp_rank=self.pp_rank, what=f"comm {axis}", predicted=float(self.predicted_comm_bytes.get(axis, 0)),
                     measured=self.comm_bytes.get(axis, 0), slack=self.slack_bytes)
-                for axis in (*AXES, *(("ep",) if "ep" in self.predicted_comm_bytes else ()))]  # `Parallel.ep`
+                for axis in (a.name for a in AXES) if axis in self.comm_bytes]
         return out
 
     @property
@@ -274,8 +275,8 @@ def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
             memory = tracker.categories()
     mine = predicted_ranks(files)[world.pp_rank]
     return RankCheck(rank=rank, coords=dict(world.coords),
-                     comm_bytes={a: int(prog.runner.comm_bytes.get(a, 0))
-                                 for a in (*AXES, *(("ep",) if files.plan.parallel.ep > 1 else ()))},
+                     comm_bytes={a.name: int(prog.runner.comm_bytes.get(a.name, 0))
+                                 for a in AXES if a.in_use(files.plan.parallel)},
                      memory_bytes=memory, predicted_comm_bytes=mine["comm_bytes"],
                      predicted_memory_bytes=mine["memory_bytes"],
                      usable_bytes=float(Cluster.from_dict(files.plan.cluster).usable_memory_bytes),
@@ -290,9 +291,10 @@ def predicted_ranks(files: ProgramFiles) -> list[dict[str, dict[str, float]]]:
     if not isinstance(ranks, list) or len(ranks) != pp:
         raise PartcError(f"{where}: predicted.ranks must list {pp} pipeline ranks; compile again")
     out = []
+    axes = tuple(a.name for a in AXES if a.in_use(files.plan.parallel))
     for i, entry in enumerate(ranks):
         got = {}
-        for key, names in (("memory_bytes", (*CATEGORIES, "buffers", "total")), ("comm_bytes", AXES)):
+        for key, names in (("memory_bytes", (*CATEGORIES, "buffers", "total")), ("comm_bytes", axes)):
             value = entry.get(key) if isinstance(entry, dict) else None
             if not isinstance(value, dict) or not all(
                     isinstance(value.get(n), (int, float)) and not isinstance(value.get(n), bool)
@@ -300,8 +302,6 @@ def predicted_ranks(files: ProgramFiles) -> list[dict[str, dict[str, float]]]:
                 raise PartcError(f"{where}: predicted.ranks[{i}].{key} must give {', '.join(names)} as bytes "
                                  f"(numbers >= 0); compile again")
             got[key] = {n: float(value[n]) for n in names}
-            if key == "comm_bytes" and isinstance(value.get("ep"), (int, float)):  # the experts' all-to-alls
-                got[key]["ep"] = float(value["ep"])
         out.append(got)
     return out
 
@@ -313,7 +313,7 @@ def _fake_world(par: Parallel, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
-        set_tp_group(None)
+        set_groups({})
         dist.destroy_process_group()
 
 

@@ -5,8 +5,8 @@ later step asks for ``mesh["dp"]`` rather than computing rank arithmetic. The pl
 axis order and the rank arithmetic (`Parallel.coords`, `Parallel.rank_of`); this module checks the world size and
 builds the mesh.
 
-The stage files find the ``tp`` group through `partc.collectives.set_tp_group`, which `partc.runtime.load`
-calls with ``world.tp_group`` before any stage runs (on meta or for real).
+The stage files find their groups through `partc.collectives.set_groups`, which `partc.runtime.load` calls with
+``world.groups`` before any stage runs (on meta or for real).
 
 Checkpoints see a tensor-parallel shard further sharded by FSDP over dp as a DTensor on `World.tp_dp_mesh`: the
 same ranks as ``mesh["dp", "tp"]`` with the axes in the other order, so that two ``Shard(0)`` placements nest the
@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partc._torch import set_pg_timeout
 from partc.errors import PartcError
-from partc.parallel import MESH, Parallel
+from partc.parallel import AXES, MESH, SUB_AXES, MeshAxis, Parallel
 
 
 def check_world_size(par: Parallel, world_size: int) -> None:
@@ -49,19 +49,16 @@ class World:
     device: torch.device
     rank: int
     coords: dict[str, int]
-    """Mesh axis (`partc.parallel.MESH`) -> this rank's coordinate on it (`Parallel.coords`); also as
-    ``world.<axis>_rank``."""
+    """Axis (`partc.parallel.AXES`: every mesh axis, and a sub-axis where `MeshAxis.in_use`) -> this rank's
+    coordinate on it (`Parallel.coords`, `MeshAxis.coordinate`); also as ``world.<axis>_rank`` (0 on a sub-axis not
+    in use)."""
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
-    """Mesh axis -> this rank's process group on it; also as ``world.<axis>_group``."""
+    """Axis (as `coords`) -> this rank's process group on it; also as ``world.<axis>_group`` (None on a sub-axis
+    not in use: without expert parallelism, ``world.ep_group``)."""
     tp_dp_mesh: DeviceMesh | None = None
     """This pipeline rank's ``(tp, dp)`` mesh (the groups of ``mesh``, tp outer), for checkpoint DTensors."""
     zero_mesh: DeviceMesh | None = None
     """The mesh FSDP shards over (`zero_mesh`)."""
-    ep_rank: int = 0
-    """This rank's place in its ``ep`` group (``dp_rank % ep``): which E/ep experts it holds."""
-    ep_group: dist.ProcessGroup | None = None
-    """This rank's ``ep`` group: the ``ep`` neighbouring dp ranks its tokens' experts are divided among (None
-    without expert parallelism)."""
     expert_dp_group: dist.ProcessGroup | None = None
     """The ``dp / ep`` ranks holding the same experts as this one: their gradients are reduced over it."""
     expert_mesh: DeviceMesh | None = None
@@ -83,11 +80,11 @@ def rank_record(rank: int, coords: dict[str, int]) -> dict[str, int]:
 
 def _axis_property(axis: str, what: str) -> property:
     if what == "rank":
-        return property(lambda self: self.coords[axis], doc=f"This rank's coordinate on the ``{axis}`` axis.")
-    return property(lambda self: self.groups[axis], doc=f"This rank's ``{axis}`` process group.")
+        return property(lambda self: self.coords.get(axis, 0), doc=f"This rank's coordinate on the ``{axis}`` axis.")
+    return property(lambda self: self.groups.get(axis), doc=f"This rank's ``{axis}`` process group.")
 
 
-for _axis in MESH:  # world.pp_rank, world.dp_group, ...: one of each per mesh axis
+for _axis in AXES:  # world.pp_rank, world.dp_group, world.ep_rank, ...: one of each per axis
     setattr(World, _axis.rank_key, _axis_property(_axis.name, "rank"))
     setattr(World, f"{_axis.name}_group", _axis_property(_axis.name, "group"))
 
@@ -127,34 +124,38 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
             set_pg_timeout(timedelta(seconds=timeout_s), group)
     world = World(par=par, mesh=mesh, device=device, rank=rank, coords=coords, groups=groups)
     world.zero_mesh = zero_mesh(world, par)
-    if par.ep > 1:
-        world.ep_rank = world.dp_rank % par.ep
-        world.ep_group, world.expert_dp_group, members = expert_groups(world, par)
-        world.expert_mesh = DeviceMesh.from_group(world.expert_dp_group, device.type, mesh=torch.tensor(members),
-                                                  mesh_dim_names=("expert_dp",))
+    for axis in SUB_AXES:  # ep: the dp groups split into blocks of ep neighbours
+        if axis.in_use(par):
+            world.coords[axis.name] = axis.coordinate(world.coords, par)
+            world.groups[axis.name], world.expert_dp_group, members = sub_axis_groups(world, axis)
+            world.expert_mesh = DeviceMesh.from_group(world.expert_dp_group, device.type, mesh=torch.tensor(members),
+                                                      mesh_dim_names=("expert_dp",))
     world.tp_dp_mesh = tp_dp_mesh(world)
     return world
 
 
-def expert_groups(world: World, par: Parallel) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[int]]:
-    """(this rank's ``ep`` group, its expert data-parallel group, that group's ranks): the dp ranks of each (pp, tp)
-    coordinate in blocks of ``ep`` neighbours (torchtitan's ``dp_shard_in_ep``), and those holding the same
-    experts, every ``ep``-th (``dp_shard_mod_ep``). Every rank creates every group, in the same order (``new_group`` is
-    collective)."""
-    ep_group = expert_dp = None
+def sub_axis_groups(world: World, axis: MeshAxis) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[int]]:
+    """(this rank's group of the sub-axis `axis`, its group across that sub-axis, the latter's ranks): the ranks of
+    each group of ``axis.within`` in blocks of ``degree`` neighbours (``ep``: the experts divided among them,
+    torchtitan's ``dp_shard_in_ep``), and those at the same coordinate of the sub-axis, every ``degree``-th (``ep``:
+    the ranks holding the same experts, ``dp_shard_mod_ep``). Every rank creates every group, in the same order
+    (``new_group`` is collective)."""
+    par, within, n = world.par, axis.within, axis.degree(world.par)
+    size = getattr(par, within)
+    mine = across = None
     members: list[int] = []
-    others = [axis.name for axis in MESH if axis.name != "dp"]
-    for point in itertools.product(*(range(getattr(par, axis)) for axis in others)):
-        ranks = [par.rank_of(dp=d, **dict(zip(others, point))) for d in range(par.dp)]
-        for block in (ranks[i:i + par.ep] for i in range(0, par.dp, par.ep)):
+    others = [a.name for a in MESH if a.name != within]
+    for point in itertools.product(*(range(getattr(par, a)) for a in others)):
+        ranks = [par.rank_of(**{within: d}, **dict(zip(others, point))) for d in range(size)]
+        for block in (ranks[i:i + n] for i in range(0, size, n)):
             group = dist.new_group(block)
-            ep_group = group if world.rank in block else ep_group
-        for e in range(par.ep):
-            same = ranks[e::par.ep]
+            mine = group if world.rank in block else mine
+        for e in range(n):
+            same = ranks[e::n]
             group = dist.new_group(same)
             if world.rank in same:
-                expert_dp, members = group, same
-    return ep_group, expert_dp, members
+                across, members = group, same
+    return mine, across, members
 
 
 def tp_dp_mesh(world: World) -> DeviceMesh:

@@ -14,7 +14,7 @@ root is its only unit).
 calls the unit's `UnitModule`, which looks its tensors up again (FSDP swaps sharded and unsharded parameters in the
 modules around each unit's call) and calls ``fn(p, *args, device=...)``, under ``torch.utils.checkpoint`` when the
 plan recomputes that unit. With tensor parallelism the parameters are this tp rank's shards (at their local shapes,
-under the model's names) and the stage code's collectives use the group `partc.collectives.set_tp_group` set.
+under the model's names) and the stage code's collectives use the groups `partc.collectives.set_groups` set.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def check_collectives(group: dist.ProcessGroup) -> None:
     from partc import collectives as C
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    C.set_tp_group(group)
+    C.set_groups({"tp": group})
     try:
         xs = [torch.arange(12.0).reshape(3, 4) * (r + 1) for r in range(world)]  # every rank's input
         gs = [torch.full((3, 4), float(r + 1)) for r in range(world)]  # every rank's output gradient
@@ -252,7 +252,7 @@ def check_collectives(group: dist.ProcessGroup) -> None:
         assert C.gather_from_tp(m, 0).shape == (3 * world, 4) and C.reduce_from_tp(m).shape == (3, 4)
         assert C.reduce_scatter_to_tp(m, 1).shape == (3, 4 // world)
     finally:
-        C.set_tp_group(None)
+        C.set_groups({})
 
 
 def main(argv: list[str]) -> int:

@@ -188,3 +188,27 @@ def test_gpt3_175b_on_512_gpus_fits_80gb(tmp_path):
     assert par["tp"] * par["pp"] > 1 or par["zero"] == 3
     assert len(plan["alternatives"]) == 5
     assert all(a["step_time_s"] >= pred["step_time_s"] for a in plan["alternatives"])
+
+
+def test_the_search_s_sequence_parallel_program_is_the_one_written(tmp_path, monkeypatch):
+    """When the search takes sequence parallelism (forced here at tp 2) and its program keeps the split everywhere
+    (its gathers cleared here), the program generated to find out is the one written: the model is rewritten once."""
+    import partc.compile as compile_module
+    import partc.passes.search as search_module
+    made, real = [], compile_module.make_program
+
+    def counted(*args, **kwargs):
+        program = real(*args, **kwargs)
+        program.sequence_gathers = []  # as if the program kept the split along the sequence everywhere
+        made.append(program)
+        return program
+
+    monkeypatch.setattr(compile_module, "make_program", counted)
+    monkeypatch.setattr(search_module, "sequence_parallel_choices",
+                        lambda graph, tp, pins: (pins.sequence_parallel,) if pins.sequence_parallel is not None
+                        else (tp > 1,))
+    out = tmp_path / "gpt"
+    result = compile_model(str(EXAMPLES / "gpt.py"), gpus=2, pins=Pins(tp=2, precision="fp32"),
+                           global_batch_size=2, out_dir=out)
+    assert result.plan.parallel.sequence_parallel and len(made) == 1
+    assert (out / "program" / "stage_0.py").read_text() == made[0].files["stage_0.py"]

@@ -218,7 +218,7 @@ def test_stage_shapes_on_shards(tmp_path):
     prog = read_program(out)
     spec = load_model_file(prog.model_path)
     m, _ = build_model(spec)
-    collectives.set_tp_group(None)
+    collectives.set_groups({})
     with pytest.raises(RuntimeError):  # whole weights do not fit the program's local shapes
         stage_shapes(prog, m, spec)
     layout = TPLayout.from_manifest(prog.tp, 0, canonical_names(m))
@@ -366,7 +366,7 @@ def test_partc_run(gpt_pp2):
 
 def test_collectives_are_identity_on_one_rank():
     x = torch.randn(2, 4, requires_grad=True)
-    collectives.set_tp_group(None)
+    collectives.set_groups({})
     for fn in (collectives.copy_to_tp, collectives.reduce_from_tp):
         assert fn(x) is x
     for fn in (collectives.gather_from_tp, collectives.scatter_to_tp, collectives.reduce_scatter_to_tp):

@@ -60,7 +60,7 @@ def _worker(rank, world, port, cases, result_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        collectives.set_tp_group(dist.group.WORLD)
+        collectives.set_groups({"tp": dist.group.WORLD})
         results = {name: _run_case(rank, world, path, out) for name, (path, out) in cases.items()}
         if rank == 0:
             Path(result_file).write_text(json.dumps(results))
@@ -529,8 +529,9 @@ def test_search_keeps_sequence_parallelism_only_where_the_program_does(tmp_path,
     found = []
 
     def spy(*args, **kwargs):
-        found.append(real(*args, **kwargs))
-        return found[-1]
+        out = real(*args, **kwargs)
+        found.append(out[0])
+        return out
 
     real = compile_module.sequence_fallbacks
     monkeypatch.setattr(compile_module, "sequence_fallbacks", spy)
@@ -548,7 +549,7 @@ def test_search_keeps_sequence_parallelism_only_where_the_program_does(tmp_path,
     pinned = Pins(tp=2, pp=1, dp=1, zero=0, micro_batch_size=1, precision="fp32", sequence_parallel=True)
     first = compile_model(path, gpus=2, pins=pinned, global_batch_size=2)
     first.plan.tp = {f: megatron_style(f, vocab=True) or "replicate" for f in first.plan.tp}
-    assert real(first.spec, first.spec.build(), first.traced, first.plan, path=path, entry="model") == []
+    assert real(first.spec, first.spec.build(), first.traced, first.plan, path=path, entry="model")[0] == []
 
 
 def test_vision_transformer_tokens_come_from_the_trace(tmp_path):
