@@ -360,7 +360,8 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
     vocab = traced.graph.vocab_loss if plan.tp_loss == vocab_loss.VOCAB_PARALLEL else None
     with expected_sizes(ep.graph_module.meta) or contextlib.nullcontext():  # the TP rewrite runs ops on meta
         return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers,
-                        vocab_loss=vocab, context=split, seq_len=traced.graph.seq_len)
+                        vocab_loss=vocab, context=split,
+                        seq_len=traced.graph.seq_len // cp if traced.graph.seq_len else None)
 
 
 def context_graph(spec: ModelSpec, model: torch.nn.Module, traced: Traced, cp: int, *, path: str,
