@@ -174,7 +174,8 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
             try:  # the search chose context parallelism: the model must be proven for it (else plan without)
                 context_graph(spec, model, traced, result.best.parallel.cp, path=path, precision=precision)
             except PartcError as e:
-                result = search(graph, clus, gpus, global_batch_size=gbs, pins=dataclasses.replace(pins, cp=1))
+                pins = dataclasses.replace(pins, cp=1)  # and without it below, if sequence parallelism is dropped
+                result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
                 cp_refused = str(e)
         if result.best is None:
             raise PartcError(_no_fit_message(clus, result))

@@ -122,6 +122,42 @@ def test_search_tries_cp_for_long_causal_sequences():
     assert cp_degrees(graph, 8, Pins()) == [1]
 
 
+def test_sequence_parallel_under_cp_splits_each_ranks_tokens(tmp_path):
+    """cp 2 x tp 2 with sequence parallelism (tiny LLaMA, 64 tokens): between the tp regions each tp rank holds 1/2
+    of its cp rank's 32 tokens; `partc check` measures every axis's bytes as the plan predicts them."""
+    pins = dict(cp=2, tp=2, dp=1, pp=1, micro_batch_size=1, precision="fp32", recompute="none", zero=0)
+    styles = lambda f, s: megatron_style(f, vocab=True) or "replicate"  # noqa: E731 - the tiny model's solve
+    plan = compile_program("llama", tmp_path / "out", global_batch_size=2, tp_styles=styles, **pins,  # replicates
+                           sequence_parallel=True, sp_regather=False).plan.to_dict()
+    assert plan["parallel"]["sequence_parallel"] and "sequence_parallel_gathers" not in plan["model"]
+    stage = (tmp_path / "out" / "program" / "stage_0.py").read_text()
+    assert stage.count("tp.cp_attention(") == 4 and "tp.gather_from_sp(" in stage and \
+        "tp.reduce_scatter_to_sp(" in stage
+    (rank,) = check_program(str(tmp_path / "out"), slack_bytes=0)
+    for axis in ("tp", "cp", "dp"):
+        assert rank.comm_bytes[axis] == rank.predicted_comm_bytes[axis] > 0, axis
+
+
+def test_sequence_parallel_needs_each_cp_ranks_tokens_to_divide_over_tp():
+    """The search weighs sequence parallelism under cp where a rank's s/cp tokens divide over tp; a pin that
+    cannot be is refused in one line (cp pinned) or skips that cp (cp searched)."""
+    import dataclasses
+
+    from helpers import trace_file
+    from partc.passes.search import sequence_parallel_choices
+
+    _, traced = trace_file(EXAMPLES / "llama.py")
+    graph = traced.graph  # 64 tokens
+    assert sequence_parallel_choices(graph, 2, Pins(), cp=2) == (False, True)
+    assert sequence_parallel_choices(graph, 2, Pins(sequence_parallel=True, cp=2), cp=2) == (True,)
+    odd = dataclasses.replace(graph, seq_len=36)  # 18 tokens a cp rank at cp 2
+    assert sequence_parallel_choices(odd, 4, Pins(), cp=2) == (False,)
+    assert sequence_parallel_choices(odd, 4, Pins(sequence_parallel=True), cp=2) == ()
+    with pytest.raises(PartcError, match="do not divide over tp=4") as err:
+        sequence_parallel_choices(odd, 4, Pins(sequence_parallel=True, cp=2), cp=2)
+    assert "\n" not in str(err.value)
+
+
 # name: (model, cp, tp, pp, dp, zero, global batch)
 CONFIGS = {
     "gpt_cp2_tp2_pp2": ("gpt", 2, 2, 2, 1, 1, 4),
