@@ -175,7 +175,8 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
             try:  # the search chose context parallelism: the model must be proven for it (else plan without)
                 context_graph(spec, model, traced, result.best.parallel.cp, path=path, precision=precision)
             except PartcError as e:
-                result = search(graph, clus, gpus, global_batch_size=gbs, pins=dataclasses.replace(pins, cp=1))
+                pins = dataclasses.replace(pins, cp=1)  # and without it below, if sequence parallelism is dropped
+                result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
                 cp_refused = str(e)
         if result.best is None:
             raise PartcError(_no_fit_message(clus, result))
@@ -365,7 +366,8 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
     vocab = traced.graph.vocab_loss if plan.tp_loss == vocab_loss.VOCAB_PARALLEL else None
     with expected_sizes(ep.graph_module.meta) or contextlib.nullcontext():  # the TP rewrite runs ops on meta
         return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers,
-                        vocab_loss=vocab, context=split, seq_len=traced.graph.seq_len)
+                        vocab_loss=vocab, context=split,
+                        seq_len=traced.graph.seq_len // cp if traced.graph.seq_len else None)
 
 
 def context_graph(spec: ModelSpec, model: torch.nn.Module, traced: Traced, cp: int, *, path: str,

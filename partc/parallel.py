@@ -228,8 +228,6 @@ class Parallel:
         if self.dp % self.ep:
             raise PartcError(f"ep {self.ep} does not divide dp {self.dp} (the expert-parallel ranks are carved from "
                              f"the data-parallel ones)")
-        if self.sequence_parallel and self.cp > 1:
-            raise PartcError("sequence parallelism with cp > 1 is not supported yet (pin one of them)")
         if self.ep > 1 and self.cp > 1:
             raise PartcError("ep and cp together are not supported yet: the experts' gradients would also have to be "
                              "reduced over the context-parallel ranks")

@@ -119,7 +119,8 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     feeding colwise layers and the rowwise layers' biases), the backward all-gather of a colwise embedding's output
     (gathered over its features, then each rank's part of the sequence kept), and the backward all-gather of a
     replicated embedding's
-    output added to the sequence-split stream (learned positions: [s, h], the same for every micro-batch size).
+    output added to the sequence-split stream (learned positions: [s, h], the same for every micro-batch size;
+    [s/cp, h] on a context-parallel rank).
     A mixture of experts split inside (``inner``) is Megatron-Core's under sequence parallelism: its router runs on
     each rank's part of the sequence (its weight's gradient all-reduced backward), the tokens, the routing weights
     and the chosen experts are all-gathered before the experts (the routing weights' gradient reduce-scattered
@@ -165,8 +166,8 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     if any(style_of(tp, f) in ("rowwise", "colwise") and graph.layers[f].kind == "embedding" for f in graph.layers):
         for f in unit.layers:
             layer = graph.layers[f]
-            if layer.kind == "embedding" and style_of(tp, f) == "replicate":
-                out.append(("all_gather", "bwd", float(layer.out_bytes)))
+            if layer.kind == "embedding" and style_of(tp, f) == "replicate":  # a cp rank's s/cp positions of it
+                out.append(("all_gather", "bwd", float(layer.out_bytes) / par.cp))
     return out
 
 

@@ -93,8 +93,8 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
     imbalance = pins.expert_imbalance or 1.0  # an assumption stated, not searched
     experts = _expert_counts(graph)
     for dp, tp, pp, cp in _degrees(cluster, gpus, global_batch, pins, n_units, cp_degrees(graph, gpus, pins)):
-        sp_choices = sequence_parallel_choices(graph, tp, pins) if cp == 1 else (False,)
-        if not sp_choices or (cp > 1 and pins.sequence_parallel):
+        sp_choices = sequence_parallel_choices(graph, tp, pins, cp)
+        if not sp_choices:
             continue
         per_replica = global_batch // dp
         for ep in (_ep_degrees(pins, dp, experts) if cp == 1 else [1]):  # ep is carved from dp alone
@@ -110,14 +110,23 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
                                 yield values
 
 
-def sequence_parallel_choices(graph: ModelGraph, tp: int, pins: Pins) -> tuple[bool, ...]:
-    """The values of ``sequence_parallel`` the search weighs at TP degree `tp`: the pin, where given (True needs tp
-    >= 2); else both under tp > 1 when the model has a sequence that divides over tp (the program splits the
-    activations along it), and off otherwise. Neither dominates: sequence parallelism moves the same bytes in two
-    collectives (two latencies) and all-reduces the norms' gradients, for activations 1/t between the layers."""
+def sequence_parallel_choices(graph: ModelGraph, tp: int, pins: Pins, cp: int = 1) -> tuple[bool, ...]:
+    """The values of ``sequence_parallel`` the search weighs at TP degree `tp` and context-parallel degree `cp`:
+    the pin, where given (True needs tp >= 2); else both under tp > 1 when the model has a sequence whose s/cp tokens
+    a rank holds divide over tp (the program splits them along it), and off otherwise. Neither dominates: sequence
+    parallelism moves the same bytes in two collectives (two latencies) and all-reduces the norms' gradients, for
+    activations 1/t between the layers. Under cp a pinned ``--sequence-parallel`` whose s/cp tokens do not divide
+    over tp is refused in one line where cp is pinned too, and skips that cp where the search chooses it."""
+    local = graph.seq_len // cp if graph.seq_len and graph.seq_len % cp == 0 else 0
     if pins.sequence_parallel is not None:
+        if pins.sequence_parallel and tp > 1 and cp > 1 and local % tp:
+            if pins.cp is not None:
+                raise PartcError(f"sequence parallelism: a cp rank's {graph.seq_len}/{cp} = {graph.seq_len / cp:g} "
+                                 f"tokens do not divide over tp={tp}; compile with --no-sequence-parallel, another "
+                                 f"--cp or another --tp")
+            return ()
         return (pins.sequence_parallel,) if tp > 1 or not pins.sequence_parallel else ()
-    if tp > 1 and graph.seq_len > 1 and graph.seq_len % tp == 0:
+    if tp > 1 and local > 1 and local % tp == 0:
         return (False, True)
     return (False,)
 

@@ -1,16 +1,19 @@
 """Context parallelism (docs/context-parallel.md): the load balance, the proof in the graph and its refusals, the
 plan's cp traffic, and training under torchrun on CPU (gloo) compared with one process.
 
-The multi-process test runs every program in one launch of 8 ranks: the bundled GPT and LLaMA at cp 2 x tp 2 x
-pp 2, cp 2 x dp 2 x tp 2 with ZeRO-3 and cp 4 x dp 2; Hugging Face's LLaMA (its causal mask proven,
-`partc.passes.causal_mask`) at cp 2 x tp 2 x pp 2, cp 2 x dp 2 x tp 2 and cp 4 x dp 2 with ZeRO-3. Each job trains
-with SGD in fp32 from a saved state dict; its losses and gathered state dict must equal `reference_run` within
-1e-5 (relative), and every rank's collective payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis
-by axis (``cp`` and ``dp`` over dp x cp included).
+The multi-process test runs every program in one launch of 8 ranks: the bundled GPT at cp 2 x tp 2 x pp 2 and
+cp 4 x dp 2, the bundled LLaMA at cp 2 x tp 2 x pp 2; Hugging Face's LLaMA (its causal mask proven,
+`partc.passes.causal_mask`) at cp 2 x tp 2 x pp 2 and cp 4 x dp 2 with ZeRO-3; with sequence parallelism, the
+bundled GPT at cp 2 x dp 2 x tp 2 (ZeRO-1) and cp 2 x tp 2 x pp 2, the bundled LLaMA at cp 2 x tp 2 x pp 2 and
+cp 2 x dp 2 x tp 2 with ZeRO-3 and `sp_regather`, Hugging Face's LLaMA at cp 2 x dp 2 x tp 2 with ZeRO-3. Each
+job trains with SGD in fp32 from a saved state dict; its losses and gathered state dict must equal
+`reference_run` within 1e-5 (relative), and every rank's collective payload must equal the plan's
+``predicted.ranks[].comm_bytes`` axis by axis (``cp`` and ``dp`` over dp x cp included).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -119,16 +122,60 @@ def test_search_tries_cp_for_long_causal_sequences():
     assert cp_degrees(graph, 8, Pins()) == [1]
 
 
+def test_sequence_parallel_under_cp_splits_each_ranks_tokens(tmp_path):
+    """cp 2 x tp 2 with sequence parallelism (tiny LLaMA, 64 tokens): between the tp regions each tp rank holds 1/2
+    of its cp rank's 32 tokens; `partc check` measures every axis's bytes as the plan predicts them."""
+    pins = dict(cp=2, tp=2, dp=1, pp=1, micro_batch_size=1, precision="fp32", recompute="none", zero=0)
+    styles = lambda f, s: megatron_style(f, vocab=True) or "replicate"  # noqa: E731 - the tiny model's solve
+    plan = compile_program("llama", tmp_path / "out", global_batch_size=2, tp_styles=styles, **pins,  # replicates
+                           sequence_parallel=True, sp_regather=False).plan.to_dict()
+    assert plan["parallel"]["sequence_parallel"] and "sequence_parallel_gathers" not in plan["model"]
+    stage = (tmp_path / "out" / "program" / "stage_0.py").read_text()
+    assert stage.count("tp.cp_attention(") == 4 and "tp.gather_from_sp(" in stage and \
+        "tp.reduce_scatter_to_sp(" in stage
+    (rank,) = check_program(str(tmp_path / "out"), slack_bytes=0)
+    for axis in ("tp", "cp", "dp"):
+        assert rank.comm_bytes[axis] == rank.predicted_comm_bytes[axis] > 0, axis
+
+
+def test_sequence_parallel_needs_each_cp_ranks_tokens_to_divide_over_tp():
+    """The search weighs sequence parallelism under cp where a rank's s/cp tokens divide over tp; a pin that
+    cannot be is refused in one line (cp pinned) or skips that cp (cp searched)."""
+    import dataclasses
+
+    from helpers import trace_file
+    from partc.passes.search import sequence_parallel_choices
+
+    _, traced = trace_file(EXAMPLES / "llama.py")
+    graph = traced.graph  # 64 tokens
+    assert sequence_parallel_choices(graph, 2, Pins(), cp=2) == (False, True)
+    assert sequence_parallel_choices(graph, 2, Pins(sequence_parallel=True, cp=2), cp=2) == (True,)
+    odd = dataclasses.replace(graph, seq_len=36)  # 18 tokens a cp rank at cp 2
+    assert sequence_parallel_choices(odd, 4, Pins(), cp=2) == (False,)
+    assert sequence_parallel_choices(odd, 4, Pins(sequence_parallel=True), cp=2) == ()
+    with pytest.raises(PartcError, match="do not divide over tp=4") as err:
+        sequence_parallel_choices(odd, 4, Pins(sequence_parallel=True, cp=2), cp=2)
+    assert "\n" not in str(err.value)
+
+
 # name: (model, cp, tp, pp, dp, zero, global batch)
 CONFIGS = {
     "gpt_cp2_tp2_pp2": ("gpt", 2, 2, 2, 1, 1, 4),
     "llama_cp2_tp2_pp2": ("llama", 2, 2, 2, 1, 1, 4),
-    "llama_cp2_dp2_tp2_z3": ("llama", 2, 2, 1, 2, 3, 4),
+    "llama_cp2_dp2_tp2_z3_sp": ("llama", 2, 2, 1, 2, 3, 4),
     "gpt_cp4_dp2_z0": ("gpt", 4, 1, 1, 2, 0, 4),
     "hf_llama_cp2_tp2_pp2": ("hf_llama", 2, 2, 2, 1, 1, 4),
-    "hf_llama_cp2_dp2_tp2_z3": ("hf_llama", 2, 2, 1, 2, 3, 4),
+    "hf_llama_cp2_dp2_tp2_z3_sp": ("hf_llama", 2, 2, 1, 2, 3, 4),
     "hf_llama_cp4_dp2_z3": ("hf_llama", 4, 1, 1, 2, 3, 4),
+    # with sequence parallelism: each tp rank holds 1/t of its cp rank's s/cp tokens between the tp regions
+    "gpt_cp2_dp2_tp2_z1_sp": ("gpt", 2, 2, 1, 2, 1, 4),
+    "gpt_cp2_tp2_pp2_sp": ("gpt", 2, 2, 2, 1, 1, 4),
+    "llama_cp2_tp2_pp2_sp": ("llama", 2, 2, 2, 1, 1, 4),
 }
+SP = {name for name in CONFIGS if name.endswith("_sp")}
+"""Configurations pinned to sequence parallelism (the others pinned without it)."""
+REGATHER = {"llama_cp2_dp2_tp2_z3_sp"}
+"""Of those, pinned to `sp_regather` (the colwise layers' inputs gathered again in backward)."""
 STEPS = 2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
 HF_SEQ_LEN = 32
@@ -223,7 +270,9 @@ def runs(tmp_path_factory):
         styles = (lambda f, s: megatron_style(f, vocab=True) or "replicate") if tp > 1 else None
         compile_program(_path(model, tmp), tmp / name, global_batch_size=gbs, seq_len=_seq_len(model),
                         tp_styles=styles, cp=cp, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=1,
-                        schedule="1f1b", recompute="none", precision="fp32")
+                        schedule="1f1b", recompute="none", precision="fp32",
+                        sequence_parallel=name in SP if tp > 1 else None,
+                        sp_regather=(name in REGATHER) if name in SP else None)
         # HF LLaMA starts from --init-checkpoint (each rank slices its shards from the file), as in
         # test_runtime_tp; the rest from Program.load_state_dict
         jobs.append({"out": str(tmp / name), "steps": STEPS, "result": str(tmp / f"{name}.pt"), **SGD,
@@ -244,3 +293,7 @@ def test_trains_like_one_process(runs, name):
     assert_close_states(got["state"], state)
     assert_comm_matches_plan(tmp / name, got["comm"])
     assert all(rank.get("cp", 0) > 0 for step in got["comm"] for rank in step)
+    if name in SP:
+        plan = json.loads((tmp / name / "plan.json").read_text())
+        assert plan["parallel"]["sequence_parallel"] and "sequence_parallel_gathers" not in plan["model"]
+        assert got["replica_diff"] == 0.0  # the norms, applied to each rank's part, stay identical over tp

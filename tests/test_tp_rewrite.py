@@ -536,7 +536,7 @@ def test_search_keeps_sequence_parallelism_only_where_the_program_does(tmp_path,
     real = compile_module.sequence_fallbacks
     monkeypatch.setattr(compile_module, "sequence_fallbacks", spy)
     monkeypatch.setattr(search_module, "sequence_parallel_choices",
-                        lambda graph, tp, pins: (pins.sequence_parallel,) if pins.sequence_parallel is not None
+                        lambda graph, tp, pins, cp=1: (pins.sequence_parallel,) if pins.sequence_parallel is not None
                         else (tp > 1,))
     path, out = str(EXAMPLES / "gpt.py"), tmp_path / "gpt"
     result = compile_model(path, gpus=2, pins=Pins(tp=2, precision="fp32"), global_batch_size=2, out_dir=out)
