@@ -157,8 +157,14 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> flo
     split = is_split(par, tp, unit)
     if mode == "full":  # the block's input: under sequence parallelism, this rank's part of the sequence
         return float(unit.input_bytes * tokens(par)) / (par.tp if split and par.sequence_parallel else 1)
-    rep = unit.saved_bytes_replicated if split else 0
-    sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
+    saved, replicated = unit.saved_bytes, unit.saved_bytes_replicated
+    if par.fuse_pointwise:  # fused kernels' memory: the regions at their inputs, keys and values unrepeated
+        saved, replicated = saved - unit.fused_saved_bytes, replicated - unit.fused_saved_bytes_replicated
+        if par.cp == 1:  # under cp the attention is context parallelism's, which repeats them as before
+            saved -= unit.fused_gqa_saved_bytes
+            replicated -= unit.fused_gqa_saved_bytes_replicated
+    rep = replicated if split else 0
+    sharded = saved - rep - (unit.saved_bytes_core if mode == "selective" else 0)
     if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
         # and, gathered again in backward (`sp_regather`), the colwise Linears' inputs
         kept = 0 if par.sp_regather else unit.saved_bytes_replicated_linear
