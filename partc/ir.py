@@ -141,6 +141,9 @@ class Unit:
     """What `Parallel.fuse_pointwise` saves beyond `fused_saved_bytes` where attention reads its keys and values
     unrepeated (``enable_gqa``): the repeated ones less the unrepeated ones."""
     fused_gqa_saved_bytes_replicated: int = 0
+    fused_input_bytes: int = 0
+    """The part of what the pointwise regions keep that enters the unit from before it (a block's first RMSNorm
+    keeps the residual stream it receives): at a pipeline stage's first unit, the received input itself."""
     fused_replay_bytes: int = 0
     """Bytes the pointwise regions' ops read and write in forward: what their replay in backward moves again."""
     fused_replay_bytes_replicated: int = 0

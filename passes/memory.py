@@ -205,7 +205,8 @@ def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, in
                 ) -> list[float]:
     """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`). Under sequence
     parallelism a block recomputed in full keeps its input, this rank's part of the sequence, which is the
-    received boundary itself (nothing gathers it): counted once."""
+    received boundary itself (nothing gathers it): counted once. So is the input a pointwise region of the
+    chunk's first unit keeps (`fuse_pointwise`: a block's first RMSNorm keeps the residual stream it receives)."""
     b, t = tokens(par), par.tp
 
     def received(lo: int) -> float:
@@ -214,6 +215,9 @@ def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, in
         if (lo > 0 and unit is not None and par.sequence_parallel and recompute_mode(unit, par) == "full"
                 and math.isclose(acts[lo], unit.input_bytes * tokens(par) / t)):  # the split block's input
             return got - min(got, acts[lo])
+        if (lo > 0 and unit is not None and par.fuse_pointwise and (par.sequence_parallel or t == 1)
+                and recompute_mode(unit, par) != "full"):  # a pointwise region keeps the received input as it
+            return got - min(got, unit.fused_input_bytes * b / t)  # came (under plain TP it keeps it gathered)
         return got
 
     return [sum(acts[lo:hi]) + received(lo) + graph.boundary_bytes(hi - 1, b, par.cp) / t for lo, hi in chunks]

@@ -251,8 +251,12 @@ def _fused_savings(a: Assignment, stats: dict[torch.fx.Node, NodeStats], fusions
         total, rep = both.get(u, (0, 0))
         unit.fused_gqa_saved_bytes = total - unit.fused_saved_bytes
         unit.fused_gqa_saved_bytes_replicated = rep - unit.fused_saved_bytes_replicated
-    for unit, r in fusions.regions:  # the replay: the region's forward traffic again, in backward
-        for n in r.nodes:
+    for unit, r in fusions.regions:
+        for x in r.inputs:  # a region keeping what enters its unit: a pipeline stage's received input, perhaps
+            st = stats.get(x)
+            if unit in units and a.node_unit.get(x) != unit and x.op != "placeholder" and st and st.out_key:
+                units[unit].fused_input_bytes += st.out_key[1]
+        for n in r.nodes:  # the replay: the region's forward traffic again, in backward
             st = stats.get(n)
             if st is not None and unit in units:
                 units[unit].fused_replay_bytes += st.memory_bytes
