@@ -144,6 +144,10 @@ class Unit:
     fused_input_bytes: int = 0
     """The part of what the pointwise regions keep that enters the unit from before it (a block's first RMSNorm
     keeps the residual stream it receives): at a pipeline stage's first unit, the received input itself."""
+    fused_replay_peak_bytes: int = 0
+    """The most a pointwise region's replay holds in its backward (what its ops save, and its output), of the
+    regions on values TP splits (SwiGLU's); `fused_replay_peak_bytes_replicated` of the others (the norms')."""
+    fused_replay_peak_bytes_replicated: int = 0
     fused_replay_bytes: int = 0
     """Bytes the pointwise regions' ops read and write in forward: what their replay in backward moves again."""
     fused_replay_bytes_replicated: int = 0

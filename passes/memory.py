@@ -308,7 +308,9 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
     that feed that input, which the ops between them make from it (SwiGLU's gate and up, 2·b·s·I, while down's
     saved input is freed). The gradients that follow are no larger than the saved tensors freed before them. Under
     tp a rowwise layer's input and a colwise layer's output are 1/t; an embedding's input (token ids) has no
-    gradient. Under `sp_regather` a colwise Linear's backward also holds its input, all-gathered again. Checked against one block's backward on the CPU (tests/test_activations.py)."""
+    gradient. Under `sp_regather` a colwise Linear's backward also holds its input, all-gathered again. Under
+    `fuse_pointwise` a pointwise region's backward runs it again beside those gradients: the largest region's
+    replayed values too. Checked against one block's backward on the CPU (tests/test_activations.py)."""
     b, t = tokens(par), par.tp
     fed: dict[str, float] = {}  # layer -> gradients of the layers of its unit that feed its input
     for e in graph.edges:
@@ -331,6 +333,10 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
                 elif par.sp_regather and style_of(tp, fqn) == "colwise":
                     nbytes *= 2  # its input all-gathered again, beside that input's gradient
             largest = max(largest, nbytes * b, fed.get(fqn, 0.0) * b)
+        if par.fuse_pointwise:  # a region replayed beside those gradients (recomputed or not)
+            split = is_split(par, tp, unit)
+            largest += b * max(unit.fused_replay_peak_bytes_replicated / (t if split and par.sequence_parallel else 1),
+                               unit.fused_replay_peak_bytes / (t if split else 1))
         out.append(grad + (grad / t if t > 1 else 0.0) + largest)
     return out
 

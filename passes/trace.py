@@ -256,6 +256,15 @@ def _fused_savings(a: Assignment, stats: dict[torch.fx.Node, NodeStats], fusions
             st = stats.get(x)
             if unit in units and a.node_unit.get(x) != unit and x.op != "placeholder" and st and st.out_key:
                 units[unit].fused_input_bytes += st.out_key[1]
+        if unit in units:  # the replay's own values, held in the region's backward: what its ops save, its output
+            given = {stats[x].out_key[0] for x in r.inputs if x in stats and stats[x].out_key}
+            keys = {k: b for n in r.nodes if n in stats for k, b in stats[n].all_saved if k not in given}
+            peak = sum(keys.values()) + val_bytes(r.output)
+            if whole(r.output):
+                units[unit].fused_replay_peak_bytes_replicated = max(units[unit].fused_replay_peak_bytes_replicated,
+                                                                     peak)
+            else:
+                units[unit].fused_replay_peak_bytes = max(units[unit].fused_replay_peak_bytes, peak)
         for n in r.nodes:  # the replay: the region's forward traffic again, in backward
             st = stats.get(n)
             if st is not None and unit in units:
@@ -476,6 +485,8 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: in
     sizes = expected_sizes(ep.graph_module.meta)  # value-sized ops at their expected sizes (`partc.value_sized`)
     a = assign(ep, model)
     fusions = find_fusions(ep, a)
+    if not fused_attention:  # the math kernel repeats the keys and values inside, under enable_gqa too: no saving
+        fusions.gqa = []
     with sizes or contextlib.nullcontext():
         with norms_on_any_batch():  # one sample: a BatchNorm may see one value per channel
             stats = measure(ep, args, kwargs, seq_len, fused_attention=fused_attention, watch=fusions.watched())
