@@ -132,6 +132,26 @@ class Unit:
     op_saved_bytes_replicated: int = 0
     """The part of `op_saved_bytes` that TP does not divide: the share of those ops' memory-bound work each GPU
     does whole."""
+    fused_saved_bytes: int = 0
+    """What `Parallel.fuse_pointwise` saves of `saved_bytes` (`partc.passes.fuse`): the tensors only the pointwise
+    regions' ops save, less the regions' inputs that nothing else keeps."""
+    fused_saved_bytes_replicated: int = 0
+    """The part of `fused_saved_bytes` in `saved_bytes_replicated` (the norms' saves and inputs)."""
+    fused_gqa_saved_bytes: int = 0
+    """What `Parallel.fuse_pointwise` saves beyond `fused_saved_bytes` where attention reads its keys and values
+    unrepeated (``enable_gqa``): the repeated ones less the unrepeated ones."""
+    fused_gqa_saved_bytes_replicated: int = 0
+    fused_input_bytes: int = 0
+    """The part of what the pointwise regions keep that enters the unit from before it (a block's first RMSNorm
+    keeps the residual stream it receives): at a pipeline stage's first unit, the received input itself."""
+    fused_replay_peak_bytes: int = 0
+    """The most a pointwise region's replay holds in its backward (what its ops save, and its output), of the
+    regions on values TP splits (SwiGLU's); `fused_replay_peak_bytes_replicated` of the others (the norms')."""
+    fused_replay_peak_bytes_replicated: int = 0
+    fused_replay_bytes: int = 0
+    """Bytes the pointwise regions' ops read and write in forward: what their replay in backward moves again."""
+    fused_replay_bytes_replicated: int = 0
+    """The part of `fused_replay_bytes` of ops on values TP does not split."""
     cp_kv: list[tuple[int, str, int]] = field(default_factory=list)
     """(bytes per sample, the layer that made it, bytes per sample as attention takes it) of each key and value of
     the unit's causal attention (whole sequence; the first before grouped-query attention repeats their heads):

@@ -176,6 +176,16 @@ class Parallel:
     ``LinearWithGradAccumulationAndAsyncCommunication``; Korthikanti et al. 2022, section 4.2.2): the activations
     a layer keeps approach 34·s·b·h/t, for one more all-gather per gather a micro-batch, issued before the input
     gradient's GEMMs and overlapped with them. Needs ``sequence_parallel``; written to plan.json only when on."""
+    fuse_pointwise: bool = field(default=False, metadata=_choice(
+        "Keep the norms and activations (pointwise regions between the matmuls) at their inputs and replay them in "
+        "backward, and run grouped-query attention on unrepeated keys and values: a fused kernel's memory, "
+        "for a little time.", choices=(False, True)))
+    """The memory behaviour of fused kernels (Megatron-Core, Transformer Engine) with the model's own ops
+    (`partc.passes.fuse`): each pointwise region between the matmuls (an RMSNorm written out in fp32, silu(gate) *
+    up) keeps only its inputs for backward and runs again there from them (`partc.fused.pointwise`; no matmul runs
+    again), and ``scaled_dot_product_attention`` reads keys and values repeated only for it unrepeated
+    (``enable_gqa``). Costs the regions' memory-bound forward once more in backward. Written to plan.json only when
+    on."""
     ep: int = field(default=1, metadata=_choice("Pin the expert-parallel degree: the routed experts divided among "
                                                 "this many data-parallel ranks (it divides dp).", minimum=1,
                                                 maximum=MAX_GPUS))
@@ -310,6 +320,8 @@ class Parallel:
             del out["expert_imbalance"]
         if not self.sp_regather:  # only when on: the plans without it read as before it existed
             del out["sp_regather"]
+        if not self.fuse_pointwise:
+            del out["fuse_pointwise"]
         return {**out, "num_microbatches": self.num_microbatches}
 
     @classmethod
@@ -351,6 +363,7 @@ class Parallel:
         text += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         text += " sp" if self.sequence_parallel else ""
         text += "+regather" if self.sp_regather else ""
+        text += " fused" if self.fuse_pointwise else ""
         text += f" ep={self.ep}" if self.ep > 1 else ""
         text += f" imbalance={self.imbalance:g}" if self.imbalance != 1.0 else ""
         return text + (f" {self.precision}" if self.precision != "bf16" else "")

@@ -46,6 +46,7 @@ from partc.passes.context import ContextSplit, rewrite as context_rewrite
 from partc.passes.constants import constant_values, literal
 from partc.passes.experts import EP_LOCAL, EP_ROUTED, rewrite_for_ep
 from partc.passes.export import GRAD_ENABLED
+from partc.passes import fuse
 from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
 from partc.passes.measure import CORE_OPS, stack_fqns
 from partc.passes.same_shapes import SameShapes
@@ -55,7 +56,7 @@ from partc.sharding import param_shard
 SKIPPED = {torch.ops.aten._assert_tensor_metadata.default}
 """Ops that only check metadata at trace time (and name the meta device): not emitted."""
 
-RESERVED = {"p", "device", "run", "call", "forward", "outputs", "flat", "aten", "torch", "operator", "tp",
+RESERVED = {"p", "device", "run", "call", "forward", "outputs", "flat", "aten", "torch", "operator", "tp", "fused",
             "checkpoint", "importlib", "MODULES", "UNITS", "INPUTS", "OUTPUTS", "PARAMETERS", "BUFFERS"}
 """Names the stage files define or import: no value or unit function takes them."""
 
@@ -143,8 +144,12 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         experts, routed = rewrite_for_ep(ep, a.node_layer, layers, plan.parallel.ep)
     if context is not None:
         context_rewrite(ep, context)
-    if plan.parallel.tp > 1 or experts or routed or context is not None:
-        a = assign(ep, model)  # the rewrites added nodes
+    gqa = []
+    if plan.parallel.fuse_pointwise and context is None:  # attention on the unrepeated keys and values
+        gqa = fuse.gqa_attention(ep.graph.nodes)
+        fuse.use_gqa(ep.graph, gqa)
+    if plan.parallel.tp > 1 or experts or routed or context is not None or gqa:
+        a = assign(ep, model)  # the rewrites added (or removed) nodes
     io = _graph_io(ep)
     nodes = [n for n in a.nodes if n.target not in SKIPPED]
     node_stage = _place(nodes, a, plan)
@@ -171,6 +176,9 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         rw.sequence_gathers += [f"{names[x]} crosses a pipeline boundary whole: scattered and gathered again"
                                 for st in sends[:-1] for x in st if split(x) and x in grad]
     last = len(plan.stages) - 1
+    fusing = None
+    if plan.parallel.fuse_pointwise:  # what the pointwise regions (`partc.passes.fuse.regions`) are found with
+        fusing = (fuse.param_values(ep.graph, io.params), fuse.grad_values(ep.graph, io.params))
     stages = []
     for st in plan.stages:
         code = StageCode(index=st.index, inputs=[names[x] for x in receives[st.index]],
@@ -184,7 +192,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         code.units = _units(mine, a, st.modules, receives[st.index], sends[st.index], names)
         _name_tensors(code, io, mine, aliases, names)
         code.source = _render(code, plan, names, model_path, ep.call_spec.out_spec if st.index == len(plan.stages) - 1
-                              else None)
+                              else None, fusing)
         stages.append(code)
     traffic = _tp_traffic(stages, _needs_grad(ep, io), plan.parallel.tp) if plan.parallel.tp > 1 else {}
     manifest = _manifest(ep, a, io, rw, layers, plan, stages, names, aliases, model_path=model_path, entry=entry)
@@ -501,16 +509,24 @@ def _frees(reads: list[list], *, keep: set, order: list) -> list[list]:
     return out
 
 
-def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], selective: bool) -> list[str]:
+def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], selective: bool,
+                fusing: tuple[set, set] | None = None) -> list[str]:
     """The body of one unit's function: a comment with the module and the model's source line above each run of
     statements from one line, one statement a line, and after a statement a ``del`` of the values it read last (as
-    eager PyTorch lets them go: a unit holds no more than its outputs and what autograd saves)."""
+    eager PyTorch lets them go: a unit holds no more than its outputs and what autograd saves). `fusing` (the
+    parameters' values and the values needing a gradient, under `fuse_pointwise`): each pointwise region
+    (`partc.passes.fuse.regions`) is a function of its own, called through ``fused.pointwise``."""
     values = unit.inputs + unit.nodes
     local = set(values)
-    frees = _frees([[x for x in (*n.all_input_nodes, n) if x in local] for n in unit.nodes],
-                   keep=set(unit.outputs), order=values)
+    found = [] if fusing is None else fuse.regions(unit.nodes, params=fusing[0], needs_grad=fusing[1].__contains__)
+    inside = {n: r for r in found for n in r.nodes}
+    stmts = [inside.get(n, n) for n in unit.nodes if n not in inside or n is inside[n].output]
+    reads = [[x for x in (*s.inputs, s.output) if x in local] if isinstance(s, fuse.Region) else
+             [x for x in (*s.all_input_nodes, s) if x in local] for s in stmts]
+    frees = _frees(reads, keep=set(unit.outputs), order=values)
     lines, prev, mode = [], None, None
-    for n, gone in zip(unit.nodes, frees):
+    for s, gone in zip(stmts, frees):
+        n = s.output if isinstance(s, fuse.Region) else s
         # An op of the model's no_grad / set_grad_enabled region (`partc.passes.export.inline_grad_regions`) runs
         # in a ``with torch.set_grad_enabled(...)`` block; consecutive ones share it.
         want = n.meta.get(GRAD_ENABLED)
@@ -527,7 +543,9 @@ def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], se
             prev = text
         if "partc_why" in n.meta:
             lines.append(pad + "# " + comment(f"TP: {n.meta['partc_why']}"))
-        if selective and n.target in CORE_OPS and mode is not False:
+        if isinstance(s, fuse.Region):
+            lines += [pad + line for line in _region_lines(s, em, names)]
+        elif selective and n.target in CORE_OPS and mode is not False:
             # Selective recomputation (Korthikanti et al. 2022): keep only the attention core's inputs and
             # recompute the core in backward.
             lines.append(pad + "# recompute=selective: the attention core runs again in backward instead of keeping "
@@ -541,6 +559,20 @@ def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], se
         if gone:
             lines.append(pad + f"del {', '.join(names[x] for x in gone)}")
     lines.append(f"return {tuple_expr([names[x] for x in unit.outputs])}" if unit.outputs else "return ()")
+    return lines
+
+
+def _region_lines(region: fuse.Region, em: Emitter, names: dict[torch.fx.Node, str]) -> list[str]:
+    """A pointwise region (`partc.passes.fuse`): its ops as a function of its inputs, and the call that keeps only
+    those for backward and runs the function again there."""
+    fn = f"{names[region.output]}_region"
+    inner = Emitter({**names, **{x: f"x{i}" for i, x in enumerate(region.inputs)}})
+    lines = ["# fuse_pointwise: kept at its inputs, replayed in backward (a fused kernel's memory)",
+             f"def {fn}({', '.join(f'x{i}' for i in range(len(region.inputs)))}):"]
+    lines += [f"    {names[n]} = {inner.call(n)}" for n in region.nodes]
+    lines.append(f"    return {names[region.output]}")
+    em.needs |= inner.needs | {"fused"}
+    lines.append(f"{names[region.output]} = fused.pointwise({fn}, {', '.join(em.arg(x) for x in region.inputs)})")
     return lines
 
 
@@ -577,7 +609,8 @@ def _expert_lines(node: torch.fx.Node, em: Emitter, names: dict[torch.fx.Node, s
     return lines
 
 
-def _render(code: StageCode, plan: Plan, names: dict[torch.fx.Node, str], model_path: str, out_spec) -> str:
+def _render(code: StageCode, plan: Plan, names: dict[torch.fx.Node, str], model_path: str, out_spec,
+            fusing: tuple[set, set] | None = None) -> str:
     par = plan.parallel
     em = Emitter(names)
     selective = par.recompute == "selective"
@@ -585,7 +618,7 @@ def _render(code: StageCode, plan: Plan, names: dict[torch.fx.Node, str], model_
     for unit in code.units:
         params = "".join(f", {names[x]}" for x in unit.inputs)
         what = ", ".join(repr(u) for u in unit.units)
-        body = _unit_lines(unit, em, names, selective)
+        body = _unit_lines(unit, em, names, selective, fusing)
         functions += ["", "", f"def {unit.name}(p{params}, *, device):",
                       f'    """Unit{"s" if len(unit.units) > 1 else ""} {doc_text(what)}."""',
                       *(f"    {line}" for line in body)]
@@ -640,11 +673,13 @@ def _render(code: StageCode, plan: Plan, names: dict[torch.fx.Node, str], model_
         '"""',
         "",
     ]
-    imports = ["import torch"] + [f"import {m}" for m in sorted(em.needs - {"tp", "checkpoint"})]
+    imports = ["import torch"] + [f"import {m}" for m in sorted(em.needs - {"tp", "checkpoint", "fused"})]
     if "checkpoint" in em.needs:
         imports.append("from torch.utils.checkpoint import checkpoint")
     if "tp" in em.needs:
         imports.append("from partc import collectives as tp")
+    if "fused" in em.needs:
+        imports.append("from partc import fused")
     units = [u.units[0] if len(u.units) == 1 else tuple(u.units) for u in code.units]
     body = [
         *imports,

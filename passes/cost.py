@@ -94,6 +94,16 @@ def _forward_times(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPla
     return fwd, core
 
 
+def _replay_time(cluster: Cluster, par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
+    """Seconds the backward of `unit` spends replaying its pointwise regions under `fuse_pointwise` (their
+    memory-bound forward once more, `Unit.fused_replay_bytes`; the part on split values 1/t)."""
+    if not par.fuse_pointwise or not unit.fused_replay_bytes:
+        return 0.0
+    rep = unit.fused_replay_bytes_replicated
+    nbytes = rep + (unit.fused_replay_bytes - rep) / par.tp if is_split(par, tp, unit) else unit.fused_replay_bytes
+    return hw.memory_time(cluster, nbytes * tokens(par))
+
+
 REGATHER = "bwd-regather"
 """The phase of the backward all-gather of the colwise layers' inputs under `sp_regather`: a backward collective
 that `unit_time_parts` overlaps with the input gradient's GEMMs."""
@@ -246,14 +256,15 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
         # blocks.0): the unit's own totals are part of the key.
         key = (unit.signature if unit.kind == "block" else unit.fqn, unit.fwd_flops, unit.memory_bytes, unit.kernels,
                unit.saved_bytes, unit.saved_bytes_core, unit.saved_bytes_replicated, len(unit.core_gemms),
+               unit.fused_replay_bytes, unit.fused_replay_bytes_replicated,
                tuple(style_of(tp, f) for f in unit.layers), tuple(collectives))
         if key in seen:
             out.append(seen[key])
             continue
         fwd, core = _forward_times(graph, cluster, par, tp, unit)
         mode = recompute_mode(unit, par)
-        compute = max(3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0),
-                      launch_time(cluster, unit, mode))
+        compute = max(3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
+                      + _replay_time(cluster, par, tp, unit), launch_time(cluster, unit, mode))
         comm = fwd_comm = regather = 0.0
         for kind, phase, nbytes in collectives:
             once = hw.collective_time(cluster, kind, nbytes, t, spans_nodes=spans_tp, ranks_per_node=per_node)

@@ -78,6 +78,11 @@ class NodeStats:
     to replay it (they offset what it drops)."""
     requires_grad: bool = False
     """Whether the node's output needs a gradient (it depends on a parameter): a pipeline sends one back for it."""
+    all_saved: list[tuple[int, int]] = field(default_factory=list)
+    """(storage key, bytes) of every tensor this node's ops save, also those saved before (parameters excluded):
+    what a program that drops some ops' saves still keeps (`partc.passes.fuse`)."""
+    out_key: tuple[int, int] | None = None
+    """(storage key, bytes) of the node's output, for the nodes `measure` is asked to `watch`."""
     kernels: int = 0
     """GPU kernels the node launches in forward: one per dispatched op that moves data or computes (views and
     allocations launch none; a fused attention op is one)."""
@@ -224,9 +229,10 @@ class _Recorder(TorchDispatchMode):
 
 
 def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len: int | None, *,
-            fused_attention: bool = False) -> dict[torch.fx.Node, NodeStats]:
+            fused_attention: bool = False, watch: frozenset = frozenset()) -> dict[torch.fx.Node, NodeStats]:
     """Run the exported program on meta, node by node; return per-node GEMMs, bytes moved and bytes saved. With
-    `fused_attention` the attention op is counted as a fused kernel (see `CORE_OPS`)."""
+    `fused_attention` the attention op is counted as a fused kernel (see `CORE_OPS`). `watch`: nodes whose output's
+    storage is recorded (`NodeStats.out_key`) and kept alive, so that no later tensor takes its key."""
     # The lifted graph (parameters and buffers are its first inputs), not `ep.module()`: unlifting writes the
     # model's module names into Python source unescaped (torch.fx), and a name holding a quote or a line break
     # (an `nn.ModuleDict` key may) breaks that source.
@@ -253,6 +259,8 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
         if node is None or recorder.fused_core:
             return t
         key = t.untyped_storage()._cdata
+        if key not in param_storages:
+            recorder.stats[node].all_saved.append((key, storage_bytes(t)))
         if key in param_storages or key in seen_storages:
             return t
         seen_storages.add(key)
@@ -272,6 +280,8 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
         st.memory_bytes += sum(activation_bytes(a) for a in inputs) + activation_bytes(out)
         for a in (*inputs, out):
             key = a.untyped_storage()._cdata
+            if key not in param_storages:
+                st.all_saved.append((key, storage_bytes(a)))
             if key not in param_storages and key not in seen_storages:
                 seen_storages.add(key)
                 st.saved.append((key, storage_bytes(a), False))
@@ -293,6 +303,9 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
                 mode = (recorder.node or n).meta.get(GRAD_ENABLED)  # a no_grad region's op saves nothing
                 with torch.set_grad_enabled(torch.is_grad_enabled() if mode is None else mode):
                     out = super().run_node(n)
+                if recorder.node is not None and recorder.node in watch and isinstance(out, torch.Tensor):
+                    alive.append(out)
+                    recorder.stats[recorder.node].out_key = (out.untyped_storage()._cdata, storage_bytes(out))
                 if recorder.node is not None:
                     recorder.stats[recorder.node].requires_grad = any(
                         isinstance(x, torch.Tensor) and x.requires_grad for x in fx_pytree.tree_flatten(out)[0])

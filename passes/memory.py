@@ -157,8 +157,14 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> flo
     split = is_split(par, tp, unit)
     if mode == "full":  # the block's input: under sequence parallelism, this rank's part of the sequence
         return float(unit.input_bytes * tokens(par)) / (par.tp if split and par.sequence_parallel else 1)
-    rep = unit.saved_bytes_replicated if split else 0
-    sharded = unit.saved_bytes - rep - (unit.saved_bytes_core if mode == "selective" else 0)
+    saved, replicated = unit.saved_bytes, unit.saved_bytes_replicated
+    if par.fuse_pointwise:  # fused kernels' memory: the regions at their inputs, keys and values unrepeated
+        saved, replicated = saved - unit.fused_saved_bytes, replicated - unit.fused_saved_bytes_replicated
+        if par.cp == 1:  # under cp the attention is context parallelism's, which repeats them as before
+            saved -= unit.fused_gqa_saved_bytes
+            replicated -= unit.fused_gqa_saved_bytes_replicated
+    rep = replicated if split else 0
+    sharded = saved - rep - (unit.saved_bytes_core if mode == "selective" else 0)
     if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
         # and, gathered again in backward (`sp_regather`), the colwise Linears' inputs
         kept = 0 if par.sp_regather else unit.saved_bytes_replicated_linear
@@ -199,7 +205,8 @@ def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, in
                 ) -> list[float]:
     """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`). Under sequence
     parallelism a block recomputed in full keeps its input, this rank's part of the sequence, which is the
-    received boundary itself (nothing gathers it): counted once."""
+    received boundary itself (nothing gathers it): counted once. So is the input a pointwise region of the
+    chunk's first unit keeps (`fuse_pointwise`: a block's first RMSNorm keeps the residual stream it receives)."""
     b, t = tokens(par), par.tp
 
     def received(lo: int) -> float:
@@ -208,6 +215,9 @@ def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, in
         if (lo > 0 and unit is not None and par.sequence_parallel and recompute_mode(unit, par) == "full"
                 and math.isclose(acts[lo], unit.input_bytes * tokens(par) / t)):  # the split block's input
             return got - min(got, acts[lo])
+        if (lo > 0 and unit is not None and par.fuse_pointwise and (par.sequence_parallel or t == 1)
+                and recompute_mode(unit, par) != "full"):  # a pointwise region keeps the received input as it
+            return got - min(got, unit.fused_input_bytes * b / t)  # came (under plain TP it keeps it gathered)
         return got
 
     return [sum(acts[lo:hi]) + received(lo) + graph.boundary_bytes(hi - 1, b, par.cp) / t for lo, hi in chunks]
@@ -298,7 +308,9 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
     that feed that input, which the ops between them make from it (SwiGLU's gate and up, 2·b·s·I, while down's
     saved input is freed). The gradients that follow are no larger than the saved tensors freed before them. Under
     tp a rowwise layer's input and a colwise layer's output are 1/t; an embedding's input (token ids) has no
-    gradient. Under `sp_regather` a colwise Linear's backward also holds its input, all-gathered again. Checked against one block's backward on the CPU (tests/test_activations.py)."""
+    gradient. Under `sp_regather` a colwise Linear's backward also holds its input, all-gathered again. Under
+    `fuse_pointwise` a pointwise region's backward runs it again beside those gradients: the largest region's
+    replayed values too. Checked against one block's backward on the CPU (tests/test_activations.py)."""
     b, t = tokens(par), par.tp
     fed: dict[str, float] = {}  # layer -> gradients of the layers of its unit that feed its input
     for e in graph.edges:
@@ -321,6 +333,10 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
                 elif par.sp_regather and style_of(tp, fqn) == "colwise":
                     nbytes *= 2  # its input all-gathered again, beside that input's gradient
             largest = max(largest, nbytes * b, fed.get(fqn, 0.0) * b)
+        if par.fuse_pointwise:  # a region replayed beside those gradients (recomputed or not)
+            split = is_split(par, tp, unit)
+            largest += b * max(unit.fused_replay_peak_bytes_replicated / (t if split and par.sequence_parallel else 1),
+                               unit.fused_replay_peak_bytes / (t if split else 1))
         out.append(grad + (grad / t if t > 1 else 0.0) + largest)
     return out
 

@@ -102,12 +102,14 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
                 for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
                     for sp in sp_choices:
                         for regather in regather_choices(sp, pins):
-                            values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
-                                          global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
-                                          recompute=recompute, precision=precision, sequence_parallel=sp, ep=ep,
-                                          sp_regather=regather, expert_imbalance=imbalance)
-                            if all(values[name] == value for name, value in pinned):
-                                yield values
+                            for fused in fuse_choices(graph, recompute, pins):
+                                values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch_size=b,
+                                              global_batch_size=global_batch, schedule=schedule, virtual_stages=v,
+                                              recompute=recompute, precision=precision, sequence_parallel=sp,
+                                              ep=ep, sp_regather=regather, expert_imbalance=imbalance,
+                                              fuse_pointwise=fused)
+                                if all(values[name] == value for name, value in pinned):
+                                    yield values
 
 
 def sequence_parallel_choices(graph: ModelGraph, tp: int, pins: Pins, cp: int = 1) -> tuple[bool, ...]:
@@ -138,6 +140,18 @@ def regather_choices(sequence_parallel: bool, pins: Pins) -> tuple[bool, ...]:
     if not sequence_parallel:
         return (False,)
     return (pins.sp_regather,) if pins.sp_regather is not None else (False, True)
+
+
+def fuse_choices(graph: ModelGraph, recompute: str, pins: Pins) -> tuple[bool, ...]:
+    """The values of ``fuse_pointwise`` the search weighs: the pin, where given; else both where the model has a
+    pointwise region or a repeated key and value to keep smaller and the blocks are not recomputed in full (which
+    keeps only their inputs anyway); off otherwise. Neither dominates: it keeps less for the replay of the
+    regions' memory-bound forward in backward, so a plan that fits without it is faster without it."""
+    if pins.fuse_pointwise is not None:
+        return (pins.fuse_pointwise,)
+    if recompute != "full" and any(u.fused_saved_bytes + u.fused_gqa_saved_bytes > 0 for u in graph.units):
+        return (False, True)
+    return (False,)
 
 
 def _expert_counts(graph: ModelGraph) -> list[int]:
@@ -211,7 +225,7 @@ def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):
 # independent of it. A quantity that depends on a function of ignored fields (say, whether the pipeline has more
 # than one rank) adds that value to its key explicitly.
 _PIPELINE = ("pp", "global_batch_size", "schedule", "virtual_stages")
-_SP = ("sequence_parallel", "sp_regather")  # the TP map and the parameters do not depend on them; activations and
+_SP = ("sequence_parallel", "sp_regather", "fuse_pointwise")  # the TP map and the parameters do not depend on them; activations and
 # traffic do
 TP = Reads("tp", ("dp", "zero", "recompute", *_PIPELINE, *_SP))  # the TP solve: (tp, b)
 PARTS = Reads("parts", ("dp", "zero", *_PIPELINE))  # unit times: (tp, b, recompute)
@@ -515,8 +529,12 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
     # style maps enter with the floor bound too and are priced only when they come first (stage 1).
     # A configuration and its twin with `sp_regather` on (enumerated next to it) are one configuration to the
     # alternatives, as a configuration's style maps are: the faster of the two (ties: the one without it) is kept.
-    slots = [i - 1 if values.get("sp_regather") and i and configs[i - 1] == dict(values, sp_regather=False) else i
-             for i, values in enumerate(configs)]
+    # So are its twins with `fuse_pointwise` on (the first of the twins, all off, is the slot).
+    twins: dict[tuple, int] = {}
+    slots = []
+    for i, values in enumerate(configs):
+        key = tuple(sorted(dict(values, sp_regather=False, fuse_pointwise=False).items()))
+        slots.append(twins.setdefault(key, i))
     queue = []
     for i, values in enumerate(configs):
         make = _builder(values)

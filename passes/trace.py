@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch import nn
+from torch.export.graph_signature import InputKind
 
 from partc.ir import Edge, Layer, ModelGraph, Unit
 from partc.model_file import infer_seq_len
@@ -30,15 +31,18 @@ from partc.passes.context import is_causal_attention, kv_before_repeat
 from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
 from partc.passes.experts import mark_inner, param_placeholders, routed_experts
 from partc.passes.export import export_on_meta, norms_on_any_batch
+from partc.passes import fuse
 from partc.passes.measure import NodeStats, measure
 from partc.passes.shard import ShardAnalysis
 
 aten = torch.ops.aten
 
 def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[torch.fx.Node, NodeStats], *,
-                name: str, seq_len: int | None) -> ModelGraph:
-    """The `ModelGraph` of an exported model and its per-node costs (`measure`), in steps."""
-    a = assign(ep, model)                                  # 1. node -> layer and unit; execution order
+                name: str, seq_len: int | None, a: Assignment | None = None,
+                fusions: Fusions | None = None) -> ModelGraph:
+    """The `ModelGraph` of an exported model and its per-node costs (`measure`), in steps. `a`: `assign`'s, when the
+    caller has it; `fusions`: what `fuse_pointwise` changes (`find_fusions`, the nodes `measure` watched)."""
+    a = a or assign(ep, model)                             # 1. node -> layer and unit; execution order
     tied, counted = _tied(a)                               # 2. tied parameters: one canonical name each
     layer_out = layer_outputs(a)                          # 3. the node that carries each layer's output
     linear_out = {m: layer_out[m] for m in a.ordered_layers
@@ -46,6 +50,8 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     shard = ShardAnalysis(ep.graph, a.node_layer, linear_out)  # 4. where a colwise split flows without collectives
     layers = _layers(a, shard, counted)                    # 5. layers: shapes, split groups, fused pieces
     units = _costs(a, stats, layers, shard, layer_out)     # 6. per-node costs into layers and units
+    if fusions is not None:                                #    and what fused kernels would keep instead
+        _fused_savings(a, stats, fusions, units, _whole_saver(a, layers, shard))
     mark_inner(ep.graph, a.node_layer, param_placeholders(ep), layers, stats)  # experts: split inside
     routed = routed_experts(ep.graph, param_placeholders(ep), layers)  # experts as modules: divided by ep
     for layer in layers.values():  # they run on the whole tokens, all-gathered under sequence parallelism
@@ -189,6 +195,120 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
         if m in layers:
             layers[m].out_bytes = val_bytes(n)
     return units
+
+
+def _whole_saver(a: Assignment, layers: dict[str, Layer], shard: ShardAnalysis):
+    """Whether what a node saves is whole under TP (`_costs`' rule, for `_fused_savings`)."""
+    rowwise = {name for r in shard.regions.values() if r.valid for name, ok in r.reaches.items() if ok}
+    sharded_nodes = {n for n in shard.dims if any(src not in rowwise for src in shard.sources.get(n, ()))}
+
+    def whole(n: torch.fx.Node) -> bool:
+        layer = layers.get(a.node_layer.get(n, ""))
+        if layer is not None and layer.kind == "linear":
+            return not any(x in sharded_nodes for x in n.args if isinstance(x, torch.fx.Node))
+        return n not in sharded_nodes
+    return whole
+
+
+@dataclass(kw_only=True, slots=True)
+class Fusions:
+    """What `Parallel.fuse_pointwise` changes in the program (`partc.passes.fuse`), found on the traced graph."""
+
+    regions: list[tuple[str, fuse.Region]]
+    """(unit, region) of each pointwise region, found per unit as codegen finds them per unit function."""
+    gqa: list[tuple[str, fuse.GQA]]
+
+    def watched(self) -> frozenset:
+        """The values whose storage the accounting needs (`measure`'s `watch`)."""
+        return frozenset([x for _, r in self.regions for x in r.inputs] +
+                         [x for _, g in self.gqa for x in (*g.repeated, *g.unrepeated)])
+
+
+def find_fusions(ep: torch.export.ExportedProgram, a: Assignment) -> Fusions:
+    """The pointwise regions of each unit and the attention ops on repeated keys and values (`partc.passes.fuse`)."""
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    params = [placeholders[s.arg.name] for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER]
+    pv, gv = fuse.param_values(ep.graph, params), fuse.grad_values(ep.graph, params)
+    by_unit: dict[str, list[torch.fx.Node]] = {}
+    for n in a.nodes:
+        if a.node_unit.get(n) is not None:
+            by_unit.setdefault(a.node_unit[n], []).append(n)
+    regions = [(u, r) for u, nodes in by_unit.items() for r in fuse.regions(nodes, params=pv, needs_grad=gv.__contains__)]
+    gqa = [(a.node_unit[g.attention], g) for g in fuse.gqa_attention(a.nodes) if a.node_unit.get(g.attention)]
+    return Fusions(regions=regions, gqa=gqa)
+
+
+def _fused_savings(a: Assignment, stats: dict[torch.fx.Node, NodeStats], fusions: Fusions, units: dict[str, Unit],
+                   whole) -> None:
+    """`Unit.fused_saved_bytes` and the rest: the tensors only a fused region's ops save, less the regions' inputs
+    that nothing saved before; each counted once, at the unit that first saves it, whole or split under TP as
+    `_costs` counts it. The same with the attention's keys and values unrepeated on top gives
+    `Unit.fused_gqa_saved_bytes` (the difference)."""
+    regions = _savings(a, stats, fusions.regions, [], whole)
+    both = _savings(a, stats, fusions.regions, fusions.gqa, whole)
+    for u, unit in units.items():
+        unit.fused_saved_bytes, unit.fused_saved_bytes_replicated = regions.get(u, (0, 0))
+        total, rep = both.get(u, (0, 0))
+        unit.fused_gqa_saved_bytes = total - unit.fused_saved_bytes
+        unit.fused_gqa_saved_bytes_replicated = rep - unit.fused_saved_bytes_replicated
+    for unit, r in fusions.regions:
+        for x in r.inputs:  # a region keeping what enters its unit: a pipeline stage's received input, perhaps
+            st = stats.get(x)
+            if unit in units and a.node_unit.get(x) != unit and x.op != "placeholder" and st and st.out_key:
+                units[unit].fused_input_bytes += st.out_key[1]
+        if unit in units:  # the replay's own values, held in the region's backward: what its ops save, its output
+            given = {stats[x].out_key[0] for x in r.inputs if x in stats and stats[x].out_key}
+            keys = {k: b for n in r.nodes if n in stats for k, b in stats[n].all_saved if k not in given}
+            peak = sum(keys.values()) + val_bytes(r.output)
+            if whole(r.output):
+                units[unit].fused_replay_peak_bytes_replicated = max(units[unit].fused_replay_peak_bytes_replicated,
+                                                                     peak)
+            else:
+                units[unit].fused_replay_peak_bytes = max(units[unit].fused_replay_peak_bytes, peak)
+        for n in r.nodes:  # the replay: the region's forward traffic again, in backward
+            st = stats.get(n)
+            if st is not None and unit in units:
+                units[unit].fused_replay_bytes += st.memory_bytes
+                units[unit].fused_replay_bytes_replicated += st.memory_bytes if whole(n) else 0
+
+
+def _savings(a: Assignment, stats: dict[torch.fx.Node, NodeStats], regions: list, gqa: list,
+             whole) -> dict[str, tuple[int, int]]:
+    """Unit -> (bytes saved less, of which whole) when `regions` keep their inputs and `gqa` reads keys and values
+    unrepeated."""
+    region_of = {n: r for _, r in regions for n in r.nodes}
+    dropped = {g.attention: {stats[x].out_key[0] for x in g.repeated if stats[x].out_key} for _, g in gqa}
+    first: dict[int, tuple[torch.fx.Node, int]] = {}
+    kept: set[int] = set()
+    for n in a.nodes:
+        st = stats.get(n)
+        if st is None:
+            continue
+        for key, nbytes in st.all_saved:
+            first.setdefault(key, (n, nbytes))
+            if n not in region_of and key not in dropped.get(n, ()):
+                kept.add(key)
+    added: dict[int, tuple[str, torch.fx.Node, int]] = {}
+    inputs = [(u, x) for u, r in regions for x in r.inputs] + [(u, x) for u, g in gqa for x in g.unrepeated]
+    for unit, x in inputs:
+        st = stats.get(x)
+        if st is not None and st.out_key is not None and x.op != "placeholder":
+            added.setdefault(st.out_key[0], (unit, x, st.out_key[1]))
+    out: dict[str, list[int]] = {}
+    for key, (n, nbytes) in first.items():
+        u = a.node_unit.get(n)
+        if key in kept or key in added or u is None:
+            continue
+        acc = out.setdefault(u, [0, 0])
+        acc[0] += nbytes
+        acc[1] += nbytes if whole(n) else 0
+    for key, (u, x, nbytes) in added.items():
+        if key in first:
+            continue
+        acc = out.setdefault(u, [0, 0])
+        acc[0] -= nbytes
+        acc[1] -= nbytes if whole(x) else 0
+    return {u: (v[0], v[1]) for u, v in out.items()}
 
 
 def _required_ends(units: list[Unit]) -> tuple[list[str], list[str]]:
@@ -363,10 +483,14 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, *, name: str, seq_len: in
     if seq_len is None:
         seq_len = _tokens_from_graph(ep)
     sizes = expected_sizes(ep.graph_module.meta)  # value-sized ops at their expected sizes (`partc.value_sized`)
+    a = assign(ep, model)
+    fusions = find_fusions(ep, a)
+    if not fused_attention:  # the math kernel repeats the keys and values inside, under enable_gqa too: no saving
+        fusions.gqa = []
     with sizes or contextlib.nullcontext():
         with norms_on_any_batch():  # one sample: a BatchNorm may see one value per channel
-            stats = measure(ep, args, kwargs, seq_len, fused_attention=fused_attention)
-        graph = build_graph(ep, model, stats, name=name, seq_len=seq_len)
+            stats = measure(ep, args, kwargs, seq_len, fused_attention=fused_attention, watch=fusions.watched())
+        graph = build_graph(ep, model, stats, name=name, seq_len=seq_len, a=a, fusions=fusions)
     t2 = time.perf_counter()
     return Traced(graph=graph, exported=ep, model=model, trace_s=t1 - t0, measure_s=t2 - t1)
 

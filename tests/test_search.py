@@ -333,7 +333,7 @@ def test_cache_keys_see_a_new_field():
                                                         recompute="none", precision="bf16",
                                                         sequence_parallel=False, ep=1,
                                                         expert_imbalance=1.0,
-                                                        sp_regather=False).__getitem__), r.name
+                                                        sp_regather=False, fuse_pointwise=False).__getitem__), r.name
 
     graph, cluster = gpt_graph("tied"), small_cluster(2, gpus_per_node=2)
     costs = _Costs(graph, cluster, None)

@@ -58,10 +58,16 @@ CONFIGS = {
     "hf_llama_tp2_pp2_dp2_z1_sp": ("hf_llama", 2, 2, 2, 1, 1, 4),
     "hf_gpt2_tp2_pp2_dp2_z1_sp": ("hf_gpt2", 2, 2, 2, 1, 1, 4),
     "hf_gpt2_tp2_pp2_dp2_z3_sp": ("hf_gpt2", 2, 2, 2, 3, 1, 4),
+    # fused kernels' memory (`fuse_pointwise`): the RMSNorms and SwiGLU kept at their inputs and replayed in
+    # backward, attention on the unrepeated keys and values
+    "llama_tp2_sp_fused": ("llama", 2, 1, 1, 0, 1, 2),
+    "llama_tp2_pp2_dp2_z1_sp_fused": ("llama", 2, 2, 2, 1, 1, 4),
 }
 REGATHER = {"llama_tp2_sp", "gpt_tp2_sp_bf16", "gpt_tp2_pp2_dp2_z1_sp", "llama_tp2_pp2_dp2_z3_sp", "gpt_tp4_dp2_z3_sp"}
 """Configurations pinned to `sp_regather` (the colwise layers' inputs gathered again in backward); the others
 pinned without it."""
+FUSED = {"llama_tp2_sp_fused", "llama_tp2_pp2_dp2_z1_sp_fused"}
+"""Configurations pinned to `fuse_pointwise`; the others pinned without it."""
 WHOLE_ACROSS = {"hf_llama": 2, "hf_mixtral": 2}
 """Values that cross a pipeline boundary whole (they need no gradient): LLaMA's and Mixtral's rotary cos and sin
 (Hugging Face's causal mask is proven causal and dropped from the trace: `passes.causal_mask`)."""
@@ -134,7 +140,8 @@ def compile_sp(name: str, tmp: Path) -> Path:
     model, tp, pp, dp, zero, mb, gbs = CONFIGS[name]
     path, out = model_path(model, tmp), tmp / name
     pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
-                precision=precision_of(name), sequence_parallel=True, sp_regather=name in REGATHER)
+                precision=precision_of(name), sequence_parallel=True, sp_regather=name in REGATHER,
+                fuse_pointwise=name in FUSED)
     compile_model(path, gpus=tp * pp * dp, pins=pins, global_batch_size=gbs, out_dir=out, seq_len=seq_len(model))
     plan = json.loads((out / "plan.json").read_text())
     for fqn in plan["tp"]:
@@ -196,6 +203,10 @@ def test_sequence_parallel_matches_one_process(runs, name):
     else:
         assert "tp.gather_from_sp(" in source and "tp.linears_from_sp(" not in source
     assert "tp.reduce_from_tp(" not in source, "every all-reduce of an activation is a reduce-scatter"
+    if name in FUSED:  # two RMSNorms and SwiGLU a block kept at their inputs, attention on unrepeated k and v
+        assert source.count("= fused.pointwise(") == 3 * 4 + 1, source  # and the final norm
+        assert source.count("enable_gqa=True") == 4 and "repeat_interleave" not in source
+        assert plan_of(outs[name])["parallel"]["fuse_pointwise"] is True
     # a stage receives its part of the sequence; only values that need no gradient (Hugging Face's causal mask,
     # LLaMA's rotary tables) cross whole, each rank sending its 1/tp part, gathered on arrival
     gathered = [line for line in source.splitlines() if "tp.gather_from_previous_stage(" in line]
