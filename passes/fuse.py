@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 import torch
 import torch.fx
 
+from partc import collectives
 from partc.passes.context import kv_repeat
 from partc.passes.export import GRAD_ENABLED
 
@@ -162,7 +163,7 @@ def param_values(graph: torch.fx.Graph, params: Iterable[torch.fx.Node]) -> set[
     collectives`' identity in forward, ``tp.copy_to_tp(p[...])`` under sequence parallelism)."""
     out = set(params)
     for n in graph.nodes:
-        if (n.op == "call_function" and getattr(n.target, "__module__", None) == "partc.collectives"
+        if (n.op == "call_function" and collectives.is_collective(n.target)
                 and n.args and n.args[0] in out and n.target.__name__ == "copy_to_tp"):
             out.add(n)
     return out
