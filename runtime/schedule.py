@@ -41,7 +41,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
-from partc._torch import RESHARD, UNSHARD, PipeAction
+from partc._torch import RESHARD, UNSHARD, PipeAction, use_counts
 
 
 class PipeStage(PipelineStage):
@@ -123,7 +123,8 @@ def _unread(t: object, kept: set[int]) -> bool:
         return False
     if not t.requires_grad or t._base is not None or t.numel() <= 1 or id(t) in kept:
         return False
-    return t._use_count() <= (2 if t.is_leaf else 1) and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+    tensor, storage = use_counts(t)
+    return tensor <= (2 if t.is_leaf else 1) and storage <= 2
 
 
 def _free(t: torch.Tensor) -> None:
