@@ -20,7 +20,9 @@
 - `PipeAction`, `UNSHARD`, `RESHARD` (a lowered pipeline schedule's actions) and the hooks of ``PipelineStage``
   (``_setup_forward_recv_info``, ``_setup_backward_recv_info``, ``args_recv_info``, ``grad_recv_info``) and of
   ``ScheduleInterleaved1F1B`` (``_prepare_schedule_with_comms``, ``pipeline_order_with_comms``) that
-  `partc.runtime.schedule` overrides, so the pipeline holds the memory and traffic the plan charges.
+  `partc.runtime.schedule` overrides, so the pipeline holds the memory and traffic the plan charges; with the stage's
+  ``fwd_cache``, `use_counts` (``Tensor._use_count``, ``torch._C._storage_Use_Count``: whether anything else holds a
+  pipeline boundary's data before `partc.runtime.schedule` frees it).
 
 FSDP2, the pipelining schedules otherwise, ZeroRedundancyOptimizer and torch.distributed.checkpoint are used through
 their public APIs only.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 
+import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _set_pg_timeout as set_pg_timeout
 from torch.export._tree_utils import reorder_kwargs
@@ -38,13 +41,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["LazyGraphModule", "TorchDispatchMode", "mod_tracker_module", "reorder_kwargs", "set_pg_timeout",
-           "storage_key", "tree_flatten", "tree_map", "tree_unflatten"]  # and _LAZY's names
+           "storage_key", "tree_flatten", "tree_map", "tree_unflatten", "use_counts"]  # and _LAZY's names
 
 
 def storage_key(t: Tensor) -> int:
     """An id of the storage `t` views, the same for every view of it, while the storage lives (keep it alive to
     keep the id unique)."""
     return t.untyped_storage()._cdata
+
+
+def use_counts(t: Tensor) -> tuple[int, int]:
+    """References to `t`'s tensor (its Python object's, an autograd node's that saved it, a leaf's gradient
+    accumulator's) and to its storage (each tensor's viewing it, and the storage object this call makes)."""
+    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 # `partc check`'s and the pipeline's names, imported when first asked for (torch.distributed._tools alone takes seconds to import).

@@ -129,17 +129,29 @@ def unit_activation_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -
         full       2·s·b·h                           = input_bytes (2·s·b·h/t under sequence parallelism)
     where rep = saved_bytes_replicated (norm/residual inputs, the "10") and core = saved_bytes_core (what the
     attention core saves beyond its inputs: the 5·a·s²·b of scores, softmax and dropout, and the math kernel's
-    scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1). Under sequence parallelism the
+    scaled Q and K). A unit with no split layer keeps everything (rep = 0, t = 1), but under sequence parallelism
+    after the first split unit (the final norm), where the program runs it on this rank's 1/t of the sequence: all
+    of it / t. Under sequence parallelism the
     norms, dropout masks and residual inputs are 1/t too (Korthikanti et al.: 34·s·b·h/t with selective
     recomputation); partc's program keeps whole what its colwise Linears save, their all-gathered inputs
     (rep becomes saved_bytes_replicated_linear, 4·s·b·h of a GPT block's 10), unless `sp_regather` gathers them
-    again in backward as Megatron-Core does (rep becomes 0: everything 1/t).
+    again in backward as Megatron-Core does (rep becomes 0: everything 1/t). A unit where the program does not keep
+    the split along the sequence (`TPSolution.program`: a fallback, or the conversions at its edges) is priced as
+    tensor parallelism alone runs it (rep whole): a bound from above for a unit that falls back in part.
 
     Checked against autograd's saved tensors on the CPU (tests/test_activations.py): exact at b = 1 for a GPT and
     a LLaMA, none / selective / full; at b >= 2 the GPT saves 4·s·b·h less a block (matmul copies attention's V
     instead of keeping the fused QKV output alive), so this is high by that much."""
-    return [_saved_bytes(par, tp, u, recompute_mode(u, par)) + _skew_saved_bytes(graph, par, u)
-            for u in graph.units]
+    out: list[float] = []
+    sp = par.sequence_parallel and par.tp > 1
+    fallback = set(getattr(tp, "program", None) or ()) if sp else set()
+    along = False  # whether a unit before this one splits the residual stream along the sequence
+    for u in graph.units:
+        split = is_split(par, tp, u)
+        sequence = sp and u.fqn not in fallback and (split or along)
+        along = along or (sp and split)
+        out.append(_saved_bytes(par, tp, u, recompute_mode(u, par), sequence) + _skew_saved_bytes(graph, par, u))
+    return out
 
 
 def _skew_saved_bytes(graph: ModelGraph, par: Parallel, unit: Unit) -> float:
@@ -153,10 +165,15 @@ def _skew_saved_bytes(graph: ModelGraph, par: Parallel, unit: Unit) -> float:
     return (par.imbalance - 1) * sum(graph.layers[f].saved_bytes for f in unit.layers if f in routed) * tokens(par)
 
 
-def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> float:
+def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str, sequence: bool | None = None) -> float:
+    """`unit_activation_bytes` of one unit; `sequence`: whether the program runs it split along the sequence
+    (default: under sequence parallelism, a unit with a split layer)."""
     split = is_split(par, tp, unit)
+    if sequence is None:
+        sequence = split and par.sequence_parallel
     if mode == "full":  # the block's input: under sequence parallelism, this rank's part of the sequence
-        return float(unit.input_bytes * tokens(par)) / (par.tp if split and par.sequence_parallel else 1)
+        return float(unit.input_bytes * tokens(par)) / (par.tp if sequence or (split and par.sequence_parallel)
+                                                         else 1)
     saved, replicated = unit.saved_bytes, unit.saved_bytes_replicated
     if par.fuse_pointwise:  # fused kernels' memory: the regions at their inputs, keys and values unrepeated
         saved, replicated = saved - unit.fused_saved_bytes, replicated - unit.fused_saved_bytes_replicated
@@ -165,7 +182,9 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str) -> flo
             replicated -= unit.fused_gqa_saved_bytes_replicated
     rep = replicated if split else 0
     sharded = saved - rep - (unit.saved_bytes_core if mode == "selective" else 0)
-    if split and par.sequence_parallel:  # the norms, dropout and residual on 1/t of the sequence
+    if not split:  # all of it whole, or on this rank's part of the sequence
+        return sharded * tokens(par) / (par.tp if sequence else 1) + _cp_saved_bytes(par, tp, unit)
+    if sequence:  # the norms, dropout and residual on 1/t of the sequence
         # and, gathered again in backward (`sp_regather`), the colwise Linears' inputs
         kept = 0 if par.sp_regather else unit.saved_bytes_replicated_linear
         sharded += rep - kept
@@ -203,32 +222,25 @@ def in_flight(par: Parallel, rank: int) -> float:
 
 def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]], acts: Sequence[float]
                 ) -> list[float]:
-    """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`). Under sequence
-    parallelism a block recomputed in full keeps its input, this rank's part of the sequence, which is the
-    received boundary itself (nothing gathers it): counted once. So is the input a pointwise region of the
-    chunk's first unit keeps (`fuse_pointwise`: a block's first RMSNorm keeps the residual stream it receives)."""
+    """What one micro-batch's forward of each chunk holds until its backward (`_in_flight_bytes`): its units' saved
+    activations and, of the boundaries it received and sent (1/t of each under tp, as they cross), the parts that
+    need no gradient. The runtime frees the data of the others once the forward has used them, as Megatron-LM does
+    (`partc.runtime.schedule.PipeStage`): the output once its send is posted, the received input when no op saved
+    it. Where an op saved the received input (a LayerNorm its input, a block recomputed in full its input, under
+    sequence parallelism the received part itself) it is among that unit's saved activations, counted once."""
     b, t = tokens(par), par.tp
 
-    def received(lo: int) -> float:
-        got = graph.boundary_bytes(lo - 1, b, par.cp) / t
-        unit = graph.units[lo] if lo < len(graph.units) else None
-        if (lo > 0 and unit is not None and par.sequence_parallel and recompute_mode(unit, par) == "full"
-                and math.isclose(acts[lo], unit.input_bytes * tokens(par) / t)):  # the split block's input
-            return got - min(got, acts[lo])
-        if (lo > 0 and unit is not None and par.fuse_pointwise and (par.sequence_parallel or t == 1)
-                and recompute_mode(unit, par) != "full"):  # a pointwise region keeps the received input as it
-            return got - min(got, unit.fused_input_bytes * b / t)  # came (under plain TP it keeps it gathered)
-        return got
+    def kept(i: int) -> float:  # the part of the boundary after unit i that needs no gradient
+        return (graph.boundary_bytes(i, b, par.cp) - graph.boundary_grad_bytes(i, b, par.cp)) / t
 
-    return [sum(acts[lo:hi]) + received(lo) + graph.boundary_bytes(hi - 1, b, par.cp) / t for lo, hi in chunks]
+    return [sum(acts[lo:hi]) + kept(lo - 1) + kept(hi - 1) for lo, hi in chunks]
 
 
 def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequence[tuple[int, int]],
                      acts: Sequence[float]) -> float:
     """What the micro-batches in flight on pipeline rank `rank` hold at its peak: each forward in flight holds its
-    chunk's saved activations and the boundaries it received and sent (1/t of each under tp, as they cross; the
-    pipeline stage keeps both until the micro-batch's backward). One chunk a rank: `in_flight` micro-batches of
-    that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
+    chunk's saved activations and what the pipeline stage keeps of the boundaries it received and sent until the
+    micro-batch's backward (`_held_bytes`). One chunk a rank: `in_flight` micro-batches of that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
     the gradient it received."""
     b, t = tokens(par), par.tp
     held = _held_bytes(graph, par, chunks, acts)

@@ -21,18 +21,57 @@ numbers the cost model is calibrated on); both were found by ``partc check`` on 
   accumulator of the stage's received input, a leaf that requires a gradient: the last stage held every micro-batch's
   input to the end of the step (found by ``partc check`` on Hugging Face LLaMA-3 8B, pp 2, v 3, 128 micro-batches:
   3.6 GB, 10% more activations than the plan's). `PipeStage` detaches a loss once its backward has run.
+- **The boundaries.** The stage keeps each micro-batch's output (``fwd_cache``) for its backward, and the input it
+  received as the leaf its gradient accumulates in, both until that backward. Neither's data is needed there: the
+  output's backward starts from the gradient received (its autograd node keeps what the ops saved), and an input
+  no op saved is read by none. As Megatron-LM does (``deallocate_output_tensor``) and Meta for Llama 3, `PipeStage`
+  replaces the data of each output that needs a gradient once its send is posted (the send's own reference holds
+  it until the send is done), and of each received input that needs a gradient once the forward has run, by a
+  one-element placeholder of the same shape, keeping the tensor and its autograd node; the backward runs from the
+  same tensors as before, so the numbers are the same. A tensor is freed only where nothing else holds its data: no
+  op saved it (or a view of it), and no recomputed unit keeps it for its replay
+  (`partc.runtime.stage.StageModule.recompute_inputs`). The plan charges what is left
+  (`partc.passes.memory._held_bytes`): the boundaries' parts that need no gradient, and the received input where an
+  op saved it, with that op's saved tensors.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
-from partc._torch import RESHARD, UNSHARD, PipeAction
+from partc._torch import RESHARD, UNSHARD, PipeAction, use_counts
 
 
 class PipeStage(PipelineStage):
-    """`PipelineStage` whose receive buffers live from the receive to the micro-batch's backward (module docstring)."""
+    """`PipelineStage` whose receive buffers live from the receive to the micro-batch's backward, and whose boundaries'
+    data goes once the forward has used it (module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._sent: dict[int, list[torch.Tensor]] = {}
+        """Forward chunk -> its outputs whose data goes once their send is posted."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
+                          save_forward_output: bool = True):
+        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self.has_backward and torch.is_grad_enabled():
+            outputs, inputs = self.fwd_cache[fwd_chunk_id]
+            kept = getattr(self.submod, "recompute_inputs", set())
+            if not self.is_first:
+                for x in inputs:
+                    if _unread(x, kept):
+                        _free(x)
+            if not self.is_last:
+                self._sent[fwd_chunk_id] = [t for t in outputs if _unread(t, kept)]
+        return output
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)  # each send holds its own reference to the data
+        for t in self._sent.pop(fwd_chunk_id, ()):
+            _free(t)
+        return ops
 
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
         super()._setup_forward_recv_info(num_microbatches, has_backward)
@@ -70,8 +109,28 @@ def _release(infos: tuple) -> None:
     for info in infos:
         buf = info.buffer
         if buf is not None and not info.is_root_arg:
-            setattr(info, _LIKE, (tuple(buf.shape), tuple(buf.stride()), buf.dtype))
+            if not hasattr(info, _LIKE):  # the first buffer's layout (a freed one's placeholder has none)
+                setattr(info, _LIKE, (tuple(buf.shape), tuple(buf.stride()), buf.dtype))
             info.buffer = None
+
+
+def _unread(t: object, kept: set[int]) -> bool:
+    """Whether `t`, a boundary tensor the stage holds for a backward, needs a gradient and nothing but the stage's own
+    references holds it or its data: no op saved it or a view of it, no recomputed unit keeps it (`kept`), nothing
+    else shares its storage. Its own references are the Python object's and, for a leaf, its gradient accumulator's;
+    the storage's, the tensor's and the temporary storage object's that asks."""
+    if type(t) is not torch.Tensor and not isinstance(t, FakeTensor):  # DTensor and other subclasses: kept
+        return False
+    if not t.requires_grad or t._base is not None or t.numel() <= 1 or id(t) in kept:
+        return False
+    tensor, storage = use_counts(t)
+    return tensor <= (2 if t.is_leaf else 1) and storage <= 2
+
+
+def _free(t: torch.Tensor) -> None:
+    """Megatron-LM's ``deallocate_output_tensor``: `t` keeps its shape, dtype and autograd node, its data becomes one
+    element (expanded, so the backward's shape checks still hold)."""
+    t.data = t.new_empty(1).expand(t.shape)
 
 
 def _allocate(infos: tuple, device: torch.device) -> None:

@@ -80,6 +80,9 @@ class StageModule(nn.Module):
                 _attach_module(self, fqn, self.units[fqn])
             else:
                 _attach_module(self, fqn, model.get_submodule(fqn))
+        self.recompute_inputs: set[int] = set()
+        """``id`` of each tensor the last forward passed to a unit it recomputes: ``torch.utils.checkpoint`` keeps
+        them for the replay (`partc.runtime.schedule.PipeStage` must not free their data)."""
         own_params = {n: canon[n] for n, _ in self.named_parameters(remove_duplicate=False)}
         local_by_canon = {c: n for n, c in own_params.items()}
         own_buffers = {n for n, _ in self.named_buffers(remove_duplicate=False)}
@@ -105,6 +108,7 @@ class StageModule(nn.Module):
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         # Contiguous: a stage may hand over a view (BERT's and OPT's attention mask, expanded from a row), and the
         # pipeline sends and receives dense buffers (`train.stage_shapes` gives them the same contiguous layout).
+        self.recompute_inputs = set()
         outputs = self.code.forward(self.tensors(), *inputs, device=self.device, run=self._run)
         return tuple(t.contiguous() for t in outputs)
 
@@ -112,6 +116,8 @@ class StageModule(nn.Module):
         module = self.units.get(unit) if isinstance(unit, str) else None
         if module is None:  # the model's root, or units whose ops interleave: they run in the stage's own call
             return fn(p, *args, device=device)
+        if module.recompute and torch.is_grad_enabled():
+            self.recompute_inputs.update(id(a) for a in args if isinstance(a, Tensor))
         return module(fn, *args)
 
 
