@@ -208,6 +208,8 @@ def print_summary(result, plan_path: Path) -> None:
     row = "  ".join(f"{axis}={par[axis]}" for axis in shown.shown_axes()) + f"  zero={par['zero']}"
     row += f"  ep={shown.ep}" if shown.ep > 1 else ""
     row += "  sequence parallel" if shown.sequence_parallel else ""
+    row += " (inputs re-gathered)" if shown.sp_regather else ""
+    row += "  fused pointwise" if shown.fuse_pointwise else ""
     t.add_row("parallel", row)
     t.add_row("batch", f"global {par['global_batch_size']} = dp {par['dp']} x micro-batch {par['micro_batch_size']} "
                        f"x {par['num_microbatches']} micro-batches")
