@@ -19,8 +19,11 @@ from partc.passes.cost_axes import away_experts, routed_rows_layers
 from . import schedule, zero
 
 LOSS_BYTES = 12
-"""Bytes per logit the loss holds at its peak besides the compute-dtype logits, on the last stage: the fp32 copy
-the runtime computes the loss from, the fp32 log-probabilities cross-entropy saves, and their fp32 gradient."""
+"""Bytes per logit the loss holds at its peak besides the compute-dtype logits, on the last stage, in its backward
+(``_log_softmax_backward_data``): the fp32 log-probabilities cross-entropy saved, the fp32 gradient ``nll_loss``
+hands back (dense) and the fp32 gradient of the logits' working copy being made from them (the copy itself, made
+from the logits in forward, is freed once the log-probabilities exist; at fp32 the logits are the copy). Measured
+by ``partc check`` to the byte (tests/test_context_parallel.py)."""
 
 
 # --- 1. Parameters and model states ------------------------------------------------------------------------------
@@ -259,10 +262,12 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     - ZeRO's transient memory (`partc.passes.zero.working_bytes`): gathered units and one unit's gradients;
     - the backward of one unit at a time (`unit_backward_bytes`): the gradients it holds besides the saved
       activations, the largest unit's;
-    - last stage: the loss, `LOSS_BYTES` per logit besides the logits themselves (kept whole when the head is
-      colwise but the loss gathers them: then the gather's parts are one more copy at its peak); with the
-      vocab-parallel loss (`tp_loss`) `vocab_loss_bytes` per logit of this rank's columns, at a moment of its
-      own (before any unit's backward).
+    - last stage: the loss, at a moment of its own: its peak, in its own backward, comes before any unit's
+      backward (no recomputation, unit gradient or ZeRO reduction yet, and under ZeRO-3 every unit resharded
+      after its forward, the head's gathered again only once the loss's backward is done): the logits and
+      `LOSS_BYTES` per logit (the whole vocabulary: at tp 1, or gathered under tp, the gather's parts freed by
+      then), or with the vocab-parallel loss (`tp_loss`) `vocab_loss_bytes` per logit of this rank's columns.
+      The larger of the two moments; measured by ``partc check``.
     `shards`: `unit_param_shards`, when the caller has it. `last` False: in a micro-batch's backward before the last
     (`zero.working_bytes`; the search bounds every stage by the last one's, the larger).
     """
@@ -359,20 +364,14 @@ def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: S
     `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`;
     `last` False: in a micro-batch's backward before the last (`zero.working_bytes`)."""
     extra = max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last) + max([0.0, *backward])
-    last = graph.units[-1]
-    if holds_last and last.layers and tp_loss(graph, par, tp) == VOCAB_PARALLEL:
-        # The loss on this rank's vocabulary columns (`partc.collectives.vocab_parallel_cross_entropy`), nothing
-        # gathered. Its peak, in its own backward, comes before any unit's backward: no recomputation, unit
-        # gradient or ZeRO reduction yet, only ZeRO-3's gathered units beside it. The larger of the two moments.
-        head = graph.layers[last.layers[-1]]
-        local = head.out_bytes / compute_bytes(par.precision) * tokens(par) / par.tp
-        gathered = compute_bytes(par.precision) * sum(sorted(sizes, reverse=True)[:2]) if par.zero == 3 else 0.0
-        return max(extra, vocab_loss_bytes(par.precision) * local + gathered)
-    if holds_last and last.layers:
-        head = graph.layers[last.layers[-1]]
-        logits = head.out_bytes / compute_bytes(par.precision) * tokens(par)
-        extra += LOSS_BYTES * logits
-        if par.tp > 1 and style_of(tp, head.fqn) == "colwise":
-            # the head's output gathered whole: the all-gather's parts, besides the concatenated logits
-            extra += compute_bytes(par.precision) * logits
-    return extra
+    last_unit = graph.units[-1]
+    if not (holds_last and last_unit.layers):
+        return extra
+    # The loss's own moment (`stage_extra_bytes`), before any unit's backward: nothing else of the list above is
+    # held beside it.
+    c = compute_bytes(par.precision)
+    logits = graph.layers[last_unit.layers[-1]].out_bytes / c * tokens(par)
+    if tp_loss(graph, par, tp) == VOCAB_PARALLEL:  # this rank's vocabulary columns, nothing gathered
+        # (`partc.collectives.vocab_parallel_cross_entropy`)
+        return max(extra, vocab_loss_bytes(par.precision) * logits / par.tp)
+    return max(extra, (c + LOSS_BYTES) * logits)

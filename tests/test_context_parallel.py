@@ -297,3 +297,62 @@ def test_trains_like_one_process(runs, name):
         plan = json.loads((tmp / name / "plan.json").read_text())
         assert plan["parallel"]["sequence_parallel"] and "sequence_parallel_gathers" not in plan["model"]
         assert got["replica_diff"] == 0.0  # the norms, applied to each rank's part, stay identical over tp
+
+
+LOSS_BOUND_LLAMA = """
+import importlib.util
+import sys
+
+import torch
+
+_spec = importlib.util.spec_from_file_location("partc_example_llama", {llama!r})
+_llama = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _llama
+_spec.loader.exec_module(_llama)
+CONFIG = _llama.LlamaConfig(vocab_size=4096, seq_len=512, hidden=128, heads=4, kv_heads=2, layers=2, ffn_hidden=256)
+
+
+def model():
+    return _llama.Llama(CONFIG)
+
+
+def example_inputs(batch_size):
+    return (torch.randint(0, CONFIG.vocab_size, (batch_size, CONFIG.seq_len)),)
+
+
+def example_targets(batch_size):
+    return torch.randint(0, CONFIG.vocab_size, (batch_size, CONFIG.seq_len))
+
+
+loss_fn = _llama.loss_fn
+"""
+
+
+@pytest.fixture(scope="module")
+def loss_bound_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("loss_bound") / "llama_wide_vocab.py"
+    path.write_text(LOSS_BOUND_LLAMA.format(llama=str(EXAMPLES / "llama.py")))
+    return path
+
+
+@pytest.mark.parametrize("tp, vocab_parallel", [(1, True), (2, True), (2, False)])
+def test_check_agrees_on_the_loss_moment(tmp_path, loss_bound_llama, tp, vocab_parallel):
+    """The shape of LLaMA-3.1 8B's searched 128K plan (dp 16, cp 4, ZeRO-3 over dp x cp, full recomputation, tp 1,
+    the loss on the only stage) in small: the bundled LLaMA with a vocabulary 32 times its width, cp 2 x dp 2,
+    bf16, where the loss's peak is most of the activations. `partc check` measures the plan's activations within
+    a few percent: the loss's peak is a moment of its own (`partc.passes.memory.stage_extra_bytes`), the logits
+    and their log-probabilities and gradients with no block's recomputation, unit gradient or ZeRO-3 gathered unit
+    beside it (the plan added those to it at tp 1, 25% over; and at tp 2 the vocab-parallel loss's two gathered
+    units, 10% over). Also at tp 2, whether the loss runs on the vocabulary shards or on the logits gathered."""
+    from helpers import compile_program
+
+    styles = (lambda f, s: megatron_style(f, vocab=True) or "replicate") if tp > 1 else None
+    compile_program(loss_bound_llama, tmp_path / "out", global_batch_size=4, tp_styles=styles,
+                    vocab_parallel_loss=vocab_parallel, cp=2, dp=2, tp=tp, pp=1, zero=3, micro_batch_size=1,
+                    recompute="full", precision="bf16")
+    (rank,) = check_program(str(tmp_path / "out"))
+    rows = {row.what: row for row in rank.rows()}
+    assert rows["memory activations"].predicted > 3 * rank.memory_bytes["params"]  # the loss dominates
+    for what in ("memory activations", "memory peak"):
+        assert abs(rows[what].error) < 0.01, rows[what].to_dict()
+    assert all(row.agrees for row in rows.values()), [r.to_dict() for r in rows.values() if not r.agrees]

@@ -62,10 +62,10 @@ def test_small_1t_takes_the_split_embedding_for_its_memory():
     assert after.tp.why["tok"].startswith("memory: ")
     assert after.step_time_s < 0.9 * before.step_time_s
     # Balanced stages: the replicated embedding leaves the first stage no room for a block, so the others take
-    # five each; split, it takes three and the others three or four.
+    # five each; split, it takes three and the others at most four.
     blocks = lambda c: [sum(g.units[u].kind == "block" for u in range(lo, hi)) for lo, hi in c.bounds]  # noqa
     assert blocks(before)[0] == 0 and max(blocks(before)) == 5
-    assert blocks(after)[0] >= 3 and max(blocks(after)) == 4
+    assert blocks(after)[0] >= 3 and max(blocks(after)) <= 4
     assert max(r.time_s for r in before.prediction.ranks) > 1.2 * max(r.time_s for r in after.prediction.ranks)
     # Memory is the reason: the least-time styles do not fit on the joint plan's split.
     moved = assemble.predict(g, clus, before.parallel, before.tp, after.bounds)
@@ -77,7 +77,7 @@ CASES = {  # (memory GiB, GPUs, pins): the least-time styles lose or do not fit 
     "pinned-0.9": (0.9, 8, PINS),  # the least-time styles fit no split
     "tp2-free-rest": (1.0, 8, Pins(tp=2)),
     "free-4": (1.4, 4, Pins(micro_batch_size=1)),  # only the split embedding fits
-    "free-8": (1.0, 8, Pins(micro_batch_size=1)),
+    "free-8": (0.9, 8, Pins(micro_batch_size=1)),  # the least-time styles fit no plan
 }
 
 
