@@ -205,7 +205,7 @@ def test_the_search_s_sequence_parallel_program_is_the_one_written(tmp_path, mon
 
     monkeypatch.setattr(compile_module, "make_program", counted)
     monkeypatch.setattr(search_module, "sequence_parallel_choices",
-                        lambda graph, tp, pins: (pins.sequence_parallel,) if pins.sequence_parallel is not None
+                        lambda graph, tp, pins, cp=1: (pins.sequence_parallel,) if pins.sequence_parallel is not None
                         else (tp > 1,))
     out = tmp_path / "gpt"
     result = compile_model(str(EXAMPLES / "gpt.py"), gpus=2, pins=Pins(tp=2, precision="fp32"),
