@@ -70,6 +70,16 @@ def _check_processes_for_the_session():
     processes.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server_for_the_session():
+    """The launches of `helpers.run_jobs` fork their ranks from one server a test process (zygote.py), started on
+    the first launch; it leaves with the session."""
+    import helpers
+
+    yield
+    helpers.ZYGOTE.close()
+
+
 @pytest.fixture(autouse=True)
 def _tiny_examples(monkeypatch):
     """examples/gpt.py and examples/llama.py at their tiny size, whatever the environment says (a test may still

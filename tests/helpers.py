@@ -21,6 +21,7 @@ from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import MESH_AXES
 from partc.passes.tp import MEGATRON_VOCAB, megatron_style  # noqa: F401 (re-exported)
 from partc.passes.trace import trace
+from zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -193,15 +194,36 @@ def torchrun(nproc: int, args: list[str], *, env: dict | None = None, check: boo
     return res
 
 
+ZYGOTE = Zygote()
+"""This test process's fork server (zygote.py), started on the first `launch` (conftest.py closes it)."""
+
+
+def launch(nproc: int, args: list[str], *, env: dict | None = None, check: bool = True,
+           timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`nproc` ranks of ``python ARGS`` forked from this process's fork server (zygote.py) with torchrun's
+    environment and store, as `torchrun` would run them, without a launcher process or an interpreter start and
+    torch import per rank: for tests of what the ranks compute. A test of torchrun's own behaviour (its error
+    file, its summary) uses `torchrun`."""
+    res = ZYGOTE.launch(nproc, args, env=env, timeout=timeout)
+    if res["timed_out"]:
+        pytest.fail(f"launch of {nproc} ranks timed out after {timeout}s:\n{res['output'][-5000:]}")
+    if check and res["returncode"] != 0:
+        pytest.fail(f"launch of {nproc} ranks failed (exit codes by rank {res['exits']}):\n{res['output'][-8000:]}")
+    return subprocess.CompletedProcess(["launch", str(nproc), *args], res["returncode"], res["output"], "")
+
+
 def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:
-    """Run `partc.runtime.testing` jobs in one torchrun launch of `nproc` ranks."""
+    """Run `partc.runtime.testing` jobs in one launch of `nproc` ranks (`launch`; with
+    ``PARTC_TEST_LAUNCHER=torchrun`` in the environment, under real torchrun instead: the same jobs, the same
+    assertions, to compare)."""
     path = tmp / f"jobs_{nproc}.json"
     path.write_text(json.dumps(jobs))
-    torchrun(nproc, ["-m", "partc.runtime.testing", str(path)])
+    (torchrun if os.environ.get("PARTC_TEST_LAUNCHER") == "torchrun" else launch)(
+        nproc, ["-m", "partc.runtime.testing", str(path)])
 
 
 class CheckProcesses:
-    """Spawned processes for `partc.runtime.check.check_program` kept for the session (conftest.py swaps them in
+    """Processes for `partc.runtime.check.check_program` kept for the session (conftest.py swaps them in
     for ``partc.runtime.check._processes``): a check process imports torch and partc's runtime (about 4 CPU
     seconds) before it checks a tiny program's ranks in about as long. A process checks one rank after another
     whatever the test, as it does within one `check_program` call; each submitted check runs under the caller's
@@ -216,7 +238,11 @@ class CheckProcesses:
 
         pool = self.pools.get(workers)
         if pool is None or getattr(pool, "_broken", False):  # a process died: start them again
-            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            # Forked from multiprocessing's fork server, which imports partc's check once (it runs no torch
+            # operation itself): fresh processes, as check_program's spawned ones, without an import each.
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["partc.runtime.check", "helpers"])
+            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
             self.pools[workers] = pool
         env = {n: v for n, v in os.environ.items() if n.startswith("PARTC_")}
 
@@ -235,6 +261,10 @@ class CheckProcesses:
     def close(self) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=True, cancel_futures=True)
+        if self.pools:  # and the fork server, waited for (so its CPU time counts in this process's children's)
+            import multiprocessing.forkserver
+
+            multiprocessing.forkserver._forkserver._stop()
         self.pools.clear()
 
 
