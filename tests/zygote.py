@@ -109,6 +109,7 @@ def _run_rank(req: dict, rank: int, port: int, log_fd: int) -> None:
     code = 1
     try:
         if args[0] == "-m":
+            sys.modules.pop(args[1], None)  # preloaded here; `python -m` runs it as __main__ only
             sys.argv = [args[1], *args[2:]]
             sys.path[0] = req["cwd"]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
