@@ -5,12 +5,13 @@ ranks when one fails or the time is up, as torchrun does."""
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 import time
 
 import pytest
 
-from helpers import ZYGOTE, launch
+from helpers import ZYGOTE, launch, run_in_session
 
 pytestmark = pytest.mark.slow  # forks gloo ranks
 
@@ -66,3 +67,21 @@ def test_launch_is_torchrun_without_a_launcher(tmp_path):
 
     reply = ZYGOTE.launch(2, [str(worker), str(out)], env={"FAIL_RANK": "5"}, timeout=5)  # every rank hangs
     assert reply["timed_out"] and reply["returncode"] != 0 and set(reply["exits"].values()) == {-9}
+
+
+def test_python_dash_m_in_a_session_is_forked_as_a_fresh_process(tmp_path, monkeypatch):
+    """`helpers.run_in_session` forks ``python -m MODULE`` from the server: stdout and stderr apart or joined in
+    order, the exit code, the environment asked for and none of torchrun's, the current directory's modules."""
+    (tmp_path / "probe_mod.py").write_text(textwrap.dedent("""
+        import os, sys
+        print("out", os.environ.get("PROBE"), "RANK" in os.environ, "MASTER_PORT" in os.environ, flush=True)
+        print("err", sys.argv[1:], file=sys.stderr, flush=True)
+        print("out again", flush=True)
+        raise SystemExit(4)
+    """))
+    monkeypatch.chdir(tmp_path)
+    apart = run_in_session("probe", [sys.executable, "-m", "probe_mod", "a"], env={"PROBE": "x"}, timeout=60,
+                           stderr_apart=True)
+    assert (apart.returncode, apart.stdout, apart.stderr) == (4, "out x False False\nout again\n", "err ['a']\n")
+    joined = run_in_session("probe", [sys.executable, "-m", "probe_mod"], env=None, timeout=60)
+    assert (joined.returncode, joined.stdout) == (4, "out None False False\nerr []\nout again\n")

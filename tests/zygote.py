@@ -89,21 +89,26 @@ def _serve_store(port_w: int) -> None:
 
 
 def _run_rank(req: dict, rank: int, port: int, log_fd: int) -> None:
-    """A rank: torchrun's environment, then ``python -m MODULE ARGS`` / ``python SCRIPT ARGS``."""
+    """A rank: torchrun's environment, then ``python ARGS``."""
+    n = req["nproc"]
+    _run(req, log_fd, log_fd, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+         ROLE_NAME="default", WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), GROUP_WORLD_SIZE="1",
+         ROLE_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+         TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=f"zygote-{port}", TORCHELASTIC_USE_AGENT_STORE="True")
+
+
+def _run(req: dict, out_fd: int, err_fd: int, **more_env: str) -> None:
+    """``python -m MODULE ARGS`` / ``python SCRIPT ARGS`` (``req["args"]``) in this forked process, under
+    ``req["env"]`` and `more_env`, in ``req["cwd"]``; leaves with its exit code."""
     import runpy
 
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
     os.environ.clear()
     os.environ.update(req["env"])
-    n = req["nproc"]
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
-                      WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(n),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
-                      TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=f"zygote-{port}",
-                      TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(more_env)
     os.chdir(req["cwd"])
     args = req["args"]
     code = 1
@@ -129,6 +134,33 @@ def _run_rank(req: dict, rank: int, port: int, log_fd: int) -> None:
             except Exception:
                 pass
         os._exit(code)
+
+
+def run_process(req: dict) -> dict:
+    """Run one process (``{"args", "env", "cwd", "timeout", "join"}``) as ``python ARGS`` would, with no launcher
+    variables; returns ``{"returncode", "timed_out", "stdout", "stderr"}`` (with "join", stderr is in stdout, in
+    the order written, and "stderr" is empty)."""
+    out = tempfile.TemporaryFile()
+    err = out if req.get("join") else tempfile.TemporaryFile()
+    pid = _fork_child(lambda: _run(req, out.fileno(), err.fileno()))
+    deadline = time.monotonic() + req["timeout"]
+    timed_out = False
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if not timed_out and time.monotonic() > deadline:
+            timed_out = True
+            _kill([pid])
+        time.sleep(0.02)
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append("" if f is out and err is out and texts else f.read().decode(errors="replace")[-OUTPUT_TAIL:])
+    out.close()
+    err.close()
+    return {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "stdout": texts[0],
+            "stderr": texts[1]}
 
 
 def _kill(pids) -> None:
@@ -200,7 +232,8 @@ def serve() -> None:
     replies.flush()
     for line in requests:
         try:
-            reply = launch(json.loads(line))
+            req = json.loads(line)
+            reply = launch(req) if "nproc" in req else run_process(req)
         except Exception:
             reply = {"returncode": 1, "timed_out": False, "exits": {}, "output": traceback.format_exc()}
         replies.write(json.dumps(reply) + "\n")
@@ -230,9 +263,15 @@ class Zygote:
     def launch(self, nproc: int, args: list[str], *, env: dict | None, timeout: float) -> dict:
         """Launch `nproc` ranks of ``python ARGS`` (as ``torchrun --nproc-per-node NPROC ARGS`` does) under this
         process's environment, updated by `env`, with one thread a process; see `launch`."""
+        return self._ask({"nproc": nproc, "args": list(args), "cwd": os.getcwd(), "timeout": timeout,
+                          "env": {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}})
+
+    def run(self, args: list[str], *, env: dict, timeout: float, join: bool) -> dict:
+        """One process of ``python ARGS`` under exactly `env` (see `run_process`)."""
+        return self._ask({"args": list(args), "cwd": os.getcwd(), "timeout": timeout, "env": env, "join": join})
+
+    def _ask(self, req: dict) -> dict:
         proc = self._start()
-        req = {"nproc": nproc, "args": list(args), "cwd": os.getcwd(), "timeout": timeout,
-               "env": {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}}
         proc.stdin.write(json.dumps(req) + "\n")
         proc.stdin.flush()
         line = proc.stdout.readline()
