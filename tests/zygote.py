@@ -43,6 +43,10 @@ A module that fails to import is left to the ranks (they then fail as they would
 _replies_fd: int | None = None
 """The server's end of the replies pipe (closed in the children, so the client sees the server leave)."""
 
+STOP_AFTER_S, KILL_AFTER_S = 0.1, 10.0
+"""When a rank fails, the others get SIGTERM this long after (torchrun's agent notices a failed worker within its
+monitor interval, 0.1 s), and SIGKILL if they are still there (the agent's grace period is longer: 30 s)."""
+
 OUTPUT_TAIL = 60_000
 """The characters of a launch's output sent back (the end of it)."""
 
@@ -163,10 +167,10 @@ def run_process(req: dict) -> dict:
             "stderr": texts[1]}
 
 
-def _kill(pids) -> None:
+def _kill(pids, sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(pid, sig)
         except ProcessLookupError:
             pass
 
@@ -190,22 +194,31 @@ def launch(req: dict) -> dict:
     first_failure = None
     timed_out = False
     deadline = time.monotonic() + req["timeout"]
+    stop_at = kill_at = None  # after a failure: when the others get SIGTERM, then SIGKILL
     while len(exits) < len(ranks):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            left = [p for p, r in ranks.items() if r not in exits]
+            if now > deadline:
                 timed_out = True
-                _kill([p for p, r in ranks.items() if r not in exits])
+                _kill(left)
                 deadline = float("inf")
+            elif stop_at is not None and now > stop_at:
+                _kill(left, signal.SIGTERM)
+                stop_at = None
+            elif kill_at is not None and now > kill_at:
+                _kill(left)
+                kill_at = None
             time.sleep(0.02)
             continue
         if pid not in ranks:
             continue  # the store process, which should not leave first
         code = os.waitstatus_to_exitcode(status)
         exits[ranks[pid]] = code
-        if code != 0 and first_failure is None:  # torchrun stops the others
+        if code != 0 and first_failure is None:  # torchrun stops the others: SIGTERM, then SIGKILL
             first_failure = code
-            _kill([p for p, r in ranks.items() if r not in exits])
+            stop_at, kill_at = time.monotonic() + STOP_AFTER_S, time.monotonic() + KILL_AFTER_S
     _kill([store])
     os.waitpid(store, 0)
     log.seek(0)
