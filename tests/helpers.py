@@ -170,23 +170,23 @@ ZYGOTE = Zygote()
 """This test process's fork server (zygote.py), started on the first `launch` (conftest.py closes it)."""
 
 
-def run_in_session(what: str, cmd: list[str], *, env: dict | None, timeout: float,
-                   stderr_apart: bool = False) -> subprocess.CompletedProcess:
+def run_in_session(what: str, cmd: list[str], *, env: dict | None, timeout: float, stderr_apart: bool = False,
+                   cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`cmd` (`what`, for the failure) in its own session, so a hang kills every process it started (not only the
     first), with one thread a process; the test fails after `timeout` seconds. stderr joins stdout unless
-    `stderr_apart`. A ``python -m MODULE`` command is forked from the fork server (zygote.py), which has torch and
+    `stderr_apart`; in `cwd` (default: the current directory). A ``python -m MODULE`` command is forked from the fork server (zygote.py), which has torch and
     partc imported: the process then starts what it starts (torchrun's agent, its ranks) as it would from a fresh
     interpreter."""
     if cmd[0] == sys.executable and cmd[1] == "-m" and os.environ.get("PARTC_TEST_LAUNCHER") != "torchrun":
         res = ZYGOTE.run(cmd[1:], env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout,
-                         join=not stderr_apart)
+                         join=not stderr_apart, cwd=cwd)
         if res["timed_out"]:
             tail = f"{res['stdout'][-3000:]}\n{res['stderr'][-3000:]}" if stderr_apart else res["stdout"][-5000:]
             pytest.fail(f"{what} timed out after {timeout}s:\n{tail}")
         return subprocess.CompletedProcess(cmd, res["returncode"], res["stdout"], res["stderr"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

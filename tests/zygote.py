@@ -279,9 +279,11 @@ class Zygote:
         return self._ask({"nproc": nproc, "args": list(args), "cwd": os.getcwd(), "timeout": timeout,
                           "env": {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}})
 
-    def run(self, args: list[str], *, env: dict, timeout: float, join: bool) -> dict:
-        """One process of ``python ARGS`` under exactly `env` (see `run_process`)."""
-        return self._ask({"args": list(args), "cwd": os.getcwd(), "timeout": timeout, "env": env, "join": join})
+    def run(self, args: list[str], *, env: dict, timeout: float, join: bool, cwd=None) -> dict:
+        """One process of ``python ARGS`` under exactly `env`, in `cwd` (default: the current directory); see
+        `run_process`."""
+        return self._ask({"args": list(args), "cwd": str(cwd or os.getcwd()), "timeout": timeout, "env": env,
+                          "join": join})
 
     def _ask(self, req: dict) -> dict:
         proc = self._start()
