@@ -174,9 +174,9 @@ def run_in_session(what: str, cmd: list[str], *, env: dict | None, timeout: floa
                    cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`cmd` (`what`, for the failure) in its own session, so a hang kills every process it started (not only the
     first), with one thread a process; the test fails after `timeout` seconds. stderr joins stdout unless
-    `stderr_apart`; in `cwd` (default: the current directory). A ``python -m MODULE`` command is forked from the fork server (zygote.py), which has torch and
-    partc imported: the process then starts what it starts (torchrun's agent, its ranks) as it would from a fresh
-    interpreter."""
+    `stderr_apart`; in `cwd` (default: the current directory). A ``python -m MODULE`` command is forked from the
+    fork server (zygote.py), which has torch and partc imported: the process then starts what it starts
+    (torchrun's agent, its ranks) as it would from a fresh interpreter."""
     if cmd[0] == sys.executable and cmd[1] == "-m" and os.environ.get("PARTC_TEST_LAUNCHER") != "torchrun":
         res = ZYGOTE.run(cmd[1:], env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout,
                          join=not stderr_apart, cwd=cwd)
@@ -212,7 +212,10 @@ def launch(nproc: int, args: list[str], *, env: dict | None = None, check: bool 
     """`nproc` ranks of ``python ARGS`` forked from this process's fork server (zygote.py) with torchrun's
     environment and store, as `torchrun` would run them, without a launcher process or an interpreter start and
     torch import per rank: for tests of what the ranks compute. A test of torchrun's own behaviour (its error
-    file, its summary) uses `torchrun`."""
+    file, its summary) uses `torchrun`. With ``PARTC_TEST_LAUNCHER=torchrun`` in the environment, this is
+    `torchrun` (the same ranks, the same assertions: to compare)."""
+    if os.environ.get("PARTC_TEST_LAUNCHER") == "torchrun":
+        return torchrun(nproc, args, env=env, check=check, timeout=timeout)
     res = ZYGOTE.launch(nproc, args, env=env, timeout=timeout)
     if res["timed_out"]:
         pytest.fail(f"launch of {nproc} ranks timed out after {timeout}s:\n{res['output'][-5000:]}")
@@ -222,13 +225,10 @@ def launch(nproc: int, args: list[str], *, env: dict | None = None, check: bool 
 
 
 def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:
-    """Run `partc.runtime.testing` jobs in one launch of `nproc` ranks (`launch`; with
-    ``PARTC_TEST_LAUNCHER=torchrun`` in the environment, under real torchrun instead: the same jobs, the same
-    assertions, to compare)."""
+    """Run `partc.runtime.testing` jobs in one launch of `nproc` ranks (`launch`)."""
     path = tmp / f"jobs_{nproc}.json"
     path.write_text(json.dumps(jobs))
-    (torchrun if os.environ.get("PARTC_TEST_LAUNCHER") == "torchrun" else launch)(
-        nproc, ["-m", "partc.runtime.testing", str(path)])
+    launch(nproc, ["-m", "partc.runtime.testing", str(path)])
 
 
 class CheckProcesses:

@@ -5,6 +5,7 @@ ranks when one fails or the time is up, as torchrun does."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 import time
@@ -13,7 +14,8 @@ import pytest
 
 from helpers import ZYGOTE, launch, run_in_session
 
-pytestmark = pytest.mark.slow  # forks gloo ranks
+pytestmark = [pytest.mark.slow,  # forks gloo ranks
+              pytest.mark.skipif(os.environ.get("PARTC_TEST_LAUNCHER") == "torchrun", reason="no fork server")]
 
 WORKER = """
     import json, os, sys, threading, time
