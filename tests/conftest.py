@@ -3,6 +3,11 @@
 Tiers: ``pytest -m "not slow"`` runs the fast tier (single process); plain ``pytest`` runs everything, including the
 tests marked ``slow``: torchrun / gloo launches, GPT-3 175B, the Megatron-LM calibration, and anything else over
 about 10 s. .ci/run adds ``-n 2 --dist loadgroup`` (pytest-xdist: two workers, a module's tests on one of them).
+
+Processes: each test process has a fork server (zygote.py) with torch and partc imported once. `helpers.run_jobs`
+and `helpers.launch` fork their ranks from it, with torchrun's environment and store, instead of starting
+torchrun; `helpers.run_in_session` forks ``python -m`` commands from it (`partc run` then starts real torchrun
+ranks). Tests of a fresh interpreter (hash seeds, what an import prints) use plain subprocesses.
 """
 
 from __future__ import annotations
@@ -68,6 +73,16 @@ def _check_processes_for_the_session():
         mp.setattr(partc.runtime.check, "_processes", processes)
         yield
     processes.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server_for_the_session():
+    """The launches of `helpers.run_jobs` fork their ranks from one server a test process (zygote.py), started on
+    the first launch; it leaves with the session."""
+    import helpers
+
+    yield
+    helpers.ZYGOTE.close()
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,7 @@ from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import MESH_AXES
 from partc.passes.tp import MEGATRON_VOCAB, megatron_style  # noqa: F401 (re-exported)
 from partc.passes.trace import trace
+from zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -165,14 +166,27 @@ VOCAB = MEGATRON_VOCAB["rowwise"]
 LAUNCH_TIMEOUT_S = 240
 
 
-def run_in_session(what: str, cmd: list[str], *, env: dict | None, timeout: float,
-                   stderr_apart: bool = False) -> subprocess.CompletedProcess:
+ZYGOTE = Zygote()
+"""This test process's fork server (zygote.py), started on the first `launch` (conftest.py closes it)."""
+
+
+def run_in_session(what: str, cmd: list[str], *, env: dict | None, timeout: float, stderr_apart: bool = False,
+                   cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`cmd` (`what`, for the failure) in its own session, so a hang kills every process it started (not only the
     first), with one thread a process; the test fails after `timeout` seconds. stderr joins stdout unless
-    `stderr_apart`."""
+    `stderr_apart`; in `cwd` (default: the current directory). A ``python -m MODULE`` command is forked from the
+    fork server (zygote.py), which has torch and partc imported: the process then starts what it starts
+    (torchrun's agent, its ranks) as it would from a fresh interpreter."""
+    if cmd[0] == sys.executable and cmd[1] == "-m" and os.environ.get("PARTC_TEST_LAUNCHER") != "torchrun":
+        res = ZYGOTE.run(cmd[1:], env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout,
+                         join=not stderr_apart, cwd=cwd)
+        if res["timed_out"]:
+            tail = f"{res['stdout'][-3000:]}\n{res['stderr'][-3000:]}" if stderr_apart else res["stdout"][-5000:]
+            pytest.fail(f"{what} timed out after {timeout}s:\n{tail}")
+        return subprocess.CompletedProcess(cmd, res["returncode"], res["stdout"], res["stderr"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -193,15 +207,32 @@ def torchrun(nproc: int, args: list[str], *, env: dict | None = None, check: boo
     return res
 
 
+def launch(nproc: int, args: list[str], *, env: dict | None = None, check: bool = True,
+           timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`nproc` ranks of ``python ARGS`` forked from this process's fork server (zygote.py) with torchrun's
+    environment and store, as `torchrun` would run them, without a launcher process or an interpreter start and
+    torch import per rank: for tests of what the ranks compute. A test of torchrun's own behaviour (its error
+    file, its summary) uses `torchrun`. With ``PARTC_TEST_LAUNCHER=torchrun`` in the environment, this is
+    `torchrun` (the same ranks, the same assertions: to compare)."""
+    if os.environ.get("PARTC_TEST_LAUNCHER") == "torchrun":
+        return torchrun(nproc, args, env=env, check=check, timeout=timeout)
+    res = ZYGOTE.launch(nproc, args, env=env, timeout=timeout)
+    if res["timed_out"]:
+        pytest.fail(f"launch of {nproc} ranks timed out after {timeout}s:\n{res['output'][-5000:]}")
+    if check and res["returncode"] != 0:
+        pytest.fail(f"launch of {nproc} ranks failed (exit codes by rank {res['exits']}):\n{res['output'][-8000:]}")
+    return subprocess.CompletedProcess(["launch", str(nproc), *args], res["returncode"], res["output"], "")
+
+
 def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:
-    """Run `partc.runtime.testing` jobs in one torchrun launch of `nproc` ranks."""
+    """Run `partc.runtime.testing` jobs in one launch of `nproc` ranks (`launch`)."""
     path = tmp / f"jobs_{nproc}.json"
     path.write_text(json.dumps(jobs))
-    torchrun(nproc, ["-m", "partc.runtime.testing", str(path)])
+    launch(nproc, ["-m", "partc.runtime.testing", str(path)])
 
 
 class CheckProcesses:
-    """Spawned processes for `partc.runtime.check.check_program` kept for the session (conftest.py swaps them in
+    """Processes for `partc.runtime.check.check_program` kept for the session (conftest.py swaps them in
     for ``partc.runtime.check._processes``): a check process imports torch and partc's runtime (about 4 CPU
     seconds) before it checks a tiny program's ranks in about as long. A process checks one rank after another
     whatever the test, as it does within one `check_program` call; each submitted check runs under the caller's
@@ -216,7 +247,11 @@ class CheckProcesses:
 
         pool = self.pools.get(workers)
         if pool is None or getattr(pool, "_broken", False):  # a process died: start them again
-            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            # Forked from multiprocessing's fork server, which imports partc's check once (it runs no torch
+            # operation itself): fresh processes, as check_program's spawned ones, without an import each.
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["partc.runtime.check", "helpers"])
+            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
             self.pools[workers] = pool
         env = {n: v for n, v in os.environ.items() if n.startswith("PARTC_")}
 
@@ -235,6 +270,10 @@ class CheckProcesses:
     def close(self) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=True, cancel_futures=True)
+        if self.pools:  # and the fork server, waited for (so its CPU time counts in this process's children's)
+            import multiprocessing.forkserver
+
+            multiprocessing.forkserver._forkserver._stop()
         self.pools.clear()
 
 

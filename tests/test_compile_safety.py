@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -25,7 +24,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import EXAMPLES, LAUNCH_TIMEOUT_S
+from helpers import EXAMPLES, LAUNCH_TIMEOUT_S, run_in_session
 from partc.cli.main import main as cli
 from partc.errors import PartcError
 from partc.model_file import load_model_file
@@ -200,9 +199,9 @@ def test_hostile_program_trains_under_partc_run(tmp_path):
     runs in either worker."""
     out = compile_hostile(tmp_path, HOSTILE_FILE)
     log = tmp_path / "log.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "partc.cli.main", "run", str(out), "--steps", "2", "--log-jsonl",
-                           str(log)], capture_output=True, text=True, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_in_session("partc run", [sys.executable, "-m", "partc.cli.main", "run", str(out), "--steps", "2",
+                                        "--log-jsonl", str(log)], env=None, timeout=LAUNCH_TIMEOUT_S,
+                          stderr_apart=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)
@@ -362,9 +361,9 @@ def test_a_crash_while_writing_leaves_an_output_partc_can_replace(tmp_path, tiny
     (["--gpus", "8", "--global-batch-size", str(10**30)], r"--global-batch-size must be between 1 and 16,777,216"),
 ])
 def test_absurd_counts_are_refused_at_once(tmp_path, args, pattern):
-    """A real process with a deadline: these used to list divisors for minutes."""
-    proc = subprocess.run([sys.executable, "-m", "partc.cli.main", "compile", GPT, *args, "-o", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=60)
+    """A process with a deadline (forked by `run_in_session`): these used to list divisors for minutes."""
+    proc = run_in_session("partc compile", [sys.executable, "-m", "partc.cli.main", "compile", GPT, *args, "-o",
+                                            str(tmp_path / "o")], env=None, timeout=60, stderr_apart=True)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and re.search(pattern, lines[0]), proc.stderr
     assert not (tmp_path / "o").exists()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import EXAMPLES, assert_close_losses, run_jobs, torchrun
+from helpers import EXAMPLES, assert_close_losses, launch, run_jobs
 from partc.compile import compile_model
 from partc.environ import environ
 from partc.errors import PartcError
@@ -330,8 +330,8 @@ def test_cli_trains_on_a_token_file_logs_and_resumes(byte_lm):
             "--lr", str(OPT["lr"]), "--weight-decay", str(OPT["weight_decay"]), "--lr-schedule", "cosine",
             "--warmup-steps", "5", "--lr-decay-steps", str(STEPS), "--min-lr", str(TRAIN["min_lr"]),
             "--grad-clip", "1.0", "--beta2", "0.95", "--checkpoint-dir", str(ck), "--log-jsonl", str(log)]
-    torchrun(1, [*args, "--steps", "3"])
-    out = torchrun(1, [*args, "--steps", "6", "--resume"]).stdout
+    launch(1, [*args, "--steps", "3"])
+    out = launch(1, [*args, "--steps", "6", "--resume"]).stdout
     assert "resumed from" in out and "grad norm" in out and "MFU" in out
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(6))

@@ -2,7 +2,7 @@
 
 A covering subset of pp in {1, 2, 4}, dp in {1, 2, 4}, ZeRO 0-3, the three schedules, m from 1 to 8 and the three
 recomputation modes for GPT, LLaMA and HF GPT-2, at the default precision, bf16 (not the cross product: CI has two
-cores; tests/test_runtime_tp.py adds tp). Programs of one world size run as jobs of one torchrun launch
+cores; tests/test_runtime_tp.py adds tp). Programs of one world size run as jobs of one launch
 (`partc.runtime.testing`), so start-up is paid once per launch. Each job trains from a saved state dict on the
 runtime's batches; its losses and gathered final state dict must equal `reference_run` under the same precision
 policy and micro-batches (SGD: 1e-5 relative), and every rank's collective payload in every step must equal the
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program,
-                     run_jobs, torchrun)
+                     launch, run_jobs)
 from partc.model_file import load_model_file
 from partc.runtime.materialize import build_initialized
 from partc.runtime.testing import reference_run
@@ -62,7 +62,7 @@ def save_init(model: str, path: Path, seed: int = 1234) -> dict[str, torch.Tenso
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Compile every config, run them (one torchrun launch per world size), return the results by name."""
+    """Compile every config, run them (one launch per world size), return the results by name."""
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("runtime")
     inits = {m: tmp / f"init_{m}.pt" for m in ("gpt", "llama", "hf_gpt2")}
@@ -138,7 +138,7 @@ def test_cli_kill_and_resume_under_another_plan(tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
     common = ["--steps", "5", "--init-checkpoint", str(tmp_path / "init.pt"), "--checkpoint-dir", str(ck),
               "--checkpoint-every", "2", "--log-jsonl", str(log), "--optimizer", "sgd", "--lr", "0.5"]
-    crashed = torchrun(4, ["-m", "partc.runtime", str(a), *common], env={"PARTC_FAULT_EXIT": "1:2"}, check=False)
+    crashed = launch(4, ["-m", "partc.runtime", str(a), *common], env={"PARTC_FAULT_EXIT": "1:2"}, check=False)
     assert crashed.returncode != 0
     assert sorted(p.name for p in ck.iterdir()) == ["partc-run.json", "partc-run.lock", "step-00000002"]
     lines = [json.loads(x) for x in log.read_text().splitlines()]
@@ -146,7 +146,7 @@ def test_cli_kill_and_resume_under_another_plan(tmp_path):
     assert all(x["tokens_per_s"] > 0 and x["step_time_s"] > 0 for x in lines)
 
     full = tmp_path / "full.pt"
-    done = torchrun(4, ["-m", "partc.runtime", str(b), *common, "--resume", "--save-full-state-dict", str(full)])
+    done = launch(4, ["-m", "partc.runtime", str(b), *common, "--resume", "--save-full-state-dict", str(full)])
     assert "resumed from" in done.stdout and "step 5/5" in done.stdout
     # Micro-batches of 1 sample for steps 0-1 (plan a), then of 2 (plan b): at bf16 they round differently.
     losses, mid = reference_run(str(EXAMPLES / "gpt.py"), init, steps=2, seed=0, global_batch_size=8,

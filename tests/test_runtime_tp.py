@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program,
-                     megatron_style, run_jobs, torchrun, write_hf_model)
+                     launch, megatron_style, run_jobs, write_hf_model)
 from partc.model_file import load_model_file
 from partc.runtime.materialize import build_initialized
 from partc.runtime.testing import reference_run
@@ -114,7 +114,7 @@ def reference(name: str, tmp: Path, init: dict, *, steps: int = STEPS, **opt) ->
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Compile every config and run them: one torchrun launch per world size (2, 4, 8 ranks)."""
+    """Compile every config and run them: one launch per world size (2, 4, 8 ranks)."""
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("runtime_tp")
     inits = {}
@@ -222,9 +222,9 @@ def test_cli_tp_init_checkpoint_and_full_state_dict(runs, tmp_path):
     init = torch.load(inits["gpt"], weights_only=True)
     save_file(init, str(tmp_path / "init.safetensors"))
     full, log = tmp_path / "full.pt", tmp_path / "log.jsonl"
-    done = torchrun(2, ["-m", "partc.runtime", str(outs["gpt_tp2"]), "--steps", "2", "--optimizer", "sgd",
-                        "--lr", "0.5", "--init-checkpoint", str(tmp_path / "init.safetensors"),
-                        "--log-jsonl", str(log), "--save-full-state-dict", str(full)])
+    done = launch(2, ["-m", "partc.runtime", str(outs["gpt_tp2"]), "--steps", "2", "--optimizer", "sgd",
+                      "--lr", "0.5", "--init-checkpoint", str(tmp_path / "init.safetensors"),
+                      "--log-jsonl", str(log), "--save-full-state-dict", str(full)])
     assert done.returncode == 0 and "step 2/2" in done.stdout
     losses, state = reference("gpt_tp2", tmp, init)
     assert_close_losses([json.loads(x)["loss"] for x in log.read_text().splitlines()], losses)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import assert_close_losses, assert_close_states, run_jobs
+from helpers import assert_close_losses, assert_close_states, run_in_session, run_jobs
 from partc.cluster import PRESETS
 from partc.compile import compile_model
 from partc.errors import PartcError, article, first_line
@@ -144,8 +143,8 @@ def test_wrong_input_width_prints_one_line(tmp_path):
     path = write_user_model(tmp_path, "no_grad")
     text = open(path).read().replace("torch.randn(batch_size, 8)", "torch.randn(batch_size, 9)")
     open(path, "w").write(text)
-    proc = subprocess.run([sys.executable, "-m", "partc.cli.main", "compile", path, "--gpus", "1", "-o",
-                           str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    proc = run_in_session("partc compile", [sys.executable, "-m", "partc.cli.main", "compile", path, "--gpus", "1",
+                                            "-o", str(tmp_path / "out")], env=None, timeout=300, stderr_apart=True)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and proc.stdout == "", proc.stderr
     assert "in module fc1" in lines[0] and "shapes of example_inputs do not fit" in lines[0], lines[0]
