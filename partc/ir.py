@@ -157,6 +157,10 @@ class Unit:
     the unit's causal attention (whole sequence; the first before grouped-query attention repeats their heads):
     what context parallelism all-gathers over cp, split over tp where that layer is colwise
     (`partc.passes.cost.cp_bytes`), and what attention then saves for backward."""
+    cp_out: list[tuple[int, str]] = field(default_factory=list)
+    """(bytes per sample, the layer that made its queries) of the output of each causal attention of the unit
+    (whole sequence): under context parallelism the program keeps it twice (`partc.passes.memory._cp_saved_bytes`),
+    split over tp where that layer is colwise."""
     input_bytes: int = 0
     """Bytes of activations entering the unit: what full recomputation keeps per micro-batch."""
     memory_bytes: int = 0

@@ -198,11 +198,16 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str, sequen
 def _cp_saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
     """Under context parallelism, what attention saves beyond its share of the trace: the keys and values of the
     whole sequence it was given (gathered, and repeated for grouped-query attention) rather than this rank's
-    s/cp tokens of them."""
+    s/cp tokens of them; and its output a second time. A fused kernel's output is laid out [b, s, heads, d], so
+    the output projection's input (heads and d merged) is a view of it and the trace saves one tensor; under cp
+    each query chunk's kernel saves its own output and `cp_attention` concatenates them in a new tensor, which the
+    output projection saves: one more [s/cp, h/t] a block and micro-batch (`tests/test_context_parallel.py`)."""
     if par.cp == 1:
         return 0.0
-    return sum(post / (par.tp if style_of(tp, layer) == "colwise" else 1)
-               for _, layer, post in unit.cp_kv) * par.micro_batch_size * (1 - 1 / par.cp)
+    split = lambda layer: par.tp if style_of(tp, layer) == "colwise" else 1  # noqa: E731
+    kv = sum(post / split(layer) for _, layer, post in unit.cp_kv) * (1 - 1 / par.cp)
+    out = sum(nbytes / split(layer) for nbytes, layer in unit.cp_out) / par.cp
+    return (kv + out) * par.micro_batch_size
 
 
 def in_flight(par: Parallel, rank: int) -> float:

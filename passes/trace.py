@@ -162,6 +162,10 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
                 while src not in a.node_layer and src.all_input_nodes:  # the layer that made it (a projection)
                     src = src.all_input_nodes[0]
                 unit.cp_kv.append((val_bytes(x), a.node_layer.get(src, ""), val_bytes(given)))
+            src = n.args[0]
+            while src not in a.node_layer and src.all_input_nodes:  # the query's projection
+                src = src.all_input_nodes[0]
+            unit.cp_out.append((val_bytes(n), a.node_layer.get(src, "")))
         flops = sum(g.flops for g in st.gemms) + st.conv_flops
         saved = sum(b for _, b, _ in st.saved)
         unit.fwd_flops += flops

@@ -14,6 +14,7 @@ job trains with SGD in fp32 from a saved state dict; its losses and gathered sta
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -356,3 +357,47 @@ def test_check_agrees_on_the_loss_moment(tmp_path, loss_bound_llama, tp, vocab_p
     for what in ("memory activations", "memory peak"):
         assert abs(rows[what].error) < 0.01, rows[what].to_dict()
     assert all(row.agrees for row in rows.values()), [r.to_dict() for r in rows.values() if not r.agrees]
+
+
+def _llama_cut(layers: int) -> str:
+    """examples/llama.py at 512 tokens, h 128, 4 query heads a key/value head (LLaMA-3 8B's grouping), a small
+    vocabulary, `layers` blocks."""
+    return textwrap.dedent(f"""
+        import importlib.util
+        import sys
+
+        _spec = importlib.util.spec_from_file_location("partc_example_llama_cp{layers}", {str(EXAMPLES / "llama.py")!r})
+        llama = importlib.util.module_from_spec(_spec)
+        sys.modules[_spec.name] = llama
+        _spec.loader.exec_module(llama)
+        C = llama.LlamaConfig(vocab_size=64, seq_len=512, hidden=128, heads=4, kv_heads=1, layers={layers},
+                              ffn_hidden=352)
+
+        def model():
+            return llama.Llama(C)
+
+        def example_inputs(batch_size):
+            import torch
+            return (torch.randint(0, C.vocab_size, (batch_size, C.seq_len)),)
+
+        loss_fn = llama.loss_fn
+    """)
+
+
+def test_plan_prices_what_a_cp_block_keeps(tmp_path):
+    """cp 2, bf16, no recomputation: what a block keeps a micro-batch, measured by `partc check` as the difference
+    between the model cut to 1 and to 2 blocks, is what the plan charges (within 1%): beyond the trace's share, the
+    whole sequence's repeated keys and values and the attention's output a second time (each query chunk's kernel
+    saves its own, the output projection their concatenation: one [s/cp, h] tensor, 6% of this block)."""
+    block = {}
+    for layers in (1, 2):
+        path = tmp_path / f"llama_{layers}.py"
+        path.write_text(_llama_cut(layers))
+        compile_model(str(path), gpus=2, global_batch_size=1, out_dir=tmp_path / f"out{layers}",
+                      pins=Pins(cp=2, dp=1, tp=1, pp=1, micro_batch_size=1, precision="bf16", recompute="none",
+                                zero=0))
+        (rank,) = check_program(str(tmp_path / f"out{layers}"), slack_bytes=0)
+        (row,) = [r for r in rank.rows() if r.what == "memory activations"]
+        block[layers] = (row.predicted, row.measured)
+    predicted, measured = (block[2][i] - block[1][i] for i in (0, 1))
+    assert measured == pytest.approx(predicted, rel=0.01), (predicted / 2**20, measured / 2**20)
