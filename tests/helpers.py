@@ -224,6 +224,39 @@ def launch(nproc: int, args: list[str], *, env: dict | None = None, check: bool 
     return subprocess.CompletedProcess(["launch", str(nproc), *args], res["returncode"], res["output"], "")
 
 
+def llama_variant(path: Path, config: str, *, targets: bool = False) -> Path:
+    """Write at `path` a model file of examples/llama.py at another size: `config` is its `LlamaConfig`'s keyword
+    arguments as text; `targets` adds `example_targets`."""
+    text = f"""
+import importlib.util
+import sys
+
+import torch
+
+_spec = importlib.util.spec_from_file_location("partc_example_llama_{path.stem}", {str(EXAMPLES / "llama.py")!r})
+llama = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = llama
+_spec.loader.exec_module(llama)
+C = llama.LlamaConfig({config})
+
+
+def model():
+    return llama.Llama(C)
+
+
+def example_inputs(batch_size):
+    return (torch.randint(0, C.vocab_size, (batch_size, C.seq_len)),)
+"""
+    if targets:
+        text += """
+
+def example_targets(batch_size):
+    return torch.randint(0, C.vocab_size, (batch_size, C.seq_len))
+"""
+    path.write_text(text + "\n\nloss_fn = llama.loss_fn\n")
+    return path
+
+
 def run_jobs(nproc: int, jobs: list[dict], tmp: Path) -> None:
     """Run `partc.runtime.testing` jobs in one launch of `nproc` ranks (`launch`)."""
     path = tmp / f"jobs_{nproc}.json"

@@ -14,14 +14,13 @@ job trains with SGD in fp32 from a saved state dict; its losses and gathered sta
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program,
-                     megatron_style, run_jobs, write_hf_model)
+                     llama_variant, megatron_style, run_jobs, write_hf_model)
 from partc.collectives import cp_rank_positions
 from partc.compile import compile_model
 from partc.errors import PartcError
@@ -300,40 +299,10 @@ def test_trains_like_one_process(runs, name):
         assert got["replica_diff"] == 0.0  # the norms, applied to each rank's part, stay identical over tp
 
 
-LOSS_BOUND_LLAMA = """
-import importlib.util
-import sys
-
-import torch
-
-_spec = importlib.util.spec_from_file_location("partc_example_llama", {llama!r})
-_llama = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = _llama
-_spec.loader.exec_module(_llama)
-CONFIG = _llama.LlamaConfig(vocab_size=4096, seq_len=512, hidden=128, heads=4, kv_heads=2, layers=2, ffn_hidden=256)
-
-
-def model():
-    return _llama.Llama(CONFIG)
-
-
-def example_inputs(batch_size):
-    return (torch.randint(0, CONFIG.vocab_size, (batch_size, CONFIG.seq_len)),)
-
-
-def example_targets(batch_size):
-    return torch.randint(0, CONFIG.vocab_size, (batch_size, CONFIG.seq_len))
-
-
-loss_fn = _llama.loss_fn
-"""
-
-
 @pytest.fixture(scope="module")
 def loss_bound_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("loss_bound") / "llama_wide_vocab.py"
-    path.write_text(LOSS_BOUND_LLAMA.format(llama=str(EXAMPLES / "llama.py")))
-    return path
+    return llama_variant(tmp_path_factory.mktemp("loss_bound") / "llama_wide_vocab.py", "vocab_size=4096, seq_len=512, "
+                         "hidden=128, heads=4, kv_heads=2, layers=2, ffn_hidden=256", targets=True)
 
 
 @pytest.mark.parametrize("tp, vocab_parallel", [(1, True), (2, True), (2, False)])
@@ -359,31 +328,6 @@ def test_check_agrees_on_the_loss_moment(tmp_path, loss_bound_llama, tp, vocab_p
     assert all(row.agrees for row in rows.values()), [r.to_dict() for r in rows.values() if not r.agrees]
 
 
-def _llama_cut(layers: int) -> str:
-    """examples/llama.py at 512 tokens, h 128, 4 query heads a key/value head (LLaMA-3 8B's grouping), a small
-    vocabulary, `layers` blocks."""
-    return textwrap.dedent(f"""
-        import importlib.util
-        import sys
-
-        _spec = importlib.util.spec_from_file_location("partc_example_llama_cp{layers}", {str(EXAMPLES / "llama.py")!r})
-        llama = importlib.util.module_from_spec(_spec)
-        sys.modules[_spec.name] = llama
-        _spec.loader.exec_module(llama)
-        C = llama.LlamaConfig(vocab_size=64, seq_len=512, hidden=128, heads=4, kv_heads=1, layers={layers},
-                              ffn_hidden=352)
-
-        def model():
-            return llama.Llama(C)
-
-        def example_inputs(batch_size):
-            import torch
-            return (torch.randint(0, C.vocab_size, (batch_size, C.seq_len)),)
-
-        loss_fn = llama.loss_fn
-    """)
-
-
 def test_plan_prices_what_a_cp_block_keeps(tmp_path):
     """cp 2, bf16, no recomputation: what a block keeps a micro-batch, measured by `partc check` as the difference
     between the model cut to 1 and to 2 blocks, is what the plan charges (within 1%): beyond the trace's share, the
@@ -391,8 +335,9 @@ def test_plan_prices_what_a_cp_block_keeps(tmp_path):
     saves its own, the output projection their concatenation: one [s/cp, h] tensor, 6% of this block)."""
     block = {}
     for layers in (1, 2):
-        path = tmp_path / f"llama_{layers}.py"
-        path.write_text(_llama_cut(layers))
+        # examples/llama.py at 512 tokens, h 128, 4 query heads a key/value head (LLaMA-3 8B's grouping)
+        path = llama_variant(tmp_path / f"llama_{layers}.py", "vocab_size=64, seq_len=512, hidden=128, heads=4, "
+                             f"kv_heads=1, layers={layers}, ffn_hidden=352")
         compile_model(str(path), gpus=2, global_batch_size=1, out_dir=tmp_path / f"out{layers}",
                       pins=Pins(cp=2, dp=1, tp=1, pp=1, micro_batch_size=1, precision="bf16", recompute="none",
                                 zero=0))

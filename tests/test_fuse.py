@@ -12,12 +12,11 @@ and 2 key/value heads), as docs/sequence-parallel.md's table counts it at 405B:
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 
 import pytest
 import torch
 
-from helpers import EXAMPLES, compile_program, megatron_style, trace_file
+from helpers import EXAMPLES, compile_program, llama_variant, megatron_style, trace_file
 from partc.cluster import PRESETS
 from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import Parallel
@@ -103,34 +102,15 @@ def test_pointwise_keeps_its_inputs_and_computes_the_same():
         assert torch.equal(y, ref) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-MODEL = f"""
-    import importlib.util
-    import sys
-
-    # examples/llama.py with long sequences and a small vocabulary: the blocks' activations dominate the step's
-    _spec = importlib.util.spec_from_file_location("partc_example_llama_fuse", {str(EXAMPLES / "llama.py")!r})
-    llama = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = llama
-    _spec.loader.exec_module(llama)
-    C = llama.LlamaConfig(vocab_size=64, seq_len=512, hidden=64, heads=4, kv_heads=2, layers=4, ffn_hidden=176)
-
-    def model():
-        return llama.Llama(C)
-
-    def example_inputs(batch_size):
-        import torch
-        return (torch.randint(0, C.vocab_size, (batch_size, C.seq_len)),)
-
-    loss_fn = llama.loss_fn
-"""
 
 
 @pytest.mark.slow  # two compiles and two `partc check` runs
 def test_check_measures_the_plans_drop(tmp_path):
     """tp 2 with sequence parallelism, Megatron's map: `partc check` agrees with each plan, and the activations it
     measures drop with `fuse_pointwise` by what the plan predicts."""
-    path = tmp_path / "llama_long.py"
-    path.write_text(textwrap.dedent(MODEL))
+    # examples/llama.py with long sequences and a small vocabulary: the blocks' activations dominate the step's
+    path = llama_variant(tmp_path / "llama_long.py", "vocab_size=64, seq_len=512, hidden=64, heads=4, kv_heads=2, "
+                         "layers=4, ffn_hidden=176")
     rows = {}
     for fused in (False, True):
         out = tmp_path / f"fused_{fused}"
