@@ -81,6 +81,17 @@ def per_module_cpu(modules: list[str], pytest_args: list[str]) -> tuple[list[str
     return lines, worst
 
 
+def _report(lines: list[str], name: str | None) -> None:
+    """Print the table and, unless `name` is None, write it under benchmarks/results/."""
+    text = "\n".join(lines)
+    print(text)
+    if name is not None:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path = RESULTS / name
+        path.write_text(text + "\n")
+        print(f"wrote {path.relative_to(ROOT)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serial", action="store_true", help="one pytest process (no -n 2 --dist loadgroup)")
@@ -98,13 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         lines, rc = per_module_cpu(modules, [a for a in args.pytest_args if not a.endswith(".py")])
         lines.append(f"load average {os.getloadavg()[0]:.1f} at the end ({load_before:.1f} at the start); "
                      f"{os.cpu_count()} CPUs; PARTC_TEST_LAUNCHER={os.environ.get('PARTC_TEST_LAUNCHER', '')}")
-        text = "\n".join(lines)
-        print(text)
-        if not args.no_save:
-            RESULTS.mkdir(parents=True, exist_ok=True)
-            path = RESULTS / f"suite_cpu-{stamp}.txt"
-            path.write_text(text + "\n")
-            print(f"wrote {path.relative_to(ROOT)}")
+        _report(lines, None if args.no_save else f"suite_cpu-{stamp}.txt")
         return rc
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,13 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"run: {wall:.0f} s wall, {cpu:.0f} s CPU, pytest exit {proc.returncode}; "
                  f"load average {load_before:.1f} before, {load_after:.1f} after; {os.cpu_count()} CPUs")
     lines.append("command: " + " ".join(cmd[1:]).replace(str(junit), "JUNIT"))
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        path = RESULTS / f"suite_time-{stamp}.txt"
-        path.write_text(text + "\n")
-        print(f"wrote {path.relative_to(ROOT)}")
+    _report(lines, None if args.no_save else f"suite_time-{stamp}.txt")
     return proc.returncode
 
 
