@@ -248,8 +248,9 @@ def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequen
                      acts: Sequence[float]) -> float:
     """What the micro-batches in flight on pipeline rank `rank` hold at its peak: each forward in flight holds its
     chunk's saved activations and what the pipeline stage keeps of the boundaries it received and sent until the
-    micro-batch's backward (`_held_bytes`). One chunk a rank: `in_flight` micro-batches of that. Interleaved: the peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds
-    the gradient it received."""
+    micro-batch's backward (`_held_bytes`). One chunk a rank: `in_flight` micro-batches of that. Interleaved: the
+    peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds the gradient it
+    received."""
     b, t = tokens(par), par.tp
     held = _held_bytes(graph, par, chunks, acts)
     if par.chunks_per_rank == 1:

@@ -225,8 +225,8 @@ def _policies(pins: Pins, dp: int, pp: int, m: int, n_units: int):
 # independent of it. A quantity that depends on a function of ignored fields (say, whether the pipeline has more
 # than one rank) adds that value to its key explicitly.
 _PIPELINE = ("pp", "global_batch_size", "schedule", "virtual_stages")
-_SP = ("sequence_parallel", "sp_regather", "fuse_pointwise")  # the TP map and the parameters do not depend on them; activations and
-# traffic do
+# The TP map and the parameters do not depend on these; activations, traffic and (the replay) unit times do.
+_SP = ("sequence_parallel", "sp_regather", "fuse_pointwise")
 TP = Reads("tp", ("dp", "zero", "recompute", *_PIPELINE, *_SP))  # the TP solve: (tp, b)
 PARTS = Reads("parts", ("dp", "zero", *_PIPELINE))  # unit times: (tp, b, recompute)
 SHARDS = Reads("shards", ("dp", "zero", "recompute", *_PIPELINE, *_SP))  # parameters on one GPU: (tp, b)

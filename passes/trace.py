@@ -237,7 +237,8 @@ def find_fusions(ep: torch.export.ExportedProgram, a: Assignment) -> Fusions:
     for n in a.nodes:
         if a.node_unit.get(n) is not None:
             by_unit.setdefault(a.node_unit[n], []).append(n)
-    regions = [(u, r) for u, nodes in by_unit.items() for r in fuse.regions(nodes, params=pv, needs_grad=gv.__contains__)]
+    regions = [(u, r) for u, nodes in by_unit.items()
+               for r in fuse.regions(nodes, params=pv, needs_grad=gv.__contains__)]
     gqa = [(a.node_unit[g.attention], g) for g in fuse.gqa_attention(a.nodes) if a.node_unit.get(g.attention)]
     return Fusions(regions=regions, gqa=gqa)
 
