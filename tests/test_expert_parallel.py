@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from helpers import HF_EXPERT_MODELS, torchrun
+from helpers import HF_EXPERT_MODELS, launch
 from partc.collectives import expert_parallel
 from partc.passes.cost import ep_alltoall_bytes
 from partc.passes.experts import expert_split, local_experts, param_placeholders
@@ -128,7 +128,7 @@ def routing(name: str, rank: int):
     return h, idx, w, g
 
 
-@pytest.mark.slow  # one torchrun launch of 2 gloo ranks
+@pytest.mark.slow  # one launch of 2 gloo ranks
 def test_two_ranks_compute_the_layer_like_one(tmp_path):
     """ep = 2, each rank holding 2 of the 4 experts: the output, the tokens' and routing weights' gradients and the
     experts' gradients (summed over the ranks' tokens) equal one process's within 1e-5; the uniform routing's bytes
@@ -136,7 +136,7 @@ def test_two_ranks_compute_the_layer_like_one(tmp_path):
     from pathlib import Path
     worker = tmp_path / "worker.py"
     worker.write_text(textwrap.dedent(WORKER.format(tests=str(Path(__file__).parent), result=str(tmp_path / "out"))))
-    torchrun(2, [str(worker)])
+    launch(2, [str(worker)])
     got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
     torch.manual_seed(0)
     experts = MixtralForCausalLM(config()).model.layers[0].mlp.experts
