@@ -283,14 +283,14 @@ def build(files: ProgramFiles, world: World, *, seed: int = 0, optimizer: Optimi
     set_expert_imbalance(par.imbalance)
 
     # 2. The model with parameters on meta, which parameters the program splits over tp, and the stage shapes
-    #    (the stage files chained on meta, on this rank's shard shapes).
+    #    (the stage files chained on meta up to this rank's last stage, on this rank's shard shapes).
     spec, model, init = model if model is not None else meta_model(files)
     canon = canonical_names(model, files.tied)
     layout = TPLayout.from_manifest(files.tp, world.tp_rank, canon).with_experts(files.ep, world.ep_rank, canon)
-    shapes = stage_shapes(files, model, spec, layout)
+    local = [_held(st, layout) for st in files.stages if st.rank == world.pp_rank]
+    shapes = stage_shapes(files, model, spec, layout, last=local[-1].index)
 
     # 3. Allocate and fill this rank's stages only (of a split parameter, this tp rank's shard only).
-    local = [_held(st, layout) for st in files.stages if st.rank == world.pp_rank]
     names = [n for st in local for n in stage_tensor_names(st, model)]
     tensors = materialize(model, names, world.device, layout)
     if init_checkpoint is not None:

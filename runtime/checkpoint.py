@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -94,17 +94,21 @@ class StateDicts:
 
     def load_model(self, state: dict[str, Tensor], *, full: bool = False, where: str = "the state dict") -> None:
         """Set every stage's tensors from `state` (canonical keys, this rank's shards; or for `full` the model's
-        own keys and whole tensors, of which each rank takes its part)."""
+        own keys and whole tensors, of which each rank takes its part: every rank holds them all, so each cuts its
+        FSDP shard out of its own copy, with no collective)."""
         for st in self.stages:
             mine = {}
-            for k in get_model_state_dict(st):
+            for k, current in get_model_state_dict(st).items():
                 key = _canon_key(k, self.canon)
                 if key not in state and full:
                     key = next((a for a, c in self.canon.items() if c == key and a in state), key)
                 if key not in state:
                     raise PartcError(f"{where} has no {key!r}")
                 mine[k] = self.layout.take(key, state[key]).contiguous() if full else state[key]
-            set_model_state_dict(st, mine, options=StateDictOptions(full_state_dict=full, strict=True))
+                if full and isinstance(current, DTensor):
+                    mine[k] = distribute_tensor(mine[k].detach().to(current.device), current.device_mesh,
+                                                current.placements, src_data_rank=None)
+            set_model_state_dict(st, mine, options=StateDictOptions(strict=True))
 
     def load_optimizer(self, state: dict) -> None:
         for st, opt in zip(self.stages, self.optimizers):

@@ -21,6 +21,7 @@ The workers leave with ``os._exit`` after destroying the process group (see `par
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from typing import Any
@@ -255,13 +256,36 @@ def check_collectives(group: dist.ProcessGroup) -> None:
         C.set_groups({})
 
 
+def free_groups() -> None:
+    """Destroy every process group but the world's once a job is done (every rank has passed the barrier after
+    it). A gloo group keeps its threads while it lives, and each of them wakes up many times a second: the groups of
+    the jobs before would otherwise cost every later job of the launch CPU time on every rank."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    from partc.collectives import set_groups
+
+    set_groups({})
+    # DTensor's caches hold specs with the job's meshes: a later job's equal spec would find a mesh whose groups
+    # are gone
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
+    gc.collect()  # the job's meshes and modules hold the groups in reference cycles: their threads end here
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     jobs = json.loads(open(argv[0]).read())
+    gc.freeze()  # what is imported by now lives as long as the process: `free_groups`'s collections skip it
     try:
         for job in jobs:
             run_job(job)
             dist.barrier()
+            free_groups()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

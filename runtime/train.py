@@ -100,10 +100,10 @@ def flatten_inputs(args: tuple, kwargs: dict, keys: list[int | str]) -> list[Ten
     return [args[k] if isinstance(k, int) else kwargs[k] for k in keys]
 
 
-def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
-                 layout: TPLayout | None = None) -> list[tuple[tuple[Tensor, ...], ...]]:
-    """(inputs, outputs) of every stage for one micro-batch, as meta tensors: the stage files run in a chain on
-    the meta device (no memory, no compute). `PipelineStage` takes them as static shapes, so no stage runs a
+def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec, layout: TPLayout | None = None, *,
+                 last: int | None = None) -> list[tuple[tuple[Tensor, ...], ...]]:
+    """(inputs, outputs) of every stage for one micro-batch (of stages 0 to `last` only: a rank needs the chain up
+    to its last stage), as meta tensors: the stage files run in a chain on the meta device (no memory, no compute). `PipelineStage` takes them as static shapes, so no stage runs a
     warm-up forward on made-up activations (made-up token ids would index out of range). The outputs are
     contiguous, as `StageModule` returns them: torch sizes receive buffers with the strides given here, and a view
     (an attention mask expanded from a row, strides 0) cannot be received into. With tensor
@@ -119,7 +119,7 @@ def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec,
     meta = torch.device("meta")
     shapes = []
     sizes = expected_sizes(program.plan.model)  # a value-sized op (never on a boundary) at an expected size
-    for st in program.stages:
+    for st in program.stages[:None if last is None else last + 1]:
         with sizes or contextlib.nullcontext():
             out = tuple(t.contiguous() for t in st.code.forward(p, *x, device=meta))  # as `StageModule` sends them
         shapes.append((x, out))
