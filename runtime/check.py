@@ -381,12 +381,19 @@ def _tracker_hooks_released(prog: Program) -> Iterator[None]:
 
 @torch.no_grad()
 def _create_optimizer_states(prog: Program) -> None:
-    """One optimizer step on zero gradients (the states every step after a run's first holds), gradients cleared."""
+    """The states every step after a run's first holds, made as the optimizer's first step makes them. AdamW (an
+    ``Adam``) makes them in its own ``_init_group``, which is called alone: the update that follows it in a step
+    would cost the check as many fake-tensor ops as the measured step's, for values fake tensors do not hold. SGD
+    without momentum holds no state; any other optimizer takes one step on zero gradients."""
     for opt in prog.optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = torch.zeros_like(p)
-        opt.step()
+        if isinstance(opt, torch.optim.Adam):
+            for group in opt.param_groups:
+                opt._init_group(group, [], [], [], [], [], [])
+        elif not (isinstance(opt, torch.optim.SGD) and all(g["momentum"] == 0 for g in opt.param_groups)):
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
 
