@@ -19,8 +19,10 @@ the commands that measure draw the same report. Every drawn quantity carries its
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+import operator
 from pathlib import Path
 
 from partc import output, timeline
@@ -42,6 +44,8 @@ def _step_of(plan: dict) -> tuple[timeline.Step, int, int, int]:
     m = par["global_batch_size"] // (par["dp"] * par["micro_batch_size"])
     return timeline.step(plan["predicted"], par["schedule"], p, v, m), p, v, m
 
+
+_START, _END = operator.attrgetter("start"), operator.attrgetter("end")
 
 DETAIL_MAX = 4000
 """The most actions of one rank a view draws one by one; beyond, it draws the stretches the rank is busy (a step of
@@ -72,13 +76,17 @@ def _timeline_svg(step: timeline.Step, p: int, v: int, id_: str, t_lo: float, t_
                         f'{_e(_tick(t))}</text>')
     for rs in step.ranks:
         y, h = top + rs.rank * row, row - gap
-        seen = [a for a in rs.actions if a.end > t_lo and a.start < t_hi]
+        # A rank runs one action at a time (each starts at or after the previous one's end): those in view are
+        # one run of the list, found by bisection (a step of many micro-batches has hundreds of thousands).
+        seen = rs.actions[bisect.bisect_right(rs.actions, t_lo, key=_END):
+                          bisect.bisect_left(rs.actions, t_hi, key=_START)]
         body.append(f'<text x="{left - 8}" y="{y + h / 2 + 4:.1f}" text-anchor="end">pp rank {rs.rank}</text>'
                     f'<g class="rank" data-rank="{rs.rank}" data-actions="{len(rs.actions)}" '
                     f'clip-path="url(#{id_}-clip)">')
         runs: list[list[float]] = []  # the rank's slots, contiguous ones merged
+        tol = 1e-12 * step.step_s
         for a in seen:
-            if runs and abs(a.start - runs[-1][1]) <= 1e-12 * step.step_s:
+            if runs and abs(a.start - runs[-1][1]) <= tol:
                 runs[-1][1] = a.end
             else:
                 runs.append([a.start, a.end])
@@ -98,8 +106,8 @@ def _timeline_svg(step: timeline.Step, p: int, v: int, id_: str, t_lo: float, t_
                 t0 += d
         for key, d in paths.items():
             body.append(f'<path class="part {key}" fill="{COLORS[key]}" d="{"".join(d)}"/>')
-        for a in seen:
-            if (a.end - a.start) * scale >= 14 and h >= 14:
+        for a in (seen if h >= 14 else ()):
+            if (a.end - a.start) * scale >= 14:
                 body.append(f'<text x="{x((a.start + a.end) / 2):.1f}" y="{y + h / 2 + 4:.1f}" text-anchor="middle" '
                             f'fill="#fff" font-size="9">{a.microbatch if v == 1 else f"{a.microbatch}"}</text>')
         for kind, (s, e), color in (("dp", rs.dp, COLORS["dp"]), ("optimizer", rs.optimizer,

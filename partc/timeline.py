@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
-    """One forward or backward of one micro-batch through one model chunk on one pipeline rank."""
+class Action(NamedTuple):
+    """One forward or backward of one micro-batch through one model chunk on one pipeline rank (a named tuple: a
+    step of many micro-batches has hundreds of thousands, built in one walk)."""
 
     forward: bool
     chunk: int
@@ -73,27 +74,38 @@ def walk(schedule: str, p: int, v: int, m: int, fwd_s: float, bwd_s: float) -> l
     chunk `fwd_s / v` seconds, each backward `bwd_s / v`."""
     orders = [rank_order(schedule, p, v, m, r) for r in range(p)]
     last = p * v - 1
-    done: dict[tuple[bool, int, int], float] = {}
+    fwd_d, bwd_d = fwd_s / v, bwd_s / v
+    # The end of each (model chunk, micro-batch)'s forward and backward, None until it has run.
+    fwd_end: list[list[float | None]] = [[None] * m for _ in range(p * v)]
+    bwd_end: list[list[float | None]] = [[None] * m for _ in range(p * v)]
     free = [0.0] * p
     pos = [0] * p
     out: list[list[Action]] = [[] for _ in range(p)]
+    new = tuple.__new__  # `Action(...)` without its keyword-argument wrapper
     moved = True
     while moved:
         moved = False
         for r in range(p):
-            order = orders[r]
-            while pos[r] < len(order):
-                forward, chunk, i = order[pos[r]]
+            order, k, t, acts = orders[r], pos[r], free[r], out[r]
+            n = len(order)
+            while k < n:
+                forward, chunk, i = order[k]
                 s = chunk * p + r
-                need = ((True, s - 1, i) if s > 0 else None) if forward else \
-                    (False, s + 1, i) if s < last else (True, s, i)
-                if need is not None and need not in done:
+                if forward:
+                    ready = fwd_end[s - 1][i] if s > 0 else 0.0
+                else:
+                    ready = bwd_end[s + 1][i] if s < last else fwd_end[s][i]
+                if ready is None:
                     break
-                start = max(free[r], done[need] if need is not None else 0.0)
-                end = start + (fwd_s if forward else bwd_s) / v
-                done[(forward, s, i)] = free[r] = end
-                out[r].append(Action(forward=forward, chunk=chunk, microbatch=i, start=start, end=end))
-                pos[r] += 1
+                start = t if t >= ready else ready
+                if forward:
+                    t = fwd_end[s][i] = start + fwd_d
+                else:
+                    t = bwd_end[s][i] = start + bwd_d
+                acts.append(new(Action, (forward, chunk, i, start, t)))
+                k += 1
+            if k != pos[r]:
+                pos[r], free[r] = k, t
                 moved = True
     assert all(pos[r] == len(orders[r]) for r in range(p)), "schedule deadlock"
     span = max(free)

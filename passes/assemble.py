@@ -21,8 +21,8 @@ from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_
                                _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves, ep_bytes, ep_time, expert_dp_bytes, expert_keys, expert_state_bytes,
                                dp_comm_time, fits, fsdp_groups, gather_bytes, in_flight, mesh_spans, model_state_bytes,
                                optimizer_time, p2p_round_trip, pp_bytes, shared_time, shared_weights, stage_param_count,
-                               tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_local_shapes,
-                               unit_param_shards, unit_time_parts)
+                               tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_collectives,
+                               unit_local_shapes, unit_param_shards, unit_time_parts)
 from partc.passes.cost_types import Prediction, RankPrediction, TPPlan, UnitTime
 
 from . import hw, schedule, zero
@@ -44,6 +44,20 @@ FWD_TIME = Reads("fwd_time", _PER_MICRO_BATCH)  # the forward's share of TIME, f
 TP_BYTES = Reads("tp_bytes", _PER_MICRO_BATCH)  # + the micro-batch count and the chunks
 CP_TIME = Reads("cp_time", ("dp", "zero", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks
 DP_TIME = Reads("dp_time", ("pp", "schedule", "virtual_stages", "recompute"))  # + the rank's parameters and groups
+PP_TIME = Reads("pp_time", ("dp", "zero", "recompute", "global_batch_size", "schedule", "virtual_stages",
+                            "fuse_pointwise"))  # + whether the pp groups cross nodes, and the chunks
+COLLECTIVES = Reads("collectives", (*_PER_MICRO_BATCH, "recompute", "fuse_pointwise"))  # each unit's TP collectives
+
+
+def collectives_of(graph: ModelGraph, par: Parallel, tp: TPPlan | None, memo: dict | None) -> list:
+    """Every unit's `unit_collectives` under `par` and `tp`, once per key of what they read in `memo` (as
+    `predict`'s)."""
+    return _Memo(memo)(COLLECTIVES.key(par), lambda: [unit_collectives(graph, par, tp, u) for u in graph.units])
+
+
+def backward_of(graph: ModelGraph, par: Parallel, tp: TPPlan | None, memo: dict | None) -> list[float]:
+    """`unit_backward_bytes` under `par` and `tp`, once per key of what it reads in `memo` (as `predict`'s)."""
+    return _Memo(memo)(BACKWARD.key(par), lambda: unit_backward_bytes(graph, par, tp))
 
 
 # --- 6. The whole step -------------------------------------------------------------------------------------------
@@ -118,7 +132,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
         sum(zero.padded_numel(x, par.dp // par.ep) for k, x in shapes.items() if k in experts)
         for shapes in local_shapes)])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
-    backward = keep(BACKWARD.key(par), lambda: unit_backward_bytes(graph, par, tp))
+    backward = backward_of(graph, par, tp, keep.store)
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
         idx = [i for lo, hi in chunks for i in range(lo, hi)]
@@ -225,12 +239,16 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         compute, tp_comm = keep(TIME.key(par, ck), lambda: (
             sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
-        pp_comm = sum(p2p_round_trip(cluster, par,
-                                     max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)), spans["pp"],
-                                     max(graph.boundary_grad_bytes(lo - 1, b, par.cp), graph.boundary_grad_bytes(hi - 1, b, par.cp)))
-                      for lo, hi in chunks)
-        pp_fwd = sum(p2p_round_trip(cluster, par, max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)),
-                                    spans["pp"], 0.0) for lo, hi in chunks)  # the activations' half
+        pp_comm, pp_fwd = keep(PP_TIME.key(par, spans["pp"], ck), lambda: (
+            sum(p2p_round_trip(cluster, par,
+                               max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)),
+                               spans["pp"],
+                               max(graph.boundary_grad_bytes(lo - 1, b, par.cp),
+                                   graph.boundary_grad_bytes(hi - 1, b, par.cp)))
+                for lo, hi in chunks),
+            sum(p2p_round_trip(cluster, par,
+                               max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)),
+                               spans["pp"], 0.0) for lo, hi in chunks)))  # the activations' half
         fwd_compute, fwd_tp = keep(FWD_TIME.key(par, ck), lambda: (
             sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
         # The cp collectives (keys and values of each attention) are exposed, with the tp ones inside a
@@ -238,7 +256,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         cp_s, cp_fwd = keep(CP_TIME.key(par, ck), lambda: cp_time(graph, cluster, par, tp, idx))
         tp_comm, fwd_tp = tp_comm + cp_s, fwd_tp + cp_fwd
         tp_payload = keep(TP_BYTES.key(par, par.num_microbatches, ck),
-                          lambda: tp_bytes(graph, par, tp, idx))
+                          lambda: tp_bytes(graph, par, tp, idx, collectives_of(graph, par, tp, memo)))
         if par.tp > 1:  # a copied value's gradient all-reduced on each stage that reads it (`copy_moves`)
             for count, nbytes in copy_moves(keep(COPIES.key(par), lambda: copy_all_reduces(graph, tp)), bounds,
                                             chunks):

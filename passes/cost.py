@@ -236,8 +236,10 @@ def launch_time(cluster: Cluster, unit: Unit, mode: str) -> float:
     return (3 + (mode == "full")) * unit.kernels * cluster.kernel_launch_s
 
 
-def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None) -> list[UnitTime]:
-    """Compute and TP-communication seconds per micro-batch of each unit on one GPU.
+def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+                    collectives: Sequence[list[tuple[str, str, float]]] | None = None) -> list[UnitTime]:
+    """Compute and TP-communication seconds per micro-batch of each unit on one GPU (`collectives`: each unit's
+    `unit_collectives`, where the caller has them).
 
     Backward = 2 x forward (two GEMMs per forward GEMM: input and weight gradients; Narayanan et al. count
     3 x forward FLOPs per step without recompute, 4 x with full recompute). Full recomputation adds one more
@@ -248,10 +250,11 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
     t = par.tp
     spans_tp = mesh_spans(cluster, par)["tp"]
     per_node = par.ranks_per_node("tp", cluster.gpus_per_node)
+    all_collectives = collectives
     out = []
     seen: dict[tuple, UnitTime] = {}  # identical blocks with identical styles and collectives cost the same
-    for unit in graph.units:
-        collectives = unit_collectives(graph, par, tp, unit)
+    for n, unit in enumerate(graph.units):
+        collectives = unit_collectives(graph, par, tp, unit) if all_collectives is None else all_collectives[n]
         # Blocks of one signature differ only where glue ops were assigned to them (the embedding sum goes with
         # blocks.0): the unit's own totals are part of the key.
         key = (unit.signature if unit.kind == "block" else unit.fqn, unit.fwd_flops, unit.memory_bytes, unit.kernels,
@@ -415,9 +418,11 @@ def communicators(par: Parallel, shares_weights: bool) -> int:
     return sum(1 for n in sizes if n > 1)
 
 
-def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int]) -> float:
+def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequence[int],
+             collectives: Sequence[list[tuple[str, str, float]]] | None = None) -> float:
     """TP collective payload of one GPU in a step: m x b x every collective of its units, a forward one twice in a
-    block recomputed in full (its forward runs again in backward)."""
+    block recomputed in full (its forward runs again in backward). `collectives`: every unit's `unit_collectives`,
+    where the caller has them."""
     if tp is None or par.tp == 1:
         return 0.0
     total = 0.0
@@ -425,7 +430,8 @@ def tp_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, units: Sequenc
         unit = graph.units[i]
         full = recompute_mode(unit, par) == "full"
         total += sum(nbytes * (2 if full and phase == "fwd" else 1)
-                     for _, phase, nbytes in unit_collectives(graph, par, tp, unit))
+                     for _, phase, nbytes in (unit_collectives(graph, par, tp, unit) if collectives is None
+                                              else collectives[i]))
     return total * par.num_microbatches
 
 

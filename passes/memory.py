@@ -261,7 +261,8 @@ def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequen
 
 def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
                       units_in_stage: Sequence[int] | Sequence[Unit],
-                      shards: list[dict[str, int]] | None = None, *, last: bool = True) -> float:
+                      shards: list[dict[str, int]] | None = None, *, last: bool = True,
+                      backward: list[float] | None = None) -> float:
     """Transient working memory of a stage besides the saved activations, for one micro-batch:
     - full recompute: the backward of a block first rebuilds all its activations (as without recomputation):
       the largest recomputed unit's; selective: the largest recomputed attention core;
@@ -275,14 +276,15 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
       then), or with the vocab-parallel loss (`tp_loss`) `vocab_loss_bytes` per logit of this rank's columns.
       The larger of the two moments; measured by ``partc check``.
     `shards`: `unit_param_shards`, when the caller has it. `last` False: in a micro-batch's backward before the last
-    (`zero.working_bytes`; the search bounds every stage by the last one's, the larger).
+    (`zero.working_bytes`; the search bounds every stage by the last one's, the larger). `backward`:
+    `unit_backward_bytes`, when the caller has it.
     """
     units = _unit_list(graph, units_in_stage)
     index = {u.fqn: i for i, u in enumerate(graph.units)}
     sizes = [sum((shards[index[u.fqn]] if shards is not None else _param_shards(graph, par, tp, u)).values())
              for u in units]
     last_unit = graph.units[-1]
-    backward = unit_backward_bytes(graph, par, tp)
+    backward = unit_backward_bytes(graph, par, tp) if backward is None else backward
     return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
                         any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last)
 

@@ -91,12 +91,7 @@ def most_gradient_bytes(p: int, v: int, m: int, rank: int, accumulated: Sequence
     (`reduced[j]`) to the optimizer step. With m <= p the backwards of a chunk run one after another and only one
     chunk's accumulation is held at a time (measured by ``partc check``: Llama 3 405B at pp 16, v 8, 16 micro-batches
     held one chunk's, 1.55 GiB, where all of them is 11.37)."""
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for k, (forward, chunk) in enumerate(interleaved_order(p, v, m, rank)):
-        if not forward:
-            first.setdefault(chunk, k)
-            last[chunk] = k
+    first, last = _backward_spans(p, v, m, rank)
     most = 0.0
     for k in sorted(first.values()):  # the held bytes only grow at a chunk's first backward
         most = max(most, sum(accumulated[j] if first[j] <= k <= last[j] else reduced[j] if last[j] < k else 0.0
@@ -104,18 +99,41 @@ def most_gradient_bytes(p: int, v: int, m: int, rank: int, accumulated: Sequence
     return most
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _backward_spans(p: int, v: int, m: int, rank: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Local chunk -> the position of its first backward in `interleaved_order`, and of its last (the search asks
+    for the same few orders thousands of times; callers only read them)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for k, (forward, chunk) in enumerate(interleaved_order(p, v, m, rank)):
+        if not forward:
+            first.setdefault(chunk, k)
+            last[chunk] = k
+    return first, last
+
+
 def held_at_reductions(p: int, v: int, m: int, rank: int, held: Sequence[float]) -> list[float]:
     """Per local chunk, what the in-flight micro-batches of pipeline rank `rank` hold when torch reduces that chunk's
     gradients (in and right after its last backward, `most_gradient_bytes`): `held[j]` bytes per forward of local
     chunk j in flight. Below ZeRO-2 that is when the reduction's fp32 input is made, after the backwards that ran
     the pipeline's peak."""
+    out = [0.0] * v
+    for chunk, counts in _in_flight_at_reductions(p, v, m, rank):
+        out[chunk] = sum(c * h for c, h in zip(counts, held))
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _in_flight_at_reductions(p: int, v: int, m: int, rank: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(local chunk, forwards in flight per local chunk) at each chunk's last backward, in the order of
+    `interleaved_order` (`held_at_reductions`' walk, kept for the orders the search asks for again)."""
     counts = [0] * v
     backwards = [0] * v
-    out = [0.0] * v
+    out = []
     for forward, chunk in interleaved_order(p, v, m, rank):
         if not forward:
             backwards[chunk] += 1
             if backwards[chunk] == m:  # with the micro-batch of that backward, as the one-chunk charge counts it
-                out[chunk] = sum(c * h for c, h in zip(counts, held))
+                out.append((chunk, tuple(counts)))
         counts[chunk] += 1 if forward else -1
-    return out
+    return tuple(out)

@@ -284,7 +284,9 @@ class _Costs:
         return self.tp_choices(par)[self.variant]
 
     def parts(self, par: Parallel) -> list[cost.UnitTime]:
-        return self._get(PARTS, par, lambda: cost.unit_time_parts(self.graph, self.cluster, par, self.tp(par)))
+        return self._get(PARTS, par, lambda: cost.unit_time_parts(
+            self.graph, self.cluster, par, self.tp(par),
+            collectives=assemble.collectives_of(self.graph, par, self.tp(par), self._memo)))
 
     def times(self, par: Parallel) -> list[float]:
         return self._get(PARTS, par, lambda: [u.compute_s + u.tp_comm_s for u in self.parts(par)], "times")
@@ -320,9 +322,14 @@ class _Costs:
     def extra(self, par: Parallel) -> tuple[float, float]:
         """Transient stage memory: (any stage, the last stage), bounded over all units."""
         units = list(range(len(self.graph.units)))
-        return self._get(EXTRA, par, lambda: (
-            cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units, self.shards(par)),
-            cost.stage_extra_bytes(self.graph, par, self.tp(par), units, self.shards(par))))
+
+        def make() -> tuple[float, float]:
+            backward = assemble.backward_of(self.graph, par, self.tp(par), self._memo)
+            return (cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units, self.shards(par),
+                                           backward=backward),
+                    cost.stage_extra_bytes(self.graph, par, self.tp(par), units, self.shards(par), backward=backward))
+
+        return self._get(EXTRA, par, make)
 
     def cut_time(self, par: Parallel) -> list[float]:
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
