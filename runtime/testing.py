@@ -7,8 +7,9 @@ JOBS.json is a list of jobs: ``{"out": OUT, "steps": N, "seed": S, "optimizer": 
 "weight_decay": 0.0, "train": {more keyword arguments of `load`: the schedule, clipping, betas} (optional),
 "data": true (optional: train on the model file's dataset() through `Program.data_loader`), "init": FILE (a full state dict, loaded with Program.load_state_dict), "init_checkpoint":
 FILE (the same, passed to load() as --init-checkpoint is), "result": FILE, "save": DIR (optional: a checkpoint
-after the run), "load": DIR (optional: resume from it first), "initial": true (optional: also the full state dict
-before the first step), "records": true (optional: every rank's `Program.step_record` per step, under
+after the run; with "save_at": K, after step K, the run going on: one job trains on and writes the checkpoint
+another job resumes), "load": DIR (optional: resume from it first), "initial": true (optional: also the full state
+dict before the first step), "records": true (optional: every rank's `Program.step_record` per step, under
 "records")}``. Rank 0 writes ``{"losses": [...], "state": full state dict, "start": step resumed from,
 "comm": per step, every rank's comm bytes by axis, "replica_diff": the largest difference between tp ranks' copies
 of a parameter the program does not split (0.0: they stay identical), "initial": the full state dict before the
@@ -176,13 +177,15 @@ def run_job(job: dict[str, Any]) -> None:
             records: list = [None] * dist.get_world_size()
             dist.all_gather_object(records, prog.step_record())
             extra.setdefault("records", []).append(records)
+        if job.get("save") and k + 1 == job.get("save_at"):
+            prog.save(job["save"], k + 1)
     if job.get("data"):
         read: list = [None] * dist.get_world_size()
         dist.all_gather_object(read, {"read": list(prog.loader.read), "pp_rank": prog.world.pp_rank,
                                       "dp_rank": prog.world.dp_rank, "first": prog.runner.has_first,
                                       "last": prog.runner.has_last})
         extra["read"] = read
-    if job.get("save"):
+    if job.get("save") and job.get("save_at") is None:
         prog.save(job["save"], job["steps"])
     state = prog.full_state_dict()
     diff = replica_diff(prog)

@@ -280,15 +280,29 @@ def runs(mixtral_file, tmp_path_factory):
                                                             "replicate")) if tp > 1 else None,
                         tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mb, schedule="1f1b", recompute="none",
                         precision="fp32")
+        # A checkpoint saved with the experts split inside (gate and up stored as pieces), after step 2 of the
+        # tp2_inner run, resumes under dp 2 ZeRO-3 (the job below).
+        saved = {"save": str(tmp / "ck"), "save_at": 2} if name == "tp2_inner" else {}
         jobs.append({"out": str(out), "steps": STEPS, "init": str(tmp / f"{name}.init.pt"),
-                     "result": str(tmp / f"{name}.pt"), **SGD})
-    # A checkpoint saved with the experts split inside (gate and up stored as pieces) resumes under dp 2 ZeRO-3.
-    jobs += [{"out": str(tmp / "tp2_inner"), "steps": 2, "init": str(tmp / "tp2_inner.init.pt"), "save": str(tmp / "ck"),
-              "result": str(tmp / "ck_first.pt"), **SGD},
-             {"out": str(tmp / "dp2_z3"), "steps": 4, "load": str(tmp / "ck"), "result": str(tmp / "ck_resumed.pt"),
-              **SGD}]
+                     "result": str(tmp / f"{name}.pt"), **saved, **SGD})
+    jobs.append({"out": str(tmp / "dp2_z3"), "steps": 4, "load": str(tmp / "ck"), "result": str(tmp / "ck_resumed.pt"),
+                 **SGD})
     run_jobs(2, jobs, tmp)
     return tmp
+
+
+_REFERENCES: list = []
+
+
+def reference(mixtral_file, init: dict, gbs: int):
+    """`reference_run`'s STEPS steps from `init`, run once for every config that starts from the same state (they
+    all build the model under one seed) and batch."""
+    for (g, i), result in _REFERENCES:
+        if g == gbs and list(i) == list(init) and all(torch.equal(i[k], init[k]) for k in init):
+            return result
+    result = reference_run(mixtral_file, init, steps=STEPS, seed=0, global_batch_size=gbs, seq_len=S, **SGD)
+    _REFERENCES.append(((gbs, init), result))
+    return result
 
 
 @pytest.mark.slow  # one torchrun launch of 2 gloo ranks
@@ -298,7 +312,7 @@ def test_mixtral_trains_like_one_process(runs, mixtral_file, name):
     *_, gbs = CONFIGS[name]
     init = torch.load(tmp / f"{name}.init.pt", weights_only=True)
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
-    losses, state = reference_run(mixtral_file, init, steps=STEPS, seed=0, global_batch_size=gbs, seq_len=S, **SGD)
+    losses, state = reference(mixtral_file, init, gbs)
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     assert any(not torch.equal(state[k], init[k]) for k in state if "experts" in k), "the experts must train"
@@ -315,10 +329,10 @@ def test_mixtral_trains_like_one_process(runs, mixtral_file, name):
 def test_checkpoint_of_split_experts_resumes_unsplit(runs, mixtral_file):
     init = torch.load(runs / "tp2_inner.init.pt", weights_only=True)
     losses, state = reference_run(mixtral_file, init, steps=4, seed=0, global_batch_size=4, seq_len=S, **SGD)
-    first = torch.load(runs / "ck_first.pt", weights_only=True)
+    first = torch.load(runs / "tp2_inner.pt", weights_only=True)  # it saved the checkpoint after step 2
     resumed = torch.load(runs / "ck_resumed.pt", weights_only=True)
     assert resumed["start"] == 2
-    assert_close_losses(first["losses"] + resumed["losses"], losses)
+    assert_close_losses(first["losses"][:2] + resumed["losses"], losses)
     assert_close_states(resumed["state"], state)
 
 

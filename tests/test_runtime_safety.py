@@ -424,11 +424,24 @@ def test_checkpoint_dir_belongs_to_one_run(programs, tmp_path):
     assert snapshot(ck) == before
 
 
+@pytest.fixture(scope="module")
+def nan_run(programs, tmp_path_factory):
+    """One rank at --lr 1e6 with a checkpoint every step: step 1 is saved, step 2's loss is nan. Its checkpoint
+    directory, as `partc run` wrote it, also serves the crafted-checkpoint test (which so needs no run of its own to
+    write one)."""
+    tmp = tmp_path_factory.mktemp("nan")
+    ck, log = tmp / "ck", tmp / "log.jsonl"
+    res = partc_run(programs.one, "--steps", "6", "--lr", "1e6", "--checkpoint-dir", str(ck), "--checkpoint-every",
+                    "1", "--log-jsonl", str(log))
+    return SimpleNamespace(res=res, ck=ck, log=log)
+
+
 @pytest.mark.slow
-def test_crafted_checkpoint_runs_no_code(programs, tmp_path):
+def test_crafted_checkpoint_runs_no_code(programs, nan_run, tmp_path):
     ck, marker = tmp_path / "ck", tmp_path / "code-ran"
-    assert partc_run(programs.one, "--steps", "1", "--checkpoint-dir", str(ck)).returncode == 0
+    shutil.copytree(nan_run.ck, ck)  # a copy: the nan test reads the original
     step = ck / "step-00000001"
+    assert sorted(p.name for p in ck.glob("step-*")) == [step.name]
     (step / ".metadata").write_bytes(pickle.dumps(_Mkdir(marker)))
     _rehash(step, ".metadata")
     res = partc_run(programs.one, "--steps", "2", "--checkpoint-dir", str(ck), "--resume")
@@ -440,10 +453,8 @@ def test_crafted_checkpoint_runs_no_code(programs, tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_stops_the_run_before_it_is_checkpointed(programs, tmp_path):
-    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
-    res = partc_run(programs.one, "--steps", "6", "--lr", "1e6", "--checkpoint-dir", str(ck), "--checkpoint-every",
-                    "1", "--log-jsonl", str(log))
+def test_nan_stops_the_run_before_it_is_checkpointed(nan_run, tmp_path):
+    res, ck, log = nan_run.res, nan_run.ck, nan_run.log
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "error: step 2: the loss is nan: the step was not applied; the run stops here, and no checkpoint holds nan "
@@ -460,10 +471,11 @@ def test_nan_stops_the_run_before_it_is_checkpointed(programs, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks for the workers in /proc")
 def test_signals_stop_the_whole_job(programs, tmp_path):
-    """SIGTERM to partc run stops every rank (exit 143, one line); SIGKILL to partc run kills the workers too."""
-    def start(log: Path) -> subprocess.Popen:
+    """SIGTERM to partc run stops every rank (exit 143, one line); SIGKILL to partc run kills the workers too (each
+    worker dies with its launcher on its own (`runtime.supervise`): one worker shows it)."""
+    def start(program: Path, log: Path) -> subprocess.Popen:
         out = open(log, "w")
-        proc = subprocess.Popen([sys.executable, "-m", "partc.cli.main", "run", str(programs.two), "--steps",
+        proc = subprocess.Popen([sys.executable, "-m", "partc.cli.main", "run", str(program), "--steps",
                                  "100000"], stdout=out, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
         deadline = time.time() + RUN_TIMEOUT_S
@@ -472,26 +484,26 @@ def test_signals_stop_the_whole_job(programs, tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 pytest.fail(f"partc run did not start training: {log.read_text()[-2000:]}")
             time.sleep(0.2)
-        assert len(workers(programs.two)) == 2
+        assert len(workers(program)) == (2 if program == programs.two else 1)
         return proc
 
-    def gone(deadline_s: float) -> bool:
+    def gone(program: Path, deadline_s: float) -> bool:
         end = time.time() + deadline_s
-        while workers(programs.two) and time.time() < end:
+        while workers(program) and time.time() < end:
             time.sleep(0.2)
-        return not workers(programs.two)
+        return not workers(program)
 
-    proc = start(tmp_path / "term.log")
+    proc = start(programs.two, tmp_path / "term.log")
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert stderr.strip().splitlines() == ["error: partc run got SIGTERM: stopped all 2 ranks"]
-    assert gone(10)
+    assert gone(programs.two, 10)
 
-    proc = start(tmp_path / "kill.log")
+    proc = start(programs.one, tmp_path / "kill.log")
     proc.kill()
     proc.communicate(timeout=60)
-    assert gone(10), "workers outlived partc run"
+    assert gone(programs.one, 10), "workers outlived partc run"
 
 
 @pytest.mark.slow
