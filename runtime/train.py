@@ -103,11 +103,12 @@ def flatten_inputs(args: tuple, kwargs: dict, keys: list[int | str]) -> list[Ten
 def stage_shapes(program: ProgramFiles, model: nn.Module, spec: ModelSpec, layout: TPLayout | None = None, *,
                  last: int | None = None) -> list[tuple[tuple[Tensor, ...], ...]]:
     """(inputs, outputs) of every stage for one micro-batch (of stages 0 to `last` only: a rank needs the chain up
-    to its last stage), as meta tensors: the stage files run in a chain on the meta device (no memory, no compute). `PipelineStage` takes them as static shapes, so no stage runs a
-    warm-up forward on made-up activations (made-up token ids would index out of range). The outputs are
-    contiguous, as `StageModule` returns them: torch sizes receive buffers with the strides given here, and a view
-    (an attention mask expanded from a row, strides 0) cannot be received into. With tensor
-    parallelism the parameters are this rank's shards (`layout`) and the collectives only compute shapes."""
+    to its last stage), as meta tensors: the stage files run in a chain on the meta device (no memory, no
+    compute). `PipelineStage` takes them as static shapes, so no stage runs a warm-up forward on made-up
+    activations (made-up token ids would index out of range). The outputs are contiguous, as `StageModule` returns
+    them: torch sizes receive buffers with the strides given here, and a view (an attention mask expanded from a
+    row, strides 0) cannot be received into. With tensor parallelism the parameters are this rank's shards
+    (`layout`) and the collectives only compute shapes."""
     b = program.micro_batch_size
     dtype = compute_dtype(program.plan.parallel.precision)
     with torch.device("meta"):
