@@ -23,6 +23,10 @@
   `partc.runtime.schedule` overrides, so the pipeline holds the memory and traffic the plan charges; with the stage's
   ``fwd_cache``, `use_counts` (``Tensor._use_count``, ``torch._C._storage_Use_Count``: whether anything else holds a
   pipeline boundary's data before `partc.runtime.schedule` frees it).
+- Used where they are, named here: ``Adam._init_group`` (`partc check` makes AdamW's states without an update on
+  fake tensors), ``record_function.run_callbacks_on_exit`` (the check skips profiler labels under its fake mode),
+  and in the test driver `partc.runtime.testing`, c10d's ``_world.pg_map`` and DTensor's
+  ``_clear_sharding_prop_cache`` / ``clear_redistribute_planner_cache`` (a launch frees each job's groups).
 
 FSDP2, the pipelining schedules otherwise, ZeroRedundancyOptimizer and torch.distributed.checkpoint are used through
 their public APIs only.
