@@ -81,9 +81,11 @@ def child_compile(size: str) -> dict:
     t, par = dict(result.timings), result.plan.parallel
     t["load"] = t["total"] - sum(t[k] for k in ("trace", "passes", "solve", "codegen"))
     # The search's CPU seconds: the same search again on the traced graph (wall time is noisy on a shared machine).
+    # Sequence parallelism pinned as compile left it: where the search chose it and the program could not keep the
+    # split everywhere, compile searched again without it (`partc.compile.sequence_fallbacks`).
     c0 = time.process_time()
     again = search(result.graph, load_cluster("a100-80g"), ROWS[size], global_batch_size=par.global_batch_size,
-                   pins=Pins(precision=par.precision))
+                   pins=Pins(precision=par.precision, sequence_parallel=par.sequence_parallel))
     solve_cpu = time.process_time() - c0
     assert again.best.parallel == par
     return {"timings": t, "cpu": cpu, "solve_cpu": solve_cpu, "params": result.graph.num_params,
