@@ -13,7 +13,8 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from helpers import assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program, run_jobs
+from helpers import (assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program,
+                     reference_once, run_jobs)
 from partc.cli.main import main
 from partc.cluster import PRESETS
 from partc.errors import PartcError
@@ -291,20 +292,6 @@ def runs(mixtral_file, tmp_path_factory):
     return tmp
 
 
-_REFERENCES: list = []
-
-
-def reference(mixtral_file, init: dict, gbs: int):
-    """`reference_run`'s STEPS steps from `init`, run once for every config that starts from the same state (they
-    all build the model under one seed) and batch."""
-    for (g, i), result in _REFERENCES:
-        if g == gbs and list(i) == list(init) and all(torch.equal(i[k], init[k]) for k in init):
-            return result
-    result = reference_run(mixtral_file, init, steps=STEPS, seed=0, global_batch_size=gbs, seq_len=S, **SGD)
-    _REFERENCES.append(((gbs, init), result))
-    return result
-
-
 @pytest.mark.slow  # one torchrun launch of 2 gloo ranks
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_mixtral_trains_like_one_process(runs, mixtral_file, name):
@@ -312,7 +299,8 @@ def test_mixtral_trains_like_one_process(runs, mixtral_file, name):
     *_, gbs = CONFIGS[name]
     init = torch.load(tmp / f"{name}.init.pt", weights_only=True)
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
-    losses, state = reference(mixtral_file, init, gbs)
+    losses, state = reference_once(mixtral_file, init, steps=STEPS, seed=0, global_batch_size=gbs, seq_len=S,
+                                   **SGD)  # the configs share their init and batch: run once
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     assert any(not torch.equal(state[k], init[k]) for k in state if "experts" in k), "the experts must train"

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import assert_close_losses, assert_close_states, run_in_session, run_jobs
+from helpers import assert_close_losses, assert_close_states, reference_once, run_in_session, run_jobs
 from partc.cluster import PRESETS
 from partc.compile import compile_model
 from partc.errors import PartcError, article, first_line
@@ -241,16 +241,7 @@ def test_trains_like_one_process(runs, case):
     assert any(not torch.equal(state[k], init[k]) for k in state if k != "running"), "training must change weights"
 
 
-_REFERENCES: list = []
-
-
 def reference_run(path, init):
-    """One process's STEPS steps of the model file `path` from `init`, run once for the cases that share both (a
-    model under two plans starts from one state: the same seed)."""
-    from partc.runtime.testing import reference_run as run
-    for (p, i), result in _REFERENCES:
-        if p == str(path) and list(i) == list(init) and all(torch.equal(i[k], init[k]) for k in init):
-            return result
-    result = run(path, init, steps=STEPS, seed=0, global_batch_size=GBS, **SGD)
-    _REFERENCES.append(((str(path), init), result))
-    return result
+    """One process's STEPS steps of the model file `path` from `init` (a model under two plans starts from one
+    state, the same seed: run once, `reference_once`)."""
+    return reference_once(path, init, steps=STEPS, seed=0, global_batch_size=GBS, **SGD)
