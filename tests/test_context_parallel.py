@@ -84,6 +84,7 @@ def test_refuses_what_mixes_positions(tmp_path, causal, mix, why):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # partc check in a process of its own (as tests/test_check.py marks it)
 def test_plan_prices_the_key_value_gathers(tmp_path):
     """LLaMA tiny: 4 layers, 2 key/value heads of 16 (gathered before grouped-query attention repeats them), 64
     tokens, fp32: per layer and micro-batch the keys and values gathered in forward and reduce-scattered back."""
@@ -122,6 +123,7 @@ def test_search_tries_cp_for_long_causal_sequences():
     assert cp_degrees(graph, 8, Pins()) == [1]
 
 
+@pytest.mark.slow  # partc check in a process of its own (as tests/test_check.py marks it)
 def test_sequence_parallel_under_cp_splits_each_ranks_tokens(tmp_path):
     """cp 2 x tp 2 with sequence parallelism (tiny LLaMA, 64 tokens): between the tp regions each tp rank holds 1/2
     of its cp rank's 32 tokens; `partc check` measures every axis's bytes as the plan predicts them."""
@@ -305,6 +307,7 @@ def loss_bound_llama(tmp_path_factory):
                          "hidden=128, heads=4, kv_heads=2, layers=2, ffn_hidden=256", targets=True)
 
 
+@pytest.mark.slow  # partc check in a process of its own (as tests/test_check.py marks it)
 @pytest.mark.parametrize("tp, vocab_parallel", [(1, True), (2, True), (2, False)])
 def test_check_agrees_on_the_loss_moment(tmp_path, loss_bound_llama, tp, vocab_parallel):
     """The shape of LLaMA-3.1 8B's searched 128K plan (dp 16, cp 4, ZeRO-3 over dp x cp, full recomputation, tp 1,
@@ -328,6 +331,7 @@ def test_check_agrees_on_the_loss_moment(tmp_path, loss_bound_llama, tp, vocab_p
     assert all(row.agrees for row in rows.values()), [r.to_dict() for r in rows.values() if not r.agrees]
 
 
+@pytest.mark.slow  # partc check in a process of its own (as tests/test_check.py marks it)
 def test_plan_prices_what_a_cp_block_keeps(tmp_path):
     """cp 2, bf16, no recomputation: what a block keeps a micro-batch, measured by `partc check` as the difference
     between the model cut to 1 and to 2 blocks, is what the plan charges (within 1%): beyond the trace's share, the
