@@ -118,8 +118,9 @@ CASES = {
 
 
 SLOW_BRUTE_FORCE = {"tiny-8"}
-"""Cases whose brute force alone takes over 10 s (tiny-8: 3330 configurations, each with its style maps, all priced):
-their equality test is in the slow tier. The tests that need only the pruned search run them in the fast tier."""
+"""Cases whose brute force alone takes about 10 s, the fast tier's longest test (tiny-8: 3330 configurations, each
+with its style maps, all priced): their equality test is in the slow tier. The tests that read only the pruned
+search (`pruned_case`) run them in the fast tier."""
 
 
 @functools.cache
