@@ -22,12 +22,14 @@ from helpers import EXAMPLES, HF_MODELS, CheckProcesses, compile_program, trace_
 from trace_memo import memoized
 
 
-HEAVY_FIRST = ("test_check", "test_runtime_safety", "test_sequence_parallel", "test_runtime_tp",
-               "test_expert_parallel", "test_runtime_dist", "test_context_parallel", "test_precision", "test_data",
-               "test_user_models", "test_tp_rewrite", "test_zoo_dist", "test_moe", "test_compile", "test_calibration",
-               "test_compile_safety", "test_cli", "test_search", "test_report", "test_vocab_loss", "test_runtime_init")
-"""The modules that take longest (torchrun launches, `partc run`, `partc check`), longest first (CPU seconds of each
-module run alone): under xdist they start first, and the short modules fill in around them."""
+HEAVY_FIRST = ("test_sequence_parallel", "test_context_parallel", "test_runtime_safety", "test_search", "test_check",
+               "test_expert_parallel", "test_runtime_tp", "test_tp_rewrite", "test_user_models", "test_calibration",
+               "test_runtime_dist", "test_data", "test_compile", "test_precision", "test_zoo_dist", "test_moe",
+               "test_compile_safety", "test_cli", "test_zoo", "test_codegen", "test_rebatch", "test_report",
+               "test_vocab_loss", "test_runtime_init")
+"""The modules that take longest (torchrun launches, `partc run`, `partc check`, the search's brute force), longest
+first (the sum of each module's test durations under .ci/run; the fast tier's longest, test_search, among them):
+under xdist they start first, and the short modules fill in around them."""
 
 
 def pytest_configure(config):

@@ -20,14 +20,13 @@ import pytest
 import torch
 
 from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, compile_program,
-                     llama_variant, megatron_style, run_jobs, write_hf_model)
+                     llama_variant, megatron_style, reference_once, run_jobs, write_hf_model)
 from partc.collectives import cp_rank_positions
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import load_model_file
 from partc.parallel import Pins
 from partc.runtime.check import check_program
-from partc.runtime.testing import reference_run
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -84,6 +83,7 @@ def test_refuses_what_mixes_positions(tmp_path, causal, mix, why):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # partc check in a process of its own (as tests/test_check.py marks it)
 def test_plan_prices_the_key_value_gathers(tmp_path):
     """LLaMA tiny: 4 layers, 2 key/value heads of 16 (gathered before grouped-query attention repeats them), 64
     tokens, fp32: per layer and micro-batch the keys and values gathered in forward and reduce-scattered back."""
@@ -122,6 +122,7 @@ def test_search_tries_cp_for_long_causal_sequences():
     assert cp_degrees(graph, 8, Pins()) == [1]
 
 
+@pytest.mark.slow  # partc check in a process of its own (as tests/test_check.py marks it)
 def test_sequence_parallel_under_cp_splits_each_ranks_tokens(tmp_path):
     """cp 2 x tp 2 with sequence parallelism (tiny LLaMA, 64 tokens): between the tp regions each tp rank holds 1/2
     of its cp rank's 32 tokens; `partc check` measures every axis's bytes as the plan predicts them."""
@@ -287,8 +288,9 @@ def test_trains_like_one_process(runs, name):
     tmp, inits = runs
     model, cp, tp, pp, dp, zero, gbs = CONFIGS[name]
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
-    losses, state = reference_run(_path(model, tmp), inits[model], steps=STEPS, seed=0, seq_len=_seq_len(model),
-                                  global_batch_size=gbs, precision="fp32", micro_batch_size=1, untied=pp > 1, **SGD)
+    losses, state = reference_once(_path(model, tmp), inits[model], steps=STEPS, seed=0, seq_len=_seq_len(model),
+                                   global_batch_size=gbs, precision="fp32", micro_batch_size=1, untied=pp > 1,
+                                   **SGD)  # configurations of one model, batch and tying: one reference
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     assert_comm_matches_plan(tmp / name, got["comm"])
@@ -305,6 +307,7 @@ def loss_bound_llama(tmp_path_factory):
                          "hidden=128, heads=4, kv_heads=2, layers=2, ffn_hidden=256", targets=True)
 
 
+@pytest.mark.slow  # partc check in a process of its own (as tests/test_check.py marks it)
 @pytest.mark.parametrize("tp, vocab_parallel", [(1, True), (2, True), (2, False)])
 def test_check_agrees_on_the_loss_moment(tmp_path, loss_bound_llama, tp, vocab_parallel):
     """The shape of LLaMA-3.1 8B's searched 128K plan (dp 16, cp 4, ZeRO-3 over dp x cp, full recomputation, tp 1,
@@ -328,6 +331,7 @@ def test_check_agrees_on_the_loss_moment(tmp_path, loss_bound_llama, tp, vocab_p
     assert all(row.agrees for row in rows.values()), [r.to_dict() for r in rows.values() if not r.agrees]
 
 
+@pytest.mark.slow  # partc check in a process of its own (as tests/test_check.py marks it)
 def test_plan_prices_what_a_cp_block_keeps(tmp_path):
     """cp 2, bf16, no recomputation: what a block keeps a micro-batch, measured by `partc check` as the difference
     between the model cut to 1 and to 2 blocks, is what the plan charges (within 1%): beyond the trace's share, the

@@ -117,13 +117,23 @@ CASES = {
 }
 
 
+SLOW_BRUTE_FORCE = {"tiny-8"}
+"""Cases whose brute force alone takes about 10 s, the fast tier's longest test (tiny-8: 3330 configurations, each
+with its style maps, all priced): their equality test is in the slow tier. The tests that read only the pruned
+search (`pruned_case`) run them in the fast tier."""
+
+
 @functools.cache
-def run_case(case_id: str):
+def pruned_case(case_id: str):
     case = CASES[case_id]
-    graph, cluster = gpt_graph(case.graph), case.cluster
-    pruned = search(graph, cluster, case.gpus, global_batch_size=case.gbs, pins=case.pins)
-    brute = search(graph, cluster, case.gpus, global_batch_size=case.gbs, pins=case.pins, prune=False)
-    return pruned, brute
+    return search(gpt_graph(case.graph), case.cluster, case.gpus, global_batch_size=case.gbs, pins=case.pins)
+
+
+@functools.cache
+def brute_case(case_id: str):
+    case = CASES[case_id]
+    return search(gpt_graph(case.graph), case.cluster, case.gpus, global_batch_size=case.gbs, pins=case.pins,
+                  prune=False)
 
 
 def _ranked(result):
@@ -134,10 +144,11 @@ def _key(c):
     return (c.parallel, c.step_time_s, c.bounds, c.tp.styles)
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_BRUTE_FORCE else k
+                                     for k in CASES])
 def test_pruned_search_equals_brute_force(case_id):
     case = CASES[case_id]
-    pruned, brute = run_case(case_id)
+    pruned, brute = pruned_case(case_id), brute_case(case_id)
     assert brute.evaluated == brute.considered  # prune=False evaluates every configuration
     assert pruned.considered == brute.considered and pruned.evaluated <= brute.evaluated
     assert [_key(c) for c in _ranked(pruned)] == [_key(c) for c in _ranked(brute)]
@@ -178,14 +189,15 @@ def test_cached_split_equals_the_constrained_dp(case_id):
 
 
 def test_brute_force_cases_are_not_trivial():
-    """The cases above choose different kinds of plans, so agreeing on them means something."""
-    chosen = [run_case(k)[1].best for k in CASES]
+    """The cases above choose different kinds of plans, so agreeing on them means something (the pruned search's
+    choices: `test_pruned_search_equals_brute_force` holds them equal to the brute force's)."""
+    chosen = [pruned_case(k).best for k in CASES]
     plans = [c.parallel for c in chosen if c is not None]
     assert any(c is None for c in chosen)
     assert any(p.tp > 1 for p in plans) and any(p.pp > 1 for p in plans) and any(p.dp > 1 for p in plans)
     assert any(p.recompute != "none" for p in plans) and any(p.zero > 0 for p in plans)
     assert any(p.micro_batch_size > 1 for p in plans) and any(p.schedule != "1f1b" for p in plans)
-    assert any(run_case(k)[0].evaluated < run_case(k)[0].considered / 4 for k in CASES)  # pruning prunes
+    assert any(pruned_case(k).evaluated < pruned_case(k).considered / 4 for k in CASES)  # pruning prunes
 
 
 def test_search_weighs_sequence_parallelism():
@@ -204,7 +216,7 @@ def test_search_weighs_sequence_parallelism():
     assert search_module.sequence_parallel_choices(odd, 1, Pins(sequence_parallel=True)) == ()
 
     case = CASES["long-4-tight"]
-    best = run_case("long-4-tight")[0].best
+    best = pruned_case("long-4-tight").best
     assert best.parallel.sequence_parallel
     plain = dataclasses.replace(best.parallel, sequence_parallel=False, sp_regather=False)
     without = assemble.predict(graph, case.cluster, plain, best.tp, best.bounds)
@@ -355,7 +367,7 @@ def test_cache_keys_see_a_new_field():
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_chosen_plans_fit_and_predictions_are_reproducible(case_id):
     case = CASES[case_id]
-    pruned, _ = run_case(case_id)
+    pruned = pruned_case(case_id)
     graph, cluster = gpt_graph(case.graph), case.cluster
     limit = cluster.usable_memory_bytes
     for c in _ranked(pruned):

@@ -20,12 +20,11 @@ import pytest
 import torch
 
 from helpers import (EXAMPLES, assert_close_losses, assert_close_states, assert_comm_matches_plan, megatron_style,
-                     run_jobs, write_hf_model)
+                     reference_once, run_jobs, write_hf_model)
 from partc.compile import compile_model
 from partc.model_file import load_model_file
 from partc.parallel import Pins
 from partc.runtime.check import SLACK_BYTES, check_program
-from partc.runtime.testing import reference_run
 
 pytestmark = pytest.mark.slow  # torchrun launches of 2 and 8 gloo ranks
 
@@ -186,9 +185,10 @@ def test_sequence_parallel_matches_one_process(runs, name):
     model, _, pp, _, _, mb, gbs = CONFIGS[name]
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
     init = torch.load(inits[model], weights_only=True)
-    losses, state = reference_run(model_path(model, tmp), init, steps=STEPS, seed=0, global_batch_size=gbs,
-                                  seq_len=seq_len(model), precision=precision_of(name), micro_batch_size=mb,
-                                  untied=pp > 1, **SGD)
+    # configurations of one model, batch, precision and tying share one reference (`reference_once`)
+    losses, state = reference_once(model_path(model, tmp), init, steps=STEPS, seed=0, global_batch_size=gbs,
+                                   seq_len=seq_len(model), precision=precision_of(name), micro_batch_size=mb,
+                                   untied=pp > 1, **SGD)
     rtol = BF16_RTOL if precision_of(name) == "bf16" else 1e-5
     assert_close_losses(got["losses"], losses, rtol=rtol)
     # bf16: a norm's gradient is the sum of the ranks' parts of the sequence, each rounded to bf16; a bias still

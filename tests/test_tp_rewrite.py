@@ -2,22 +2,21 @@
 
 Each case compiles a plan with a hand-set `tp` map (through --from-plan, as a user would), then runs the program
 on `tp` gloo ranks in one pipeline stage and compares logits and every gradient (gathered from the shards) with
-the unsharded model. The cases of one tp share one spawn (`tp_runs`): starting the ranks costs more than a case.
+the unsharded model. The cases of one tp share one launch (`tp_runs`): starting the ranks costs more than a case.
 """
 
 import dataclasses
 import json
 import os
 import re
-import socket
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from helpers import EXAMPLES, VOCAB, compile_program, load_stage, megatron_style, model_file, trace_file
+from helpers import EXAMPLES, VOCAB, compile_program, launch, load_stage, megatron_style, model_file, trace_file
 from partc.compile import compile_model
 from partc.errors import PartcError
 from partc.model_file import load_model_file
@@ -48,19 +47,16 @@ def megatron_plan(path: str, out: Path, tp: int, *, vocab: bool = False, extra: 
     return plan
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, cases, result_file):
-    """Every case of `cases` (name -> (model file, compiled output)) in turn, in one process group; rank 0 writes
-    name -> that case's result to `result_file`."""
+def _worker(cases_file: str, result_file: str) -> None:
+    """A rank of `tp_runs`' launch (`helpers.launch`: torchrun's environment): every case of `cases_file` (name ->
+    (model file, compiled output)) in turn, in one process group; rank 0 writes name -> that case's result to
+    `result_file`."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     try:
         collectives.set_groups({"tp": dist.group.WORLD})
+        cases = json.loads(Path(cases_file).read_text())
         results = {name: _run_case(rank, world, path, out) for name, (path, out) in cases.items()}
         if rank == 0:
             Path(result_file).write_text(json.dumps(results))
@@ -151,8 +147,9 @@ PROGRAMS = {
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory, hf_dir):
     """name -> (model file, output directory, plan.json as edited, result of `_run_case` on rank 0) for every
-    program of PROGRAMS: each compiled through `megatron_plan`, then all of one tp run in one spawn of `tp` ranks
-    (a spawn imports torch and transformers in every rank: more than the cases themselves on two cores)."""
+    program of PROGRAMS: each compiled through `megatron_plan`, then all of one tp run in one launch of `tp` ranks
+    (`helpers.launch`: forked from the fork server, which has torch and transformers imported; a spawned rank
+    imports them again, more than the cases themselves cost on two cores)."""
     tmp = tmp_path_factory.mktemp("tp_rewrite")
     compiled, by_world = {}, {}
     for name, (model, tp, kwargs) in PROGRAMS.items():
@@ -162,9 +159,9 @@ def tp_runs(tmp_path_factory, hf_dir):
         by_world.setdefault(tp, {})[name] = (path, str(out))
     results = {}
     for tp, cases in by_world.items():
-        result = tmp / f"results_tp{tp}.json"
-        mp.start_processes(_worker, args=(tp, _free_port(), cases, str(result)), nprocs=tp, join=True,
-                           start_method="spawn")
+        result, cases_file = tmp / f"results_tp{tp}.json", tmp / f"cases_tp{tp}.json"
+        cases_file.write_text(json.dumps(cases))
+        launch(tp, [__file__, str(cases_file), str(result)])  # this file's __main__: `_worker`
         results.update(json.loads(result.read_text()))
     return {name: (*compiled[name], results[name]) for name in PROGRAMS}
 
@@ -565,3 +562,7 @@ def test_vision_transformer_tokens_come_from_the_trace(tmp_path):
                                          r"tp=2; compile with --no-sequence-parallel or another --tp$"):
         compile_model(path, gpus=2, pins=dataclasses.replace(pins, sequence_parallel=True), global_batch_size=2,
                       out_dir=tmp_path / "vit")
+
+
+if __name__ == "__main__":  # a rank of `tp_runs`' launch
+    _worker(*sys.argv[1:])
