@@ -836,6 +836,14 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
     unskewed = dataclasses.replace(base, ep=1)
     assert (cost.unit_time_parts(graph, cluster, unskewed, tp)
             == cost.unit_time_parts(graph, cluster, dataclasses.replace(unskewed, expert_imbalance=2.0), tp))
+    # under cp 4 each rank routes its s/4 tokens, inside an ep group of dp ranks 4 apart (cp x tp): 4 of them, on
+    # 2 nodes of 8 GPUs, 2 a node (at cp 1 the 4 neighbours share a node)
+    cp4 = dataclasses.replace(base, cp=4)
+    assert cost.ep_bytes(graph, cp4, units) == layers * m * (rows / 4 * 2 * 3 / 4 * 64 * 4 * 2 + counts)
+    spread = 2 * hw.collective_time(cluster, "all_to_all", rows / 4 * 3 / 4 * 64 * 4, 4, spans_nodes=True,
+                                    ranks_per_node=2)
+    assert cost.ep_time(graph, cluster, cp4, units) == pytest.approx((layers * spread, layers * spread))
+    assert spread > once(1) / 4
     # the whole plan: slower, more activations, more bytes on the busiest rank
     bounds = [(0, len(graph.units))]
     a, b = predict(graph, cluster, base, tp, bounds), predict(graph, cluster, skew, tp, bounds)
