@@ -539,8 +539,11 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
         raise PartcError("--sequence-parallel needs tensor parallelism (--tp 2 or more)")
     if pins.sp_regather and (pins.sequence_parallel is False or pins.tp == 1):
         raise PartcError("--sp-regather needs sequence parallelism (--sequence-parallel, --tp 2 or more)")
-    if pins.ep is not None and pins.ep > 1 and (pins.dp or gpus) % pins.ep:
-        dp = f"--dp {pins.dp}" if pins.dp else f"the GPU count {gpus}"
+    others = {a: v for a, v in fixed.items() if a != "dp" and v > 1}  # the data-parallel ranks are what they leave
+    if pins.ep is not None and pins.ep > 1 and (pins.dp or gpus // math.prod(others.values())) % pins.ep:
+        dp = (f"--dp {pins.dp}" if pins.dp else f"the GPU count {gpus}" if not others else
+              f"the {gpus // math.prod(others.values())} data-parallel ranks left of {gpus} GPUs by "
+              f"{' '.join(f'{MESH_BY_NAME[a].pin} {v}' for a, v in others.items())}")
         raise PartcError(f"--ep {pins.ep} does not divide {dp} (the expert-parallel ranks are carved from the "
                          f"data-parallel ones)")
     if pins.ep is not None and pins.expert_imbalance is not None and 1 < pins.ep < pins.expert_imbalance:

@@ -647,6 +647,8 @@ def test_ep_is_refused_where_it_cannot_apply(tmp_path, model_files):
         ([str(llama), "--gpus", "2", "--dp", "2", "--ep", "2"], "the model has no layer of packed experts"),
         ([model_files["mixtral"], "--gpus", "8", "--dp", "8", "--ep", "8"], "has 4 experts, which do not divide"),
         ([model_files["mixtral"], "--gpus", "4", "--dp", "2", "--tp", "2", "--ep", "4"], "--ep 4 does not divide --dp 2"),
+        ([model_files["mixtral"], "--gpus", "4", "--cp", "2", "--ep", "4"],
+         "--ep 4 does not divide the 2 data-parallel ranks left of 4 GPUs by --cp 2"),
         ([plain_refused(tmp_path), "--gpus", "2", "--dp", "2", "--ep", "2"],
          "--ep 2: a mixture of experts cannot be divided: the computation of an expert (add) reads mean besides"),
         # a routing imbalance below uniform, not a number, or more than the ep ranks can receive
@@ -753,6 +755,40 @@ def test_search_tries_ep_where_the_experts_divide(model_files):
     pairs = {(v["dp"], v["cp"], v["ep"]) for v in _config_values(graph, load_cluster("a100-80g"), 8, 8,
                                                                    Pins(cp=2, tp=1, pp=1))}
     assert pairs == {(4, 2, 1), (4, 2, 2), (4, 2, 4)}
+
+
+def test_cp_takes_followed_experts_as_per_token(model_files):
+    """A layer of packed experts sorts, gathers and counts its tokens by expert: ops that mix positions, one by
+    one. The split ep follows proves that each token's output reads that token alone, so context parallelism's
+    analysis takes the layer's nodes as per position (`experts.token_wise_nodes`), and only those; without them it
+    refuses the model at the experts' sort. The router's ``topk`` over the experts (its dim left to the default)
+    keeps the sequence where it is."""
+    from partc.cluster import load_cluster
+    from partc.compile import context_graph
+    from partc.errors import PartcError
+    from partc.model_file import build_on_meta, load_model_file
+    from partc.passes.assign import assign
+    from partc.passes.context import analyze
+    from partc.passes.experts import token_wise_nodes
+    from partc.passes.trace import trace
+
+    path = model_files["mixtral"]
+    spec = load_model_file(path, seq_len=S)
+    model = build_on_meta(spec)
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(1)
+    traced = trace(model, args, kwargs, name=spec.name, seq_len=S, path=path, precision="fp32",
+                   fused_attention=load_cluster("a100-80g").fused_attention)  # as `partc compile` traces it
+    local, split = context_graph(spec, model, traced, 2, path=path, precision="fp32")
+    assert len(split.attention) == 2
+    node_layer = assign(local, model).node_layer
+    names = token_wise_nodes(local, node_layer, traced.graph.layers)
+    layers = {node_layer[n] for n in local.graph.nodes if n.name in names}
+    assert layers == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert {n.target for n in local.graph.nodes if n.name in names} >= {torch.ops.aten.sort.default,
+                                                                        torch.ops.aten.index.Tensor}
+    with pytest.raises(PartcError, match="sort.default at moe.py.* mixes positions along the sequence"):
+        analyze(traced.exported, local, 2, S)
 
 
 def test_ep_groups_under_cp(monkeypatch):
