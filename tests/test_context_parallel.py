@@ -296,9 +296,11 @@ def test_trains_like_one_process(runs, name):
                                   global_batch_size=gbs, precision="fp32", micro_batch_size=1, untied=pp > 1, **SGD)
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
-    assert_comm_matches_plan(tmp / name, got["comm"], axes=("pp", "dp", "cp", "tp") if name in EP else None)
     if name in EP:  # a real router: its all-to-alls send other bytes than the uniform routing the plan prices
+        assert_comm_matches_plan(tmp / name, got["comm"], rtol=0.0, axes=("pp", "dp", "cp", "tp"))
         assert all(rank["ep"] > 0 for step in got["comm"] for rank in step)
+    else:
+        assert_comm_matches_plan(tmp / name, got["comm"])
     assert all(rank.get("cp", 0) > 0 for step in got["comm"] for rank in step)
     if name in SP:
         plan = json.loads((tmp / name / "plan.json").read_text())
