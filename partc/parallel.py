@@ -58,7 +58,7 @@ class MeshAxis:
     it, only where its degree is above 1 (`in_use`): plans without it read as before it existed."""
     across: tuple[str, ...] = ()
     """Mesh axes besides `within` over which the ranks at one coordinate of this sub-axis hold the same parameters
-    and get partial gradients of them: the group across the sub-axis (`Parallel.across_degree`) spans them too.
+    and get partial gradients of them: the group across the sub-axis (`across_degree` ranks) spans them too.
     ``ep``: ``cp``, since each context-parallel rank routes other tokens of the same samples to the same experts,
     so the experts' gradients are reduced (and ZeRO shards them) over the ``dp / ep`` x ``cp`` ranks holding
     them, as the other parameters' over ``dp`` x ``cp``."""

@@ -108,10 +108,10 @@ def ep_time(graph: ModelGraph, cluster: Cluster, par: Parallel, units: Sequence[
     """(forward, backward) seconds of the ep all-to-alls of one micro-batch on one GPU of `units`: per layer of
     packed experts two all-to-alls each way (to the experts and back), each moving the share of the (token,
     expert) rows that leaves the rank, over NVLink or InfiniBand by where the ep group sits (neighbouring dp
-    ranks, ``cp`` x ``tp`` apart), the forward's again in the backward where a block is recomputed in full. Not overlapped
-    with compute. Under an imbalance F (`Parallel.imbalance`) every rank waits
-    for the busiest: it receives F times the uniform share on the way to the experts and sends as much back, so
-    each all-to-all takes as long as F times the uniform share takes through its link."""
+    ranks, ``cp`` x ``tp`` apart), the forward's again in the backward where a block is recomputed in full. Not
+    overlapped with compute. Under an imbalance F (`Parallel.imbalance`) every rank waits for the busiest: it
+    receives F times the uniform share on the way to the experts and sends as much back, so each all-to-all takes
+    as long as F times the uniform share takes through its link."""
     if par.ep == 1:
         return 0.0, 0.0
     stride = par.cp * par.tp  # dp's neighbours are cp x tp ranks apart (`Parallel.coords`)
@@ -147,8 +147,9 @@ def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
 def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
     """The packed expert parameters divided among the ep ranks (none when ``ep`` is 1). The dp FSDP groups leave
     them out (`partc.runtime.parallelize.apply_zero`): under ZeRO 1-3 they are sharded over the ``dp / ep`` x ``cp``
-    ranks holding the same experts (`Parallel.expert_shard`), in an FSDP group of their own per module (`shard_experts`); under ZeRO-0 (or where
-    ``dp == ep``) each rank keeps them whole and all-reduces their gradients over those ranks."""
+    ranks holding the same experts (`Parallel.expert_shard`), in an FSDP group of their own per module
+    (`shard_experts`); under ZeRO-0 (or where that is one rank) each rank keeps them whole and all-reduces their
+    gradients over those ranks."""
     if par.ep == 1:
         return frozenset()
     return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner) | frozenset(
@@ -173,8 +174,8 @@ def away_experts(graph: ModelGraph, par: Parallel) -> tuple[str, ...]:
 def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
     """Model states of `num_params` packed expert parameters on one GPU under ep: ZeRO's stage over the ``dp /
     ep`` x ``cp`` ranks holding the same experts (`Parallel.expert_shard`, `zero.model_state_bytes`); under
-    ZeRO-0, or where each rank holds its experts alone (``dp == ep`` without cp), as it keeps them whole (fp32 weights, gradients and Adam moments, and the
-    compute-dtype copy the forward casts)."""
+    ZeRO-0, or where each rank holds its experts alone (``dp == ep`` without cp), as it keeps them whole (fp32
+    weights, gradients and Adam moments, and the compute-dtype copy the forward casts)."""
     if par.zero > 0 and par.expert_shard > 1:
         params, grads, optimizer = zero.model_state_bytes(num_params, par, shards=par.expert_shard)
         return Memory(params=params, grads=grads, optimizer=optimizer)
@@ -186,9 +187,9 @@ def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
 
 def expert_dp_bytes(num_params: float, padded: float, par: Parallel) -> float:
     """Bytes one GPU passes to its experts' collectives over the ``dp / ep`` x ``cp`` ranks holding the same experts
-    (`Parallel.expert_shard`) in a step (nothing in a group of one): under ZeRO 1-3 FSDP's all-gathers and reduce-scatters of `padded` elements
-    (each module of experts a group of its own: gathered twice a micro-batch under ZeRO-3, `zero.dp_bytes`);
-    under ZeRO-0 the all-reduce of their `num_params` fp32 gradients."""
+    (`Parallel.expert_shard`) in a step (nothing in a group of one): under ZeRO 1-3 FSDP's all-gathers and
+    reduce-scatters of `padded` elements (each module of experts a group of its own: gathered twice a micro-batch
+    under ZeRO-3, `zero.dp_bytes`); under ZeRO-0 the all-reduce of their `num_params` fp32 gradients."""
     n = par.expert_shard
     if n == 1:
         return 0.0
