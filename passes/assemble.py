@@ -154,7 +154,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             mem.grads = schedule.most_gradient_bytes(p, v, par.num_microbatches, r, [scale * n for n in own],
                                                      [scale * n / par.dp_shard for n in own])
         if held:
-            own = expert_state_bytes(held, par)
+            own = expert_state_bytes(held, par, held_padded)
             mem.params, mem.grads, mem.optimizer = (mem.params + own.params, mem.grads + own.grads,
                                                     mem.optimizer + own.optimizer)
         def extra(last: bool = True) -> float:

@@ -171,14 +171,22 @@ def away_experts(graph: ModelGraph, par: Parallel) -> tuple[str, ...]:
     return tuple(m for routed in graph.routed_experts for m in routed.experts[len(routed.experts) // par.ep:])
 
 
-def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
+def expert_state_bytes(num_params: float, par: Parallel, padded: float | None = None) -> Memory:
     """Model states of `num_params` packed expert parameters on one GPU under ep: ZeRO's stage over the ``dp /
     ep`` x ``cp`` ranks holding the same experts (`Parallel.expert_shard`, `zero.model_state_bytes`); under
     ZeRO-0, or where each rank holds its experts alone (``dp == ep`` without cp), as it keeps them whole (fp32
-    weights, gradients and Adam moments, and the compute-dtype copy the forward casts)."""
+    weights, gradients and Adam moments, and the compute-dtype copy the forward casts). `padded`: their elements
+    as FSDP pads them over those ranks (`zero.padded_numel`), of which each rank holds its 1/n of whatever ZeRO
+    shards, and under ZeRO 1 and 2 the gathered copy is the whole padded tensor: FSDP cuts dim 0, this rank's
+    E/ep experts, so where E/ep is below n a rank holds a whole expert of the padded tensor (Mixtral-8x7B at ep 4
+    over 16 ranks: 1 of its 2 experts a rank, not 1/16 of them)."""
     if par.zero > 0 and par.expert_shard > 1:
-        params, grads, optimizer = zero.model_state_bytes(num_params, par, shards=par.expert_shard)
-        return Memory(params=params, grads=grads, optimizer=optimizer)
+        n, c = par.expert_shard, compute_bytes(par.precision)
+        padded = num_params if padded is None else padded
+        shard = padded / n
+        copy = 0.0 if par.zero == 3 else padded * c  # ZeRO 1, 2: the compute copy, gathered whole (and padded)
+        grads = shard * zero.MASTER_BYTES if par.zero >= 2 else num_params * zero.MASTER_BYTES
+        return Memory(params=shard * zero.MASTER_BYTES + copy, grads=grads, optimizer=shard * zero.ADAM_BYTES)
     params, grads, optimizer = zero.model_state_bytes(num_params, dataclasses.replace(par, zero=0))
     if compute_bytes(par.precision) == zero.MASTER_BYTES:  # fp32: the cast is the weight itself, no copy
         params = num_params * zero.MASTER_BYTES
