@@ -35,6 +35,7 @@ from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.tp import evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
 from partc.passes.context import ContextSplit, analyze as analyze_context, local_inputs
+from partc.passes.experts import token_wise_nodes
 from partc.passes.export import CHECKPOINT_CALLS, export_on_meta
 from partc.passes.rebatch import rebatch
 from partc.value_sized import EXPECTED_SIZES, expected_sizes
@@ -385,7 +386,8 @@ def context_graph(spec: ModelSpec, model: torch.nn.Module, traced: Traced, cp: i
             raise PartcError(f"--cp {cp}: a target of shape {list(t.shape)} has no dim of {seq_len} tokens; context "
                              f"parallelism needs a loss over the tokens (the mean over every token of the batch)")
     local = export_on_meta(model, args, kwargs, path=path, precision=precision)
-    return local, analyze_context(traced.exported, local, cp, seq_len)
+    experts = token_wise_nodes(local, assign(local, model).node_layer, traced.graph.layers)
+    return local, analyze_context(traced.exported, local, cp, seq_len, token_wise=experts)
 
 
 def _no_fit_message(clus: Cluster, result: SearchResult) -> str:

@@ -56,6 +56,12 @@ class MeshAxis:
     mesh: its degree divides that axis's, each group of that axis splits into groups of this many neighbours on it
     (`coordinate`), and the world size does not count it. Its groups exist, and plans and per-rank traffic carry
     it, only where its degree is above 1 (`in_use`): plans without it read as before it existed."""
+    across: tuple[str, ...] = ()
+    """Mesh axes besides `within` over which the ranks at one coordinate of this sub-axis hold the same parameters
+    and get partial gradients of them: the group across the sub-axis (`across_degree` ranks) spans them too.
+    ``ep``: ``cp``, since each context-parallel rank routes other tokens of the same samples to the same experts,
+    so the experts' gradients are reduced (and ZeRO shards them) over the ``dp / ep`` x ``cp`` ranks holding
+    them, as the other parameters' over ``dp`` x ``cp``."""
 
     @property
     def position(self) -> int:
@@ -85,6 +91,11 @@ class MeshAxis:
         place in its block of neighbours on `within` (``dp_rank % ep``)."""
         return coords[self.name] if self.within is None else coords[self.within] % self.degree(par)
 
+    def across_degree(self, par: Parallel) -> int:
+        """A sub-axis's ranks holding the same parameters of it: ``within / degree`` of its axis times the degrees
+        of `across` (``ep``: ``dp / ep`` x ``cp``, `Parallel.expert_shard`)."""
+        return getattr(par, self.within) // self.degree(par) * math.prod(getattr(par, a) for a in self.across)
+
 
 MESH = (MeshAxis("pp"), MeshAxis("dp"), MeshAxis("cp"), MeshAxis("tp"))
 """The device mesh, outermost first: torchtitan's order. ``pp`` outermost: activations and their gradients between
@@ -100,9 +111,12 @@ MESH_AXES = tuple(axis.name for axis in MESH)
 
 MESH_BY_NAME = {axis.name: axis for axis in MESH}
 
-SUB_AXES = (MeshAxis("ep", within="dp"),)
+SUB_AXES = (MeshAxis("ep", within="dp", across=("cp",)),)
 """The axes that divide an axis of `MESH` rather than the world (`MeshAxis.within`): ``ep``, the data-parallel
-ranks among which the routed experts are divided (`Parallel.ep`)."""
+ranks among which the routed experts are divided (`Parallel.ep`), the experts' gradients reduced over the ``dp /
+ep`` x ``cp`` ranks holding the same ones (`MeshAxis.across`)."""
+
+SUB_AXES_BY_NAME = {axis.name: axis for axis in SUB_AXES}
 
 AXES = (*MESH, *SUB_AXES)
 """Every axis with process groups of its own: the mesh's, then the sub-axes. The runtime's groups, the plan's and
@@ -193,9 +207,9 @@ class Parallel:
     ranks ``dp_rank // ep`` hold the same experts in groups of ``ep`` neighbours, each rank ``E/ep`` of every layer
     of packed experts (``dp_rank % ep`` its share); tokens travel to their experts' ranks and back with an
     all-to-all (`partc.collectives.expert_parallel`). A sub-axis of ``dp`` (`SUB_AXES`): its groups split the ``dp``
-    groups. Expert
-    gradients are reduced (and, with ZeRO, sharded) over the ``dp / ep`` ranks holding the same experts,
-    everything else over ``dp`` as without it (docs/expert-parallel.md)."""
+    groups, at each ``cp`` coordinate (each cp rank routes its own s/cp tokens). Expert gradients are reduced (and,
+    with ZeRO, sharded) over the ``dp / ep`` x ``cp`` ranks holding the same experts (`expert_shard`), everything
+    else over ``dp`` x ``cp`` as without it (docs/expert-parallel.md)."""
     expert_imbalance: float = field(default=1.0, metadata=_choice(
         "Price a skewed routing under ep: the busiest ep rank receives this many times the mean (token, expert) "
         "rows (>= 1.0; 1.0: uniform).", minimum=1.0, maximum=MAX_GPUS))
@@ -238,9 +252,6 @@ class Parallel:
         if self.dp % self.ep:
             raise PartcError(f"ep {self.ep} does not divide dp {self.dp} (the expert-parallel ranks are carved from "
                              f"the data-parallel ones)")
-        if self.ep > 1 and self.cp > 1:
-            raise PartcError("ep and cp together are not supported yet: the experts' gradients would also have to be "
-                             "reduced over the context-parallel ranks")
 
     # -- derived quantities --------------------------------------------------------------------------------------
 
@@ -254,6 +265,12 @@ class Parallel:
         """The ranks gradients are averaged and ZeRO shards over: dp x cp (every cp rank holds every parameter and
         gets the gradient of its own tokens)."""
         return self.dp * self.cp
+
+    @property
+    def expert_shard(self) -> int:
+        """The ranks holding the same experts under ep, which their gradients are averaged and ZeRO shards them over:
+        ``dp / ep`` x ``cp`` (`MeshAxis.across_degree` of ``ep``; ``dp_shard`` without ep)."""
+        return SUB_AXES_BY_NAME["ep"].across_degree(self)
 
     @property
     def world_size(self) -> int:
@@ -522,8 +539,11 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
         raise PartcError("--sequence-parallel needs tensor parallelism (--tp 2 or more)")
     if pins.sp_regather and (pins.sequence_parallel is False or pins.tp == 1):
         raise PartcError("--sp-regather needs sequence parallelism (--sequence-parallel, --tp 2 or more)")
-    if pins.ep is not None and pins.ep > 1 and (pins.dp or gpus) % pins.ep:
-        dp = f"--dp {pins.dp}" if pins.dp else f"the GPU count {gpus}"
+    others = {a: v for a, v in fixed.items() if a != "dp" and v > 1}  # the data-parallel ranks are what they leave
+    if pins.ep is not None and pins.ep > 1 and (pins.dp or gpus // math.prod(others.values())) % pins.ep:
+        dp = (f"--dp {pins.dp}" if pins.dp else f"the GPU count {gpus}" if not others else
+              f"the {gpus // math.prod(others.values())} data-parallel ranks left of {gpus} GPUs by "
+              f"{' '.join(f'{MESH_BY_NAME[a].pin} {v}' for a, v in others.items())}")
         raise PartcError(f"--ep {pins.ep} does not divide {dp} (the expert-parallel ranks are carved from the "
                          f"data-parallel ones)")
     if pins.ep is not None and pins.expert_imbalance is not None and 1 < pins.ep < pins.expert_imbalance:

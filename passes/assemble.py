@@ -128,8 +128,8 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
         sum(zero.padded_numel(x, par.dp_shard) for k, x in shapes.items() if k not in experts) for shapes in local_shapes)])
     expert_sums = keep(EXPERTS.key(par), lambda: [0, *itertools.accumulate(
         sum(n for k, n in s.items() if k in experts) for s in shards)])
-    expert_padded = keep(EXPERT_PADDED.key(par), lambda: [0, *itertools.accumulate(  # over the dp / ep holders
-        sum(zero.padded_numel(x, par.dp // par.ep) for k, x in shapes.items() if k in experts)
+    expert_padded = keep(EXPERT_PADDED.key(par), lambda: [0, *itertools.accumulate(  # over the dp / ep x cp holders
+        sum(zero.padded_numel(x, par.expert_shard) for k, x in shapes.items() if k in experts)
         for shapes in local_shapes)])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
     backward = backward_of(graph, par, tp, keep.store)
@@ -154,7 +154,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             mem.grads = schedule.most_gradient_bytes(p, v, par.num_microbatches, r, [scale * n for n in own],
                                                      [scale * n / par.dp_shard for n in own])
         if held:
-            own = expert_state_bytes(held, par)
+            own = expert_state_bytes(held, par, held_padded)
             mem.params, mem.grads, mem.optimizer = (mem.params + own.params, mem.grads + own.grads,
                                                     mem.optimizer + own.optimizer)
         def extra(last: bool = True) -> float:
@@ -274,7 +274,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                        + expert_dp_bytes(held, held_padded, par)),
                 "cp": cp_bytes(graph, par, tp, idx),
                 "tp": tp_payload + gather_bytes(graph, par, chunks)}
-        if par.ep > 1:  # the experts' all-to-alls over the ep groups carved from dp (`Parallel.ep`)
+        if par.ep > 1:  # the experts' all-to-alls over the ep groups carved from dp, inside a cp coordinate
             comm["ep"] = ep_bytes(graph, par, idx)
         assert tuple(comm) == tuple(a.name for a in AXES if a.in_use(par)), tuple(comm)
         comps.append((compute, tp_comm, pp_comm))

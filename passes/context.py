@@ -52,6 +52,9 @@ ALONG_DIM = {aten._softmax.default: 1, aten._log_softmax.default: 1, aten.softma
              aten.flip.default: 1, aten.roll.default: 2, aten.argsort.default: 1}
 """Ops mixing positions along their dim argument (the position of the argument)."""
 
+DEFAULT_DIM = {aten.topk.default: -1, aten.sort.default: -1, aten.sort.stable: -1, aten.argsort.default: -1}
+"""The dim of the `ALONG_DIM` ops whose dim argument may be left out (a router's ``topk(probs, k)``: the last)."""
+
 MIXING = {"convolution", "_convolution", "tril", "triu", "index", "index_select", "gather", "take", "scatter",
           "scatter_add", "scatter_reduce", "index_add", "index_put", "index_copy", "index_fill", "_unsafe_index",
           "grid_sampler_2d", "pad", "unfold", "im2col", "col2im", "diff", "diagonal", "diag"}
@@ -119,10 +122,13 @@ def _where(node: torch.fx.Node) -> str:
 
 
 def analyze(full: torch.export.ExportedProgram, local: torch.export.ExportedProgram, cp: int,
-            seq_len: int) -> ContextSplit:
+            seq_len: int, token_wise: set[str] = frozenset()) -> ContextSplit:
     """Prove that the graph at ``s/cp`` tokens (`local`) computes position by position but for the ops the
     rewrite replaces (module docstring), comparing it with the graph at `seq_len` tokens (`full`); PartcError
-    names the first op that mixes positions otherwise."""
+    names the first op that mixes positions otherwise. `token_wise`: names of `local`'s nodes proven elsewhere to
+    compute each token's output from that token alone, whatever their ops (the layers of experts whose routing
+    `partc.passes.experts.token_wise_nodes` follows: they sort and gather the tokens by expert); only their
+    sequence dims are read."""
     fn, ln = list(full.graph.nodes), list(local.graph.nodes)
     why = "context parallelism (--cp {}) is not proven for this model: ".format(cp)
     if len(fn) != len(ln) or any(a.op != b.op or a.target != b.target for a, b in zip(fn, ln)):
@@ -133,6 +139,11 @@ def analyze(full: torch.export.ExportedProgram, local: torch.export.ExportedProg
     for f, node in zip(fn, ln):
         fv, lv = _vals(f), _vals(node)
         dims: set[int] = set()
+        if node.name in token_wise:  # per token as a whole (counts and offsets by expert have no sequence dim)
+            seq[node] = {d for a, b in zip(fv, lv) if a.dim() == b.dim()
+                         for d, (x, y) in enumerate(zip(a.shape, b.shape))
+                         if isinstance(x, int) and isinstance(y, int) and x != y}
+            continue
         for a, b in zip(fv, lv):
             if a.dim() != b.dim():
                 raise PartcError(why + f"{_where(node)} changes rank with the sequence length")
@@ -186,7 +197,7 @@ def analyze(full: torch.export.ExportedProgram, local: torch.export.ExportedProg
                                    f"the sequence)")
         if node.target in ALONG_DIM:
             i = ALONG_DIM[node.target]
-            d = node.args[i] if len(node.args) > i else None
+            d = node.args[i] if len(node.args) > i else node.kwargs.get("dim", DEFAULT_DIM.get(node.target))
             src = seq.get(first, set()) if isinstance(first, torch.fx.Node) else set()
             ds = d if isinstance(d, (list, tuple)) else [d]
             nd = _vals(first)[0].dim() if isinstance(first, torch.fx.Node) and _vals(first) else 1

@@ -411,10 +411,11 @@ def fits(cluster: Cluster, mem: Memory) -> bool:
 
 def communicators(par: Parallel, shares_weights: bool) -> int:
     """NCCL communicators one GPU holds: one per process group of more than one rank it belongs to (the world, its
-    tp, dp, cp and pp groups, the dp x cp group FSDP shards over under context parallelism, and the group summing
-    a weight shared across pipeline ranks)."""
+    tp, dp, cp and pp groups, the dp x cp group FSDP shards over under context parallelism, under expert
+    parallelism the ep group and the dp / ep x cp ranks holding the same experts, and the group summing a weight
+    shared across pipeline ranks)."""
     sizes = [par.world_size, par.tp, par.dp, par.cp, par.pp] + ([par.dp_shard] if par.cp > 1 else []) + \
-        ([2] if shares_weights else [])
+        ([par.ep, par.expert_shard] if par.ep > 1 else []) + ([2] if shares_weights else [])
     return sum(1 for n in sizes if n > 1)
 
 

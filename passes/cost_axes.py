@@ -12,7 +12,7 @@ from partc.cluster import Cluster
 from partc.ir import ModelGraph
 from partc.parallel import Parallel, group_spans_nodes
 from partc.precision import compute_bytes
-from partc.passes.cost_types import Memory, TPPlan, recompute_mode, style_of
+from partc.passes.cost_types import Memory, TPPlan, recompute_mode, style_of, tokens
 
 from . import hw, zero
 
@@ -108,19 +108,19 @@ def ep_time(graph: ModelGraph, cluster: Cluster, par: Parallel, units: Sequence[
     """(forward, backward) seconds of the ep all-to-alls of one micro-batch on one GPU of `units`: per layer of
     packed experts two all-to-alls each way (to the experts and back), each moving the share of the (token,
     expert) rows that leaves the rank, over NVLink or InfiniBand by where the ep group sits (neighbouring dp
-    ranks, ``tp`` apart), the forward's again in the backward where a block is recomputed in full. Not overlapped
-    with compute. Under an imbalance F (`Parallel.imbalance`) every rank waits
-    for the busiest: it receives F times the uniform share on the way to the experts and sends as much back, so
-    each all-to-all takes as long as F times the uniform share takes through its link."""
+    ranks, ``cp`` x ``tp`` apart), the forward's again in the backward where a block is recomputed in full. Not
+    overlapped with compute. Under an imbalance F (`Parallel.imbalance`) every rank waits for the busiest: it
+    receives F times the uniform share on the way to the experts and sends as much back, so each all-to-all takes
+    as long as F times the uniform share takes through its link."""
     if par.ep == 1:
         return 0.0, 0.0
-    stride = par.tp  # dp's neighbours are tp ranks apart (`Parallel.coords`)
+    stride = par.cp * par.tp  # dp's neighbours are cp x tp ranks apart (`Parallel.coords`)
     spans = group_spans_nodes(par.ep, stride, cluster.gpus_per_node)
     per_node = max(1, min(par.ep, cluster.gpus_per_node // stride))
     c, total = compute_bytes(par.precision), 0.0
     fwd = 0.0
     for rows, hidden, _, forwards in _expert_layers(graph, units, par):
-        leaving = par.micro_batch_size * rows * (par.ep - 1) / par.ep * hidden * c
+        leaving = tokens(par) * rows * (par.ep - 1) / par.ep * hidden * c  # each cp rank routes its s/cp tokens
         leaving *= par.imbalance
         once = 2 * hw.collective_time(cluster, "all_to_all", leaving, par.ep, spans_nodes=spans,
                                       ranks_per_node=per_node)
@@ -133,11 +133,12 @@ def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
     """What one GPU passes to the ``ep`` all-to-alls in a step, for its `units`: `ep_alltoall_bytes` of each layer of
     packed experts (`Layer.inner`: its first grouped product holds E experts of ``m`` rows each per sample, ``m·E``
     = s·k at uniform routing, and multiplies the tokens' hidden size ``k``), per micro-batch, times the
-    micro-batches; under an imbalance (`Parallel.imbalance`) the busiest rank's. Under the routing priced the
+    micro-batches (under cp each rank routes the rows of its s/cp tokens, `tokens`); under an imbalance
+    (`Parallel.imbalance`) the busiest rank's. Under the routing priced the
     runtime measures exactly this (on the busiest rank); otherwise its per-step record shows it next to this."""
     if par.ep == 1:
         return 0.0
-    total = sum(ep_alltoall_bytes(par.micro_batch_size * rows, 1, hidden, compute_bytes(par.precision), par.ep,
+    total = sum(ep_alltoall_bytes(tokens(par) * rows, 1, hidden, compute_bytes(par.precision), par.ep,
                                   experts, imbalance=par.imbalance, forwards=forwards)
                 for rows, hidden, experts, forwards in _expert_layers(graph, units, par))
     return total * par.num_microbatches
@@ -145,9 +146,10 @@ def ep_bytes(graph: ModelGraph, par: Parallel, units: Sequence[int]) -> float:
 
 def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
     """The packed expert parameters divided among the ep ranks (none when ``ep`` is 1). The dp FSDP groups leave
-    them out (`partc.runtime.parallelize.apply_zero`): under ZeRO 1-3 they are sharded over the ``dp / ep`` ranks
-    holding the same experts, in an FSDP group of their own per module (`shard_experts`); under ZeRO-0 (or where
-    ``dp == ep``) each rank keeps them whole and all-reduces their gradients over those ranks."""
+    them out (`partc.runtime.parallelize.apply_zero`): under ZeRO 1-3 they are sharded over the ``dp / ep`` x ``cp``
+    ranks holding the same experts (`Parallel.expert_shard`), in an FSDP group of their own per module
+    (`shard_experts`); under ZeRO-0 (or where that is one rank) each rank keeps them whole and all-reduces their
+    gradients over those ranks."""
     if par.ep == 1:
         return frozenset()
     return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner) | frozenset(
@@ -169,14 +171,22 @@ def away_experts(graph: ModelGraph, par: Parallel) -> tuple[str, ...]:
     return tuple(m for routed in graph.routed_experts for m in routed.experts[len(routed.experts) // par.ep:])
 
 
-def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
+def expert_state_bytes(num_params: float, par: Parallel, padded: float | None = None) -> Memory:
     """Model states of `num_params` packed expert parameters on one GPU under ep: ZeRO's stage over the ``dp /
-    ep`` ranks holding the same experts (`zero.model_state_bytes`); under ZeRO-0, or where each rank holds its
-    experts alone (``dp == ep``), as it keeps them whole (fp32 weights, gradients and Adam moments, and the
-    compute-dtype copy the forward casts)."""
-    if par.zero > 0 and par.dp // par.ep > 1:
-        params, grads, optimizer = zero.model_state_bytes(num_params, par, shards=par.dp // par.ep)
-        return Memory(params=params, grads=grads, optimizer=optimizer)
+    ep`` x ``cp`` ranks holding the same experts (`Parallel.expert_shard`, `zero.model_state_bytes`); under
+    ZeRO-0, or where each rank holds its experts alone (``dp == ep`` without cp), as it keeps them whole (fp32
+    weights, gradients and Adam moments, and the compute-dtype copy the forward casts). `padded`: their elements
+    as FSDP pads them over those ranks (`zero.padded_numel`), of which each rank holds its 1/n of whatever ZeRO
+    shards, and under ZeRO 1 and 2 the gathered copy is the whole padded tensor: FSDP cuts dim 0, this rank's
+    E/ep experts, so where E/ep is below n a rank holds a whole expert of the padded tensor (Mixtral-8x7B at ep 4
+    over 16 ranks: 1 of its 2 experts a rank, not 1/16 of them)."""
+    if par.zero > 0 and par.expert_shard > 1:
+        n, c = par.expert_shard, compute_bytes(par.precision)
+        padded = num_params if padded is None else padded
+        shard = padded / n
+        copy = 0.0 if par.zero == 3 else padded * c  # ZeRO 1, 2: the compute copy, gathered whole (and padded)
+        grads = shard * zero.MASTER_BYTES if par.zero >= 2 else num_params * zero.MASTER_BYTES
+        return Memory(params=shard * zero.MASTER_BYTES + copy, grads=grads, optimizer=shard * zero.ADAM_BYTES)
     params, grads, optimizer = zero.model_state_bytes(num_params, dataclasses.replace(par, zero=0))
     if compute_bytes(par.precision) == zero.MASTER_BYTES:  # fp32: the cast is the weight itself, no copy
         params = num_params * zero.MASTER_BYTES
@@ -184,11 +194,11 @@ def expert_state_bytes(num_params: float, par: Parallel) -> Memory:
 
 
 def expert_dp_bytes(num_params: float, padded: float, par: Parallel) -> float:
-    """Bytes one GPU passes to its experts' collectives over the ``dp / ep`` ranks holding the same experts in a
-    step (nothing in a group of one): under ZeRO 1-3 FSDP's all-gathers and reduce-scatters of `padded` elements
-    (each module of experts a group of its own: gathered twice a micro-batch under ZeRO-3, `zero.dp_bytes`);
-    under ZeRO-0 the all-reduce of their `num_params` fp32 gradients."""
-    n = par.dp // par.ep
+    """Bytes one GPU passes to its experts' collectives over the ``dp / ep`` x ``cp`` ranks holding the same experts
+    (`Parallel.expert_shard`) in a step (nothing in a group of one): under ZeRO 1-3 FSDP's all-gathers and
+    reduce-scatters of `padded` elements (each module of experts a group of its own: gathered twice a micro-batch
+    under ZeRO-3, `zero.dp_bytes`); under ZeRO-0 the all-reduce of their `num_params` fp32 gradients."""
+    n = par.expert_shard
     if n == 1:
         return 0.0
     if par.zero > 0:

@@ -467,6 +467,28 @@ def rewrite_for_ep(ep: torch.export.ExportedProgram, node_layer: dict[Node, str]
     return done, routed
 
 
+def token_wise_nodes(ep: torch.export.ExportedProgram, node_layer: dict[Node, str],
+                     layers: dict[str, Layer]) -> set[str]:
+    """The names of the nodes of every layer of experts whose routing is followed: each layer of packed experts
+    `expert_split` divides, each plain mixture `routed_splits` divides. Such a layer sorts, gathers and counts its
+    tokens by expert, yet computes ``out[t] = sum_j weights[t, j] · expert_{choice[t, j]}(hidden[t])``: token t's
+    output reads token t's row, choices and weights alone (what `expert_split` and `routed_splits` prove, and
+    `collectives.expert_parallel` relies on). Context parallelism (`partc.passes.context.analyze`) takes such a
+    layer as per position, with or without ep."""
+    params = param_placeholders(ep)
+    out: set[str] = set()
+    for fqn, nodes in _nodes_by_layer(ep.graph, node_layer).items():
+        layer = layers.get(fqn)
+        if layer is None or layer.kind != "other" or not any(is_product(n) for n in nodes):
+            continue
+        if isinstance(expert_split(nodes, {ph: p for ph, p in params.items() if p in layer.params}), ExpertSplit):
+            out |= {n.name for n in nodes}
+    for split in routed_splits(ep.graph, params):
+        if not isinstance(split, str):
+            out |= {n.name for n in split.nodes}
+    return out
+
+
 EP_ROUTED = "partc_ep_routed"
 """Node meta key: on the `collectives.expert_parallel` node that replaces a plain-PyTorch mixture of experts under
 ep, (the expert modules in expert order, each expert's parameter FQNs in the order of `EP_LOCAL`'s parameters)."""

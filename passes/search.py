@@ -97,7 +97,7 @@ def _config_values(graph: ModelGraph, cluster: Cluster, gpus: int, global_batch:
         if not sp_choices:
             continue
         per_replica = global_batch // dp
-        for ep in (_ep_degrees(pins, dp, experts) if cp == 1 else [1]):  # ep is carved from dp alone
+        for ep in _ep_degrees(pins, dp, experts):  # ep is carved from dp (at each cp coordinate)
             for b in divisors(per_replica):
                 for zero, recompute, schedule, v in _policies(pins, dp, pp, per_replica // b, n_units):
                     for sp in sp_choices:

@@ -49,7 +49,7 @@ ADAM_BYTES = 8
 
 def model_state_bytes(num_params: float, par: Parallel, shards: int | None = None) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes per GPU for `num_params` parameters (module docstring's table),
-    sharded over `shards` ranks (``dp_shard`` unless given: the packed experts' ``dp / ep``)."""
+    sharded over `shards` ranks (``dp_shard`` unless given: the packed experts' ``dp / ep`` x ``cp``)."""
     psi, n, c = float(num_params), shards or par.dp_shard, compute_bytes(par.precision)
     if par.zero == 0:
         return psi * (MASTER_BYTES + c), psi * MASTER_BYTES, psi * ADAM_BYTES
@@ -92,7 +92,7 @@ def dp_bytes(par: Parallel, numel: float, unit_padded: float, rest_padded: float
              shards: int | None = None) -> dict[str, float]:
     """Collective -> bytes one GPU passes over dp in a step: `numel` parameters on the GPU, `unit_padded` of them
     (padded) in FSDP units of their own and `rest_padded` in the stage's root group (module docstring), sharded
-    over `shards` ranks (``dp_shard`` unless given: the packed experts' ``dp / ep``)."""
+    over `shards` ranks (``dp_shard`` unless given: the packed experts' ``dp / ep`` x ``cp``)."""
     if (shards or par.dp_shard) == 1:
         return {}
     c, m = compute_bytes(par.precision), par.num_microbatches

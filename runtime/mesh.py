@@ -59,13 +59,23 @@ class World:
     """This pipeline rank's ``(tp, dp)`` mesh (the groups of ``mesh``, tp outer), for checkpoint DTensors."""
     zero_mesh: DeviceMesh | None = None
     """The mesh FSDP shards over (`zero_mesh`)."""
-    expert_dp_group: dist.ProcessGroup | None = None
-    """The ``dp / ep`` ranks holding the same experts as this one: their gradients are reduced over it."""
-    expert_mesh: DeviceMesh | None = None
-    """`expert_dp_group` as a 1-D mesh: under ZeRO 1-3 FSDP shards the packed experts over it (torchtitan's
-    ``dp_shard_mod_ep``)."""
+    across: dict[str, DeviceMesh] = field(default_factory=dict)
+    """Sub-axis in use (`partc.parallel.SUB_AXES`) -> the 1-D mesh of the ranks at this rank's coordinate of it in
+    its ``within`` x ``across`` group (`sub_axis_groups`, `MeshAxis.across_degree` ranks): those holding the same
+    parameters of the sub-axis. ``ep``: the ``dp / ep`` x ``cp`` ranks holding the same experts (torchtitan's
+    ``dp_shard_mod_ep``, with cp), their gradients reduced over it and, under ZeRO 1-3, FSDP sharding them."""
     dp_shard_groups: list[dist.ProcessGroup] = field(default_factory=list)
     """Under context parallelism, the group of ``dp`` x ``cp`` FSDP reduces over (its traffic counts as ``dp``)."""
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """``across["ep"]``: the ranks holding the same experts (None without ep)."""
+        return self.across.get("ep")
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        """`expert_mesh`'s process group (None without ep)."""
+        return self.expert_mesh.get_group() if "ep" in self.across else None
 
     def record(self) -> dict[str, int]:
         """This rank in a per-rank record (`partc run`'s ``--log-jsonl``, `partc check`): its global rank and its
@@ -127,31 +137,38 @@ def init_world(par: Parallel, *, timeout_s: float = 600.0) -> World:
     for axis in SUB_AXES:  # ep: the dp groups split into blocks of ep neighbours
         if axis.in_use(par):
             world.coords[axis.name] = axis.coordinate(world.coords, par)
-            world.groups[axis.name], world.expert_dp_group, members = sub_axis_groups(world, axis)
-            world.expert_mesh = DeviceMesh.from_group(world.expert_dp_group, device.type, mesh=torch.tensor(members),
-                                                      mesh_dim_names=("expert_dp",))
+            world.groups[axis.name], across, members = sub_axis_groups(world, axis)
+            world.across[axis.name] = DeviceMesh.from_group(across, device.type, mesh=torch.tensor(members),
+                                                            mesh_dim_names=(f"across_{axis.name}",))
     world.tp_dp_mesh = tp_dp_mesh(world)
     return world
 
 
 def sub_axis_groups(world: World, axis: MeshAxis) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[int]]:
     """(this rank's group of the sub-axis `axis`, its group across that sub-axis, the latter's ranks): the ranks of
-    each group of ``axis.within`` in blocks of ``degree`` neighbours (``ep``: the experts divided among them,
-    torchtitan's ``dp_shard_in_ep``), and those at the same coordinate of the sub-axis, every ``degree``-th (``ep``:
-    the ranks holding the same experts, ``dp_shard_mod_ep``). Every rank creates every group, in the same order
-    (``new_group`` is collective)."""
+    each group of ``axis.within``, at each coordinate of ``axis.across``, in blocks of ``degree`` neighbours
+    (``ep``: the experts divided among them, torchtitan's ``dp_shard_in_ep``; tokens travel inside a cp coordinate),
+    and those at the same coordinate of the sub-axis over ``within`` and ``across`` together, every ``degree``-th
+    of ``within`` at every coordinate of ``across`` (``ep``: the ``dp / ep`` x ``cp`` ranks holding the same
+    experts, torchtitan's ``dp_shard_mod_ep`` with cp), in rank order. Every rank creates every group, in the same
+    order (``new_group`` is collective)."""
     par, within, n = world.par, axis.within, axis.degree(world.par)
     size = getattr(par, within)
     mine = across = None
     members: list[int] = []
-    others = [a.name for a in MESH if a.name != within]
+    spanned = (within, *axis.across)
+    others = [a.name for a in MESH if a.name not in spanned]
     for point in itertools.product(*(range(getattr(par, a)) for a in others)):
-        ranks = [par.rank_of(**{within: d}, **dict(zip(others, point))) for d in range(size)]
-        for block in (ranks[i:i + n] for i in range(0, size, n)):
-            group = dist.new_group(block)
-            mine = group if world.rank in block else mine
+        at = dict(zip(others, point))
+        for beside in itertools.product(*(range(getattr(par, a)) for a in axis.across)):
+            ranks = [par.rank_of(**{within: d}, **dict(zip(axis.across, beside)), **at) for d in range(size)]
+            for block in (ranks[i:i + n] for i in range(0, size, n)):
+                group = dist.new_group(block)
+                mine = group if world.rank in block else mine
         for e in range(n):
-            same = ranks[e::n]
+            same = sorted(par.rank_of(**{within: d}, **dict(zip(axis.across, beside)), **at)
+                          for d in range(e, size, n)
+                          for beside in itertools.product(*(range(getattr(par, a)) for a in axis.across)))
             group = dist.new_group(same)
             if world.rank in same:
                 across, members = group, same

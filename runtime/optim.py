@@ -174,7 +174,8 @@ def grad_copies(stages: list[nn.Module], *, tp: int, dp: int, split: set[str], h
             if isinstance(p, DTensor):  # (packed experts under ZeRO 1-3 ep: sharded over the dp / ep > 1 holders)
                 dp_split = any(isinstance(pl, Shard) and p.device_mesh.size(i) > 1 for i, pl in enumerate(p.placements))
                 copies *= 1 if dp_split else dp
-            else:  # packed experts FSDP leaves alone (ZeRO-0, or dp == ep): held by the dp / ep ranks holding them
+            else:  # packed experts FSDP leaves alone (ZeRO-0, or one holder): held by the dp / ep ranks holding them
+                # (`dp` is dp x cp here: dp / ep x cp)
                 copies *= dp // ep if name in experts else dp
             out.append((p, 1.0 / copies))
     return out

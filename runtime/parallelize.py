@@ -77,8 +77,9 @@ def parallelize(stages: list[StageModule], world: World, par: Parallel, blocks: 
         #    `partc.collectives`).
         apply_recompute(stage, par.recompute, blocks)  # 2.
         # 3. compile: not applied.
-        if par.zero > 0 and par.dp // par.ep > 1 and experts:  # 4. ZeRO of the packed experts over the ranks
-            # holding the same ones (none to shard over when dp is ep: each rank keeps its experts whole)
+        if par.zero > 0 and par.expert_shard > 1 and experts:  # 4. ZeRO of the packed experts over the ranks
+            # holding the same ones, dp / ep x cp (none to shard over when dp is ep without cp: each rank keeps its
+            # experts whole)
             shard_experts(stage, world.expert_mesh, zero=par.zero, precision=par.precision, experts=experts)
         modules.append(apply_zero(stage, world.zero_mesh, zero=par.zero, precision=par.precision,  # 4.
                                   ignored={p for n, p in stage.named_parameters()
@@ -107,16 +108,17 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 
 def shard_experts(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision: str,
                   experts: frozenset[str]) -> None:
-    """FSDP2 on each module holding packed experts, over `mesh` (`World.expert_mesh`: the ``dp / ep`` ranks
-    holding the same experts), under ZeRO stage `zero`: their fp32 weights, gradients and optimizer states are
-    sharded over that group as the other parameters are over ``dp`` (torchtitan's ``dp_shard_mod_ep``). Before
-    `apply_zero`, which then leaves them to these groups.
+    """FSDP2 on each module holding packed experts, over `mesh` (`World.expert_mesh`: the ``dp / ep`` x ``cp``
+    ranks holding the same experts), under ZeRO stage `zero`: their fp32 weights, gradients and optimizer states
+    are sharded over that group as the other parameters are over ``dp`` x ``cp`` (torchtitan's
+    ``dp_shard_mod_ep``). Before `apply_zero`, which then leaves them to these groups.
 
     The stage code reads the experts' tensors without calling their module, so the unit holding them gathers them
     before its forward (`FSDPModule.unshard`); FSDP's end-of-backward callback reduce-scatters the gradients of
     every group left gathered. Each rank's expert gradient sums the tokens of its ep group: FSDP averages it over
-    the ``dp / ep`` holders, and `GradSync` divides it by ``ep`` (``dp`` in all: the mean loss's gradient; a
-    divide factor of FSDP's own would need PREMUL_SUM, which gloo lacks)."""
+    the ``dp / ep`` x ``cp`` holders, and `GradSync` divides it by ``ep`` (``dp`` x ``cp`` in all, as FSDP's average
+    of the others: the mean loss's gradient; a divide factor of FSDP's own would need PREMUL_SUM, which gloo
+    lacks)."""
     owners: dict[str, nn.Module] = {}
     for name, _ in stage.named_parameters():
         if name in experts:
@@ -214,12 +216,12 @@ class GradSync:
         self.experts = [p for st in stages for n, p in st.named_parameters()
                         if n in experts and not isinstance(p, DTensor)]
         """This rank's packed expert parameters (ep): each holds the gradient of its experts from every token of
-        its ep group; summed over the ranks holding the same experts and divided by dp, it is the gradient of the
-        mean loss, as FSDP's average over dp gives the others. (Under ZeRO 1-3 FSDP reduces them instead,
-        `shard_experts`.)"""
+        its ep group; summed over the ranks holding the same experts (``dp / ep`` x ``cp``) and divided by ``dp`` x
+        ``cp``, it is the gradient of the mean loss, as FSDP's average over ``dp`` x ``cp`` gives the others. (Under
+        ZeRO 1-3 FSDP reduces them instead, `shard_experts`.)"""
         self.sharded_experts = [p for st in stages for n, p in st.named_parameters()
                                 if n in experts and isinstance(p, DTensor)]
-        """The packed experts FSDP shards over the ``dp / ep`` ranks holding them (ZeRO 1-3): FSDP averages their
+        """The packed experts FSDP shards over the ranks holding them (ZeRO 1-3): FSDP averages their
         gradients over those ranks; divided by ``ep`` here, they are the mean loss's gradient."""
         self.groups: list[dist.ProcessGroup] = []
         """Every group this rank sums shared weights over (the comm counter counts them as ``pp``)."""
@@ -247,7 +249,7 @@ class GradSync:
             if dist.get_world_size(self.world.expert_dp_group) > 1:
                 _all_reduce(grads, self.world.expert_dp_group, average=False)
             for g in grads:
-                g.div_(self.world.par.dp)
+                g.div_(self.world.par.dp_shard)
         for p in self.sharded_experts:
             if p.grad is not None:
                 _local(p.grad).div_(self.world.par.ep)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from partc.model_file import build_on_meta, load_model_file
-from partc.parallel import MESH_AXES
+from partc.parallel import AXES, MESH_AXES
 from partc.passes.tp import MEGATRON_VOCAB, megatron_style  # noqa: F401 (re-exported)
 from partc.passes.trace import trace
 from zygote import Zygote
@@ -357,18 +357,20 @@ def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5)
         assert abs(g - w) <= rtol * abs(w), (got, want)
 
 
-def assert_comm_matches_plan(out: Path, comm: list[list[dict]], rtol: float = 0.02) -> int:
+def assert_comm_matches_plan(out: Path, comm: list[list[dict]], rtol: float = 0.02,
+                             axes: tuple[str, ...] | None = None) -> int:
     """Every rank's measured collective payload of every step (`partc.runtime.testing`'s ``comm``) equals the
-    plan's ``predicted.ranks[pp_rank].comm_bytes`` within `rtol`, axis by axis; returns how many bytes were
-    checked (so a caller can assert there was traffic)."""
+    plan's ``predicted.ranks[pp_rank].comm_bytes`` within `rtol`, axis by axis (`axes`: every axis the plan has, a
+    sub-axis in use too, `partc.parallel.AXES`); returns how many bytes were checked (so a caller can assert there
+    was traffic)."""
     plan = json.loads((Path(out) / "plan.json").read_text())
     par, ranks = plan["parallel"], plan["predicted"]["ranks"]
     checked = 0
     for step in comm:
         for rank, measured in enumerate(step):
             want = ranks[rank // (math.prod(par.get(a, 1) for a in MESH_AXES) // par["pp"])]["comm_bytes"]
-            assert set(measured) <= set(MESH_AXES), (rank, measured)
-            for axis in MESH_AXES:
+            assert set(measured) <= set(want), (rank, measured)
+            for axis in axes or [a.name for a in AXES if a.name in want]:
                 got = measured.get(axis, 0)
                 assert abs(got - want[axis]) <= rtol * want[axis], (out, rank, axis, got, want[axis])
                 checked += got

@@ -172,7 +172,12 @@ CONFIGS = {
     "gpt_cp2_dp2_tp2_z1_sp": ("gpt", 2, 2, 1, 2, 1, 4),
     "gpt_cp2_tp2_pp2_sp": ("gpt", 2, 2, 2, 1, 1, 4),
     "llama_cp2_tp2_pp2_sp": ("llama", 2, 2, 2, 1, 1, 4),
+    # with expert parallelism: ep 2 carved from dp 4 at each cp coordinate (two ep groups), the experts' gradients
+    # reduced and ZeRO-3-sharded over the dp / ep x cp = 4 ranks holding them
+    "hf_mixtral_cp2_dp4_ep2_z3": ("hf_mixtral", 2, 1, 1, 4, 3, 8),
 }
+EP = {"hf_mixtral_cp2_dp4_ep2_z3": 2}
+"""Configurations pinned to expert parallelism, and its degree (the others have no experts)."""
 SP = {name for name in CONFIGS if name.endswith("_sp")}
 """Configurations pinned to sequence parallelism (the others pinned without it)."""
 REGATHER = {"llama_cp2_dp2_tp2_z3_sp"}
@@ -184,11 +189,11 @@ HF_SEQ_LEN = 32
 
 
 def _path(model: str, tmp: Path) -> str:
-    return write_hf_model(tmp, "llama") if model == "hf_llama" else str(EXAMPLES / f"{model}.py")
+    return write_hf_model(tmp, model[3:]) if model.startswith("hf_") else str(EXAMPLES / f"{model}.py")
 
 
 def _seq_len(model: str) -> int | None:
-    return HF_SEQ_LEN if model == "hf_llama" else None
+    return HF_SEQ_LEN if model.startswith("hf_") else None
 
 
 def test_hf_causal_mask_is_proven(tmp_path):
@@ -262,7 +267,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("cp")
     inits = {}
-    for m in ("gpt", "llama", "hf_llama"):
+    for m in ("gpt", "llama", "hf_llama", "hf_mixtral"):
         torch.manual_seed(1234)
         inits[m] = load_model_file(_path(m, tmp), seq_len=_seq_len(m)).build().state_dict()
         torch.save(inits[m], tmp / f"init_{m}.pt")
@@ -272,7 +277,7 @@ def runs(tmp_path_factory):
         compile_program(_path(model, tmp), tmp / name, global_batch_size=gbs, seq_len=_seq_len(model),
                         tp_styles=styles, cp=cp, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=1,
                         schedule="1f1b", recompute="none", precision="fp32",
-                        sequence_parallel=name in SP if tp > 1 else None,
+                        sequence_parallel=name in SP if tp > 1 else None, ep=EP.get(name),
                         sp_regather=(name in REGATHER) if name in SP else None)
         # HF LLaMA starts from --init-checkpoint (each rank slices its shards from the file), as in
         # test_runtime_tp; the rest from Program.load_state_dict
@@ -293,7 +298,11 @@ def test_trains_like_one_process(runs, name):
                                    **SGD)  # configurations of one model, batch and tying: one reference
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
-    assert_comm_matches_plan(tmp / name, got["comm"])
+    if name in EP:  # a real router: its all-to-alls send other bytes than the uniform routing the plan prices
+        assert_comm_matches_plan(tmp / name, got["comm"], rtol=0.0, axes=("pp", "dp", "cp", "tp"))
+        assert all(rank["ep"] > 0 for step in got["comm"] for rank in step)
+    else:
+        assert_comm_matches_plan(tmp / name, got["comm"])
     assert all(rank.get("cp", 0) > 0 for step in got["comm"] for rank in step)
     if name in SP:
         plan = json.loads((tmp / name / "plan.json").read_text())

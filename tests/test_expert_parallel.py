@@ -348,6 +348,19 @@ RUNS = {  # name -> (ranks, pins): ep is carved from dp (dp 4 ep 2: two ep group
     "ep2_pp2": (4, dict(dp=2, pp=2, zero=1)),
 }
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+UNIFORM_CP = UNIFORM.replace("return logits, torch.softmax(logits.gather(1, index), dim=-1), index",
+                             "return logits, torch.softmax(logits[:, :self.top_k], dim=-1), index")
+"""The uniform router without its gather along the experts (context parallelism refuses a gather of a tensor
+holding the sequence): the token at (global) position t still picks experts t % E and (t + 1) % E, and each cp rank's
+chunks hold every residue mod 4 equally often."""
+CP_RUNS = {  # ep under cp, 4 ranks: dp 2 carved into one ep group of 2 at each cp coordinate; the 2 cp ranks hold
+    # the same experts, their gradients reduced over them (ZeRO-0: all-reduced; ZeRO-3: sharded by FSDP)
+    "mixtral_ep2_cp2_z3": ("mixtral", dict(ep=2, zero=3)),
+    "uniform_ep2_cp2_z0": ("uniform_cp", dict(ep=2, zero=0)),
+    # and without ep: the experts layer, sorting and gathering its tokens by expert, is per token (cp proves it
+    # from the routing `passes.experts` follows)
+    "mixtral_cp2": ("mixtral", dict(ep=1, zero=1)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -415,6 +428,16 @@ def runs(model_files, tmp_path_factory):
                     expert_imbalance=2.0)
     jobs[4].append({"out": str(tmp / "skewed_ep4"), "steps": 2, "init": str(tmp / "skewed.init.pt"),
                     "result": str(tmp / "skewed_ep4.pt"), "records": True, **SGD})
+    uniform_cp = tmp / "uniform_cp.py"
+    uniform_cp.write_text(textwrap.dedent(UNIFORM_CP))
+    torch.manual_seed(1234)
+    torch.save(load_model_file(str(uniform_cp), seq_len=S).build().state_dict(), tmp / "uniform_cp.init.pt")
+    for name, (model, pins) in CP_RUNS.items():
+        path = model_files[model] if model in model_files else str(uniform_cp)
+        compile_program(path, tmp / name, global_batch_size=GBS, seq_len=S, tp=1, dp=2, cp=2, pp=1,
+                        micro_batch_size=1, schedule="1f1b", recompute="none", precision="fp32", **pins)
+        jobs[4].append({"out": str(tmp / name), "steps": STEPS, "init": str(tmp / f"{model}.init.pt"),
+                        "result": str(tmp / f"{name}.pt"), **SGD})
     for ranks, batch in sorted(jobs.items()):
         run_jobs(ranks, batch, tmp)
     return tmp
@@ -522,6 +545,38 @@ def test_skewed_routing_sends_and_computes_as_planned(runs):
     assert_close_losses(got["losses"], losses)
 
 
+@pytest.mark.slow  # uses the launches above
+@pytest.mark.parametrize("name", list(CP_RUNS))
+def test_ep_under_cp_trains_like_one_process(runs, model_files, name):
+    """dp 2 x cp 2, ep 2 carved from dp at each cp coordinate: each cp rank routes its own s/cp tokens to its ep
+    group's experts, and the experts' gradients are reduced over the ``dp / ep`` x ``cp`` = 2 cp ranks holding the
+    same experts (under ZeRO-0 all-reduced, under ZeRO-3 sharded over them by FSDP). Losses and the gathered
+    weights after 3 SGD steps equal one process's within 1e-5 (fp32): reduced over ``dp / ep`` alone (one rank), the
+    experts' gradients would miss the other cp rank's tokens. Every rank's bytes on dp, cp and tp are the plan's, and
+    with the uniform router its ep bytes too (each rank routes its 8 tokens: half of its 16 (token, expert) rows
+    leave)."""
+    from helpers import assert_close_losses, assert_close_states, assert_comm_matches_plan, reference_once
+
+    model = CP_RUNS[name][0]
+    path = model_files[model] if model in model_files else str(runs / "uniform_cp.py")
+    init = torch.load(runs / f"{model}.init.pt", weights_only=True)
+    got = torch.load(runs / f"{name}.pt", weights_only=True)
+    losses, state = reference_once(path, init, steps=STEPS, seed=0, seq_len=S, **SGD, global_batch_size=GBS)
+    assert_close_losses(got["losses"], losses)
+    assert_close_states(got["state"], state)
+    assert any(not torch.equal(state[k], init[k]) for k in state if "experts.gate_up_proj" in k), "experts train"
+    uniform = model == "uniform_cp"  # a real router sends other bytes than the uniform routing priced
+    assert assert_comm_matches_plan(runs / name, got["comm"], rtol=0.0,
+                                    axes=None if uniform else ("pp", "dp", "cp", "tp")) > 0
+    plan = json.loads((runs / name / "plan.json").read_text())
+    assert plan["parallel"]["cp"] == 2 and plan["parallel"]["ep"] == CP_RUNS[name][1]["ep"]
+    if plan["parallel"]["ep"] == 1:
+        return
+    want = plan["predicted"]["ranks"][0]["comm_bytes"]
+    assert want["ep"] == 2 * 2 * (8 * 2 * 64 * 4 * 2 + 2 * 8)  # 2 layers x 2 micro-batches; 8 tokens a rank
+    assert all(r["ep"] > 0 for step in got["comm"] for r in step), got["comm"]
+
+
 def check_rows(out: Path) -> dict[str, dict]:
     """`partc check OUT --format json` on pipeline rank 0: it agrees; its rows by what they measure."""
     from click.testing import CliRunner
@@ -559,12 +614,39 @@ def test_check_agrees_on_an_ep_plan(runs):
     rows = check_rows(runs / "skewed_ep4")
     assert rows["comm ep"]["measured"] == rows["comm ep"]["predicted"] == json.loads(
         (runs / "skewed_ep4" / "plan.json").read_text())["predicted"]["ranks"][0]["comm_bytes"]["ep"]
+    # ep 2 under cp 2 (dp 2): the experts' gradients over the 2 cp ranks holding them; ZeRO-0 all-reduces them,
+    # ZeRO-3 shards them (and the other parameters over dp x cp); every axis's bytes as planned
+    for name in ("uniform_ep2_cp2_z0", "mixtral_ep2_cp2_z3"):
+        rows = check_rows(runs / name)
+        for axis in ("dp", "cp", "ep"):
+            assert rows[f"comm {axis}"]["measured"] == rows[f"comm {axis}"]["predicted"] > 0, (name, axis)
+        assert rows["memory optimizer"]["measured"] == pytest.approx(rows["memory optimizer"]["predicted"], rel=1e-3)
+    for what in ("memory params", "memory grads"):  # ZeRO-3: weights and gradients sharded as planned
+        assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=1e-3), what
     # dp 4 ep 2, ZeRO-1 and ZeRO-3: the experts sharded over the 2 ranks holding them, states and traffic as planned
     for name in ("mixtral_ep2_dp2_z1", "mixtral_ep2_dp2_z3"):
         rows = check_rows(runs / name)
         assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0
         for what in ("memory params", "memory optimizer"):  # the sharded experts' (and the gathered ones' below
             assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=1e-3), what  # ZeRO-3)
+
+
+@pytest.mark.slow  # a compile and `partc check` of 8 ranks' plan
+def test_check_agrees_on_experts_padded_by_fsdp(tmp_path, model_files):
+    """dp 8, ep 2: each rank's 2 of Mixtral's 4 experts are sharded over the 4 ranks holding them, and FSDP cuts
+    dim 0 (the experts), padded to 4 rows: each rank holds a whole expert of the padded tensor (half its experts,
+    not a quarter), and under ZeRO 1 and 2 gathers the 4 padded rows. The plan prices the padded tensor
+    (`cost.expert_state_bytes`); `partc check` measures the same model states (it measured 62% more optimizer
+    states than the plan priced unpadded)."""
+    from helpers import compile_program
+
+    for zero in (1, 2):
+        out = tmp_path / f"z{zero}"
+        compile_program(model_files["mixtral"], out, global_batch_size=8, seq_len=S, tp=1, ep=2, dp=8, pp=1,
+                        zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none", precision="bf16")
+        rows = check_rows(out)
+        for what in ("memory params", "memory grads", "memory optimizer"):
+            assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=0.01), (zero, what)
 
 
 @pytest.mark.slow  # three compiles
@@ -583,6 +665,8 @@ def test_ep_is_refused_where_it_cannot_apply(tmp_path, model_files):
         ([str(llama), "--gpus", "2", "--dp", "2", "--ep", "2"], "the model has no layer of packed experts"),
         ([model_files["mixtral"], "--gpus", "8", "--dp", "8", "--ep", "8"], "has 4 experts, which do not divide"),
         ([model_files["mixtral"], "--gpus", "4", "--dp", "2", "--tp", "2", "--ep", "4"], "--ep 4 does not divide --dp 2"),
+        ([model_files["mixtral"], "--gpus", "4", "--cp", "2", "--ep", "4"],
+         "--ep 4 does not divide the 2 data-parallel ranks left of 4 GPUs by --cp 2"),
         ([plain_refused(tmp_path), "--gpus", "2", "--dp", "2", "--ep", "2"],
          "--ep 2: a mixture of experts cannot be divided: the computation of an expert (add) reads mean besides"),
         # a routing imbalance below uniform, not a number, or more than the ep ranks can receive
@@ -682,6 +766,80 @@ def test_search_tries_ep_where_the_experts_divide(model_files):
     assert _ep_degrees(Pins(), 8, _expert_counts(graph)) == [1, 2, 4]
     assert _ep_degrees(Pins(ep=2), 8, [4, 4]) == [2] and _ep_degrees(Pins(ep=2), 3, [4]) == []
     assert _ep_degrees(Pins(), 8, []) == [1]
+    # with context parallelism: ep carved from dp at each cp coordinate, the two chosen together
+    from partc.cluster import load_cluster
+    from partc.passes.search import _config_values
+
+    pairs = {(v["dp"], v["cp"], v["ep"]) for v in _config_values(graph, load_cluster("a100-80g"), 8, 8,
+                                                                   Pins(cp=2, tp=1, pp=1))}
+    assert pairs == {(4, 2, 1), (4, 2, 2), (4, 2, 4)}
+
+
+def test_cp_takes_followed_experts_as_per_token(model_files):
+    """A layer of packed experts sorts, gathers and counts its tokens by expert: ops that mix positions, one by
+    one. The split ep follows proves that each token's output reads that token alone, so context parallelism's
+    analysis takes the layer's nodes as per position (`experts.token_wise_nodes`), and only those; without them it
+    refuses the model at the experts' sort. The router's ``topk`` over the experts (its dim left to the default)
+    keeps the sequence where it is."""
+    from partc.cluster import load_cluster
+    from partc.compile import context_graph
+    from partc.errors import PartcError
+    from partc.model_file import build_on_meta, load_model_file
+    from partc.passes.assign import assign
+    from partc.passes.context import analyze
+    from partc.passes.experts import token_wise_nodes
+    from partc.passes.trace import trace
+
+    path = model_files["mixtral"]
+    spec = load_model_file(path, seq_len=S)
+    model = build_on_meta(spec)
+    with torch.device("meta"):
+        args, kwargs = spec.inputs(1)
+    traced = trace(model, args, kwargs, name=spec.name, seq_len=S, path=path, precision="fp32",
+                   fused_attention=load_cluster("a100-80g").fused_attention)  # as `partc compile` traces it
+    local, split = context_graph(spec, model, traced, 2, path=path, precision="fp32")
+    assert len(split.attention) == 2
+    node_layer = assign(local, model).node_layer
+    names = token_wise_nodes(local, node_layer, traced.graph.layers)
+    layers = {node_layer[n] for n in local.graph.nodes if n.name in names}
+    assert layers == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert {n.target for n in local.graph.nodes if n.name in names} >= {torch.ops.aten.sort.default,
+                                                                        torch.ops.aten.index.Tensor}
+    with pytest.raises(PartcError, match="sort.default at moe.py.* mixes positions along the sequence"):
+        analyze(traced.exported, local, 2, S)
+
+
+def test_ep_groups_under_cp(monkeypatch):
+    """The groups of ``ep`` (`runtime.mesh.sub_axis_groups`) at pp 2, dp 4, cp 2, tp 2, ep 2 (32 ranks): the
+    tokens travel between ep neighbours on dp at one (pp, cp, tp) coordinate; the experts' gradients are reduced
+    over the ``dp / ep`` x ``cp`` = 4 ranks at one ep coordinate (``dp_rank % ep``) of one (pp, tp) coordinate
+    (`Parallel.expert_shard`). Every rank creates every group in the same order."""
+    import types
+
+    import torch.distributed as dist
+
+    from partc.parallel import SUB_AXES_BY_NAME, Parallel
+    from partc.runtime.mesh import sub_axis_groups
+
+    par = Parallel(pp=2, dp=4, cp=2, tp=2, ep=2, zero=1, micro_batch_size=1, global_batch_size=4)
+    assert par.expert_shard == 4 and Parallel(dp=2, cp=2, ep=2, tp=1, pp=1, zero=1, micro_batch_size=1,
+                                              global_batch_size=2).expert_shard == 2
+    created = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks: created.append(tuple(ranks)) or tuple(ranks))
+    ep = SUB_AXES_BY_NAME["ep"]
+    orders = []
+    for rank in range(par.world_size):
+        created.clear()
+        mine, across, members = sub_axis_groups(types.SimpleNamespace(par=par, rank=rank), ep)
+        orders.append(list(created))
+        c = par.coords(rank)
+        assert [par.coords(r)["dp"] for r in mine] == [c["dp"] // 2 * 2, c["dp"] // 2 * 2 + 1]
+        assert all(par.coords(r) | {"dp": 0} == c | {"dp": 0} for r in mine)
+        assert list(across) == members == sorted(members) and len(members) == par.expert_shard
+        assert {(par.coords(r)["dp"], par.coords(r)["cp"]) for r in members} == {
+            (d, k) for d in range(c["dp"] % 2, 4, 2) for k in range(2)}
+        assert all((par.coords(r)["pp"], par.coords(r)["tp"]) == (c["pp"], c["tp"]) for r in members)
+    assert all(o == orders[0] for o in orders)
 
 
 def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
@@ -732,6 +890,14 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
     unskewed = dataclasses.replace(base, ep=1)
     assert (cost.unit_time_parts(graph, cluster, unskewed, tp)
             == cost.unit_time_parts(graph, cluster, dataclasses.replace(unskewed, expert_imbalance=2.0), tp))
+    # under cp 4 each rank routes its s/4 tokens, inside an ep group of dp ranks 4 apart (cp x tp): 4 of them, on
+    # 2 nodes of 8 GPUs, 2 a node (at cp 1 the 4 neighbours share a node)
+    cp4 = dataclasses.replace(base, cp=4)
+    assert cost.ep_bytes(graph, cp4, units) == layers * m * (rows / 4 * 2 * 3 / 4 * 64 * 4 * 2 + counts)
+    spread = 2 * hw.collective_time(cluster, "all_to_all", rows / 4 * 3 / 4 * 64 * 4, 4, spans_nodes=True,
+                                    ranks_per_node=2)
+    assert cost.ep_time(graph, cluster, cp4, units) == pytest.approx((layers * spread, layers * spread))
+    assert spread > once(1) / 4
     # the whole plan: slower, more activations, more bytes on the busiest rank
     bounds = [(0, len(graph.units))]
     a, b = predict(graph, cluster, base, tp, bounds), predict(graph, cluster, skew, tp, bounds)
