@@ -84,6 +84,30 @@ def test_refuses_what_mixes_positions(tmp_path, causal, mix, why):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("loss, why", [
+    ("F.cross_entropy(y.flatten(0, 1), t.flatten()) + 1e-3 * y.pow(2).mean()", "more than one cross-entropy"),
+    ("F.cross_entropy(y.flatten(0, 1), t.flatten(), reduction='sum')", "not a mean"),
+    ("(F.cross_entropy(y.flatten(0, 1), t.flatten(), reduction='none') * (t.flatten() > 3)).sum() / 7",
+     "more than one cross-entropy"),
+])
+def test_refuses_a_loss_not_proven_a_mean_over_tokens(tmp_path, loss, why):
+    """Each cp rank's loss is weighed by the tokens its cross-entropy counts (or is a mean over as many elements
+    as every other rank's): a second term, a sum, or a mean by hand is not proven the batch's mean."""
+    path = tmp_path / "m.py"
+    path.write_text(TIME_CONV.format(causal=True, mix="") + f"""
+
+def example_targets(batch_size):
+    return torch.randint(0, 64, (batch_size, 16))
+
+
+def loss_fn(y, t):
+    return {loss}
+""")
+    with pytest.raises(PartcError, match=f"not proven for this loss: .*{why}") as err:
+        compile_model(str(path), gpus=2, pins=Pins(cp=2, dp=1, tp=1, pp=1), global_batch_size=2)
+    assert "\n" not in str(err.value)
+
+
 def test_plan_prices_the_key_value_gathers(tmp_path):
     """LLaMA tiny: 4 layers, 2 key/value heads of 16 (gathered before grouped-query attention repeats them), 64
     tokens, fp32: per layer and micro-batch the keys and values gathered in forward and reduce-scattered back."""
@@ -171,6 +195,10 @@ CONFIGS = {
     "gpt_cp2_dp2_tp2_z1_sp": ("gpt", 2, 2, 1, 2, 1, 4),
     "gpt_cp2_tp2_pp2_sp": ("gpt", 2, 2, 2, 1, 1, 4),
     "llama_cp2_tp2_pp2_sp": ("llama", 2, 2, 2, 1, 1, 4),
+    # a cross-entropy that ignores targets (-100), unevenly over samples, micro-batches and cp ranks: the loss is
+    # weighed by the tokens each counts; the vocab-parallel loss (tp 2) and the gathered logits' (pp 2)
+    "ignored_cp2_dp2_tp2": ("ignored", 2, 2, 1, 2, 1, 4),
+    "ignored_cp2_dp2_pp2": ("ignored", 2, 1, 2, 2, 0, 4),
 }
 SP = {name for name in CONFIGS if name.endswith("_sp")}
 """Configurations pinned to sequence parallelism (the others pinned without it)."""
@@ -182,7 +210,41 @@ HF_SEQ_LEN = 32
 """Tokens of the tiny Hugging Face LLaMA's samples (its config allows 128): 8 chunks of 4 at cp 4."""
 
 
+IGNORED = f"""
+import importlib.util
+import sys
+
+import torch
+
+_spec = importlib.util.spec_from_file_location("partc_example_llama_ignored", {str(EXAMPLES / "llama.py")!r})
+llama = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = llama
+_spec.loader.exec_module(llama)
+model, example_inputs = llama.model, llama.example_inputs
+
+SHARE = (3 / 8, 1.0, 5 / 8, 0.0, 1 / 8)  # of each sample's positions, from the first, ignored: sample 1 counts none
+
+
+def example_targets(batch_size):
+    c = llama.config()
+    t = torch.randint(0, c.vocab_size, (batch_size, c.seq_len))
+    for j in range(batch_size):
+        t[j, :int(SHARE[j % len(SHARE)] * c.seq_len)] = -100
+    return t
+
+
+def loss_fn(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+"""
+"""The bundled LLaMA whose targets are ignored at the start of each sample: at cp 2 (chunks 0 and 3 of 16 tokens on
+rank 0, 1 and 2 on rank 1) the ranks count 16 and 24 of their 32 tokens of sample 0, none of sample 1."""
+
+
 def _path(model: str, tmp: Path) -> str:
+    if model == "ignored":
+        path = tmp / "llama_ignored.py"
+        path.write_text(IGNORED)
+        return str(path)
     return write_hf_model(tmp, "llama") if model == "hf_llama" else str(EXAMPLES / f"{model}.py")
 
 
@@ -261,7 +323,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("cp")
     inits = {}
-    for m in ("gpt", "llama", "hf_llama"):
+    for m in ("gpt", "llama", "hf_llama", "ignored"):
         torch.manual_seed(1234)
         inits[m] = load_model_file(_path(m, tmp), seq_len=_seq_len(m)).build().state_dict()
         torch.save(inits[m], tmp / f"init_{m}.pt")
@@ -287,8 +349,11 @@ def test_trains_like_one_process(runs, name):
     tmp, inits = runs
     model, cp, tp, pp, dp, zero, gbs = CONFIGS[name]
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
+    # ignored targets: one process's loss over the whole batch (its mean over every counted token), not the mean of
+    # its micro-batches' means
     losses, state = reference_run(_path(model, tmp), inits[model], steps=STEPS, seed=0, seq_len=_seq_len(model),
-                                  global_batch_size=gbs, precision="fp32", micro_batch_size=1, untied=pp > 1, **SGD)
+                                  global_batch_size=gbs, precision="fp32",
+                                  micro_batch_size=None if model == "ignored" else 1, untied=pp > 1, **SGD)
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     assert_comm_matches_plan(tmp / name, got["comm"])
