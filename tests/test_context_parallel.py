@@ -206,6 +206,10 @@ REGATHER = {"llama_cp2_dp2_tp2_z3_sp"}
 """Of those, pinned to `sp_regather` (the colwise layers' inputs gathered again in backward)."""
 STEPS = 2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+ADAMW = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1}
+CHECKPOINT = ("llama_cp2_dp2_tp2_z3_sp", "llama_cp2_tp2_pp2")
+"""A checkpoint written at step 1 of 2 under the first plan (AdamW, its states sharded over dp x cp by ZeRO-3) and
+resumed under the second (ZeRO-1 over cp alone, pp 2), against the first run uninterrupted."""
 HF_SEQ_LEN = 32
 """Tokens of the tiny Hugging Face LLaMA's samples (its config allows 128): 8 chunks of 4 at cp 4."""
 
@@ -339,6 +343,11 @@ def runs(tmp_path_factory):
         # test_runtime_tp; the rest from Program.load_state_dict
         jobs.append({"out": str(tmp / name), "steps": STEPS, "result": str(tmp / f"{name}.pt"), **SGD,
                      ("init_checkpoint" if model == "hf_llama" else "init"): str(tmp / f"init_{model}.pt")})
+    whole, resumed = CHECKPOINT
+    jobs += [{"out": str(tmp / whole), "steps": STEPS, "init": str(tmp / "init_llama.pt"), "save": str(tmp / "ck"),
+              "save_at": 1, "result": str(tmp / "ck_whole.pt"), **ADAMW},
+             {"out": str(tmp / resumed), "steps": STEPS, "load": str(tmp / "ck"), "result": str(tmp / "ck_resumed.pt"),
+              **ADAMW}]
     run_jobs(8, jobs, tmp)
     return tmp, inits
 
@@ -362,6 +371,19 @@ def test_trains_like_one_process(runs, name):
         plan = json.loads((tmp / name / "plan.json").read_text())
         assert plan["parallel"]["sequence_parallel"] and "sequence_parallel_gathers" not in plan["model"]
         assert got["replica_diff"] == 0.0  # the norms, applied to each rank's part, stay identical over tp
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_under_another_cp_plan(runs):
+    """Saved at step 1 under cp 2 x dp 2 x tp 2 (ZeRO-3, the optimizer's states sharded over dp x cp), resumed under
+    cp 2 x tp 2 x pp 2 (ZeRO-1): its step 2 is the uninterrupted run's."""
+    tmp, _ = runs
+    whole = torch.load(tmp / "ck_whole.pt", weights_only=True)
+    resumed = torch.load(tmp / "ck_resumed.pt", weights_only=True)
+    assert resumed["start"] == 1 and len(resumed["losses"]) == STEPS - 1
+    assert_close_losses(resumed["losses"], whole["losses"][1:])
+    assert_close_states(resumed["state"], whole["state"], rtol=1e-5, atol=1e-5)  # AdamW: as test_runtime_dist
+    assert_comm_matches_plan(tmp / CHECKPOINT[1], resumed["comm"])
 
 
 @pytest.fixture(scope="module")
