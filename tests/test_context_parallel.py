@@ -162,6 +162,22 @@ def test_sequence_parallel_under_cp_splits_each_ranks_tokens(tmp_path):
         assert rank.comm_bytes[axis] == rank.predicted_comm_bytes[axis] > 0, axis
 
 
+def test_check_measures_the_replayed_embedding_gather(tmp_path):
+    """A colwise token embedding's output is all-gathered where it is first read, in the first block's code, so that
+    block's full recomputation runs the gather again: the plan charges the replay (`passes.cost.REPLAY`) and `partc
+    check` measures the plan's tp bytes to the byte (tiny LLaMA, cp 2 x tp 2, bf16)."""
+    pins = dict(cp=2, tp=2, dp=1, pp=1, micro_batch_size=1, precision="bf16", recompute="full", zero=0)
+    styles = lambda f, s: "colwise" if f == "tok" else megatron_style(f, vocab=True) or "replicate"  # noqa: E731
+    compile_program("llama", tmp_path / "out", global_batch_size=2, tp_styles=styles, sequence_parallel=False,
+                    **pins)
+    stage = (tmp_path / "out" / "program" / "stage_0.py").read_text()
+    block = stage[stage.index("def blocks_0("):stage.index("def blocks_1(")]
+    assert "tp.gather_from_tp(embedding, 2)" in block  # in the recomputed block, not in tok's code
+    (rank,) = check_program(str(tmp_path / "out"), slack_bytes=0)
+    # charged once, the plan was 2 micro-batches x a cp rank's 32 tokens x 64 features x 2 bytes short
+    assert rank.comm_bytes["tp"] == rank.predicted_comm_bytes["tp"] == 221952
+
+
 def test_sequence_parallel_needs_each_cp_ranks_tokens_to_divide_over_tp():
     """The search weighs sequence parallelism under cp where a rank's s/cp tokens divide over tp; a pin that
     cannot be is refused in one line (cp pinned) or skips that cp (cp searched)."""
