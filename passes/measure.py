@@ -73,6 +73,10 @@ class NodeStats:
     memory_bytes: int = 0
     saved: list[tuple[int, int, bool]] = field(default_factory=list)
     """(storage key, bytes at 16-bit, dropped by selective recomputation) per tensor first saved by this node."""
+    fixed_bytes: int = 0
+    """The part of `saved`'s bytes in tensors that need no gradient and are no dropout mask (rotary tables and
+    their casts, positions, token ids, masks made from positions): the same whole tensor on every tp rank whatever
+    splits the op's other inputs, and not along the sequence-split stream under sequence parallelism."""
     core_input_bytes: int = 0
     """For an attention-core op: bytes of its inputs that no op saves, which selective recomputation must keep
     to replay it (they offset what it drops)."""
@@ -270,6 +274,8 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
             core = (seq_len is not None and t.dim() >= 3 and t.shape[-3] > 1 and t.shape[-1] == seq_len
                     and t.shape[-2] == seq_len)
         recorder.stats[node].saved.append((key, storage_bytes(t), core))
+        if not t.requires_grad and key not in recorder.mask_storages:
+            recorder.stats[node].fixed_bytes += storage_bytes(t)
         return t
 
     def fused_core_saved(node: torch.fx.Node, inputs: list[torch.Tensor], out: torch.Tensor) -> None:

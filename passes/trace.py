@@ -192,6 +192,9 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
             unit.saved_bytes_replicated += saved
             if layer is not None and layer.kind == "linear":
                 unit.saved_bytes_replicated_linear += saved
+        else:  # what a split op saves of whole tensors: the rotary tables a colwise query is multiplied by
+            unit.saved_bytes_replicated += st.fixed_bytes
+        unit.saved_bytes_fixed += st.fixed_bytes
         if layer is None:
             unit.op_saved_bytes += saved
             unit.op_saved_bytes_replicated += saved if whole else 0

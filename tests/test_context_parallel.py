@@ -162,6 +162,7 @@ def test_sequence_parallel_under_cp_splits_each_ranks_tokens(tmp_path):
         assert rank.comm_bytes[axis] == rank.predicted_comm_bytes[axis] > 0, axis
 
 
+@pytest.mark.slow
 def test_check_measures_the_replayed_embedding_gather(tmp_path):
     """A colwise token embedding's output is all-gathered where it is first read, in the first block's code, so that
     block's full recomputation runs the gather again: the plan charges the replay (`passes.cost.REPLAY`) and `partc
@@ -449,3 +450,25 @@ def test_plan_prices_what_a_cp_block_keeps(tmp_path):
         block[layers] = (row.predicted, row.measured)
     predicted, measured = (block[2][i] - block[1][i] for i in (0, 1))
     assert measured == pytest.approx(predicted, rel=0.01), (predicted / 2**20, measured / 2**20)
+
+
+@pytest.mark.slow
+def test_plan_prices_what_a_sequence_parallel_block_keeps(tmp_path):
+    """cp 2 x tp 2 with sequence parallelism and `sp_regather`, bf16: what a block keeps a micro-batch (1 and 2
+    blocks, as above) is what the plan charges, to a few bytes. The rotary tables the attention multiplies its
+    colwise queries and keys by (their bf16 casts, [s/cp, head_dim] each) are whole on every tp rank: the plan
+    once divided them by t, as the split op that saves them, one [s/cp, h/t] tensor a block short."""
+    block = {}
+    styles = lambda f, s: megatron_style(f, vocab=True) or "replicate"  # noqa: E731
+    for layers in (1, 2):
+        # 2 key/value heads: the tp ranks split the attention by heads
+        path = llama_variant(tmp_path / f"llama_{layers}.py", "vocab_size=64, seq_len=512, hidden=128, heads=4, "
+                             f"kv_heads=2, layers={layers}, ffn_hidden=352")
+        compile_program(path, tmp_path / f"out{layers}", global_batch_size=1, tp_styles=styles, cp=2, tp=2, dp=1,
+                        pp=1, micro_batch_size=1, precision="bf16", recompute="none", zero=0, sequence_parallel=True,
+                        sp_regather=True, fuse_pointwise=False)
+        (rank,) = check_program(str(tmp_path / f"out{layers}"), slack_bytes=0)
+        (row,) = [r for r in rank.rows() if r.what == "memory activations"]
+        block[layers] = (row.predicted, row.measured)
+    predicted, measured = (block[2][i] - block[1][i] for i in (0, 1))
+    assert measured == pytest.approx(predicted, abs=64), (predicted, measured)  # a block: 899 KiB
