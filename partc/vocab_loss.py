@@ -150,6 +150,8 @@ class VocabParallelLoss:
         self.gm, self.n_outputs, self.found, self.tp = gm, n_outputs, found, tp
         self.count: Tensor | None = None
         """The last call's tokens: its targets not ``ignore_index`` (the cross-entropy's ``total_weight``)."""
+        self.rows = 0
+        """The last call's targets, ignored or not."""
 
     def __call__(self, flat: tuple[Tensor, ...], targets: Any) -> Tensor:
         leaves, _ = tree_flatten(targets)
@@ -175,7 +177,7 @@ class VocabParallelLoss:
             if node.target is aten.nll_loss_forward.default and node.args[0].target is aten._log_softmax.default \
                     and node.args[0].args[0] in chain:
                 loss = vocab_parallel_cross_entropy(a[0], a[1], self.found.ignore_index)
-                self.count = (a[1] != self.found.ignore_index).sum()
+                self.count, self.rows = (a[1] != self.found.ignore_index).sum(), a[1].numel()
                 env[node] = (loss, None)
                 continue
             if node.args and node.args[0] in chain:
@@ -254,14 +256,15 @@ def reduction(gm: GraphModule) -> str:
 
 class CountTokens(TorchDispatchMode):
     """While active, ``count`` is the ``total_weight`` of the last nll_loss run (the tokens a `TOKENS` loss divides
-    by), a tensor: no device synchronization."""
+    by), a tensor (no device synchronization), and ``rows`` the number of its targets."""
 
     def __init__(self):
         super().__init__()
         self.count: Tensor | None = None
+        self.rows = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in NLL:
-            self.count = out[1].detach()
+            self.count, self.rows = out[1].detach(), args[1].numel()
         return out

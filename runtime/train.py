@@ -30,15 +30,16 @@ and so is the returned loss: what one process computes with ``loss_fn(model(x), 
 loss is a mean over equally many elements per micro-batch (`partc.vocab_loss.ELEMENTS`). A cross-entropy's mean
 (`partc.vocab_loss.TOKENS`: partc's default loss, ``F.cross_entropy`` with its ``ignore_index``, Hugging Face's -100
 labels) divides by the tokens it counts, which differ between micro-batches and ranks when targets are ignored:
-each micro-batch then starts backward from its sum of token losses (its mean times its count, read from the
-cross-entropy's ``total_weight``), and the loss report's all-reduce sums the counts, by which the loss and the
-gradients are divided before the optimizer step (Megatron-LM's and torchtitan's per-token loss): the whole batch's
+each micro-batch then starts backward from its mean times the share of its targets it counts (read from the
+cross-entropy's ``total_weight``: its sum of token losses over its number of targets, the mean itself when none is
+ignored), and the loss report's all-reduce sums the counts, from which the loss and the gradients are made the
+mean over the batch's counted tokens before the optimizer step (Megatron-LM's and torchtitan's per-token loss): the whole batch's
 mean over its counted tokens, exactly. Any other loss (a second term, label smoothing) stays the mean over
 micro-batches and ranks.
 
 Traffic. Each step counts what this rank passes to collectives by mesh axis (`partc.runtime.comm`):
 `PipelineRunner.comm_bytes`, the quantity the plan predicts as ``predicted.ranks[].comm_bytes``: the pipeline
-schedule, FSDP's gathers and reductions and the shared weights' sums; not the one all-reduce of 40 bytes that
+schedule, FSDP's gathers and reductions and the shared weights' sums; not the one all-reduce of 48 bytes that
 reports the loss (with the tokens it counts), checks for non-finite gradients and sums the squares of the
 gradients (clipping,
 `partc.runtime.optim`).
@@ -206,8 +207,9 @@ class PipelineRunner:
         self.token_mean = False
         """The loss is a cross-entropy's mean over the tokens it counts (`partc.vocab_loss.TOKENS`): each
         micro-batch's loss is weighed by its tokens (`_loss`, `_global_mean`)."""
-        self._counts: list[Tensor] = []
-        """This step's tokens of each micro-batch, in the order `_loss` saw them (with `token_mean`)."""
+        self._counts: list[tuple[Tensor, int]] = []
+        """This step's (tokens counted, targets) of each micro-batch, in the order `_loss` saw them (with
+        `token_mean`)."""
         if self.has_last:
             vocab = program.tp.get("vocab_loss") if par.tp > 1 else None
             output = int(vocab["output"]) if vocab is not None else None
@@ -233,8 +235,9 @@ class PipelineRunner:
 
     def _loss(self, output: Any, index: Tensor) -> Tensor:
         """The micro-batch's loss, as backward starts from it: ``loss_fn``'s mean; with `token_mean`, that mean
-        times the micro-batch's tokens (the sum of its token losses; 0 where it counts none), which
-        `_global_mean` divides by the global batch's tokens."""
+        times the share of the micro-batch's targets it counts (its sum of token losses over its number of
+        targets R; 0 where it counts none), which `_global_mean` makes the mean over the global batch's counted
+        tokens. Where no target is ignored the share is 1: the same arithmetic as the mean alone."""
         flat = output if isinstance(output, tuple) else (output,)
         targets = tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, self._targets)
         counter = CountTokens() if self.token_mean and self.vocab_loss is None else contextlib.nullcontext()
@@ -247,9 +250,10 @@ class PipelineRunner:
                 loss = self.loss_fn(self.last_code.outputs(cast_floating(flat, MASTER_DTYPE)), targets)
         if not self.token_mean:
             return loss
-        count = (self.vocab_loss.count if self.vocab_loss is not None else counter.count).to(loss.dtype)
-        self._counts.append(count)
-        return torch.where(count > 0, loss * count, 0.0)  # a micro-batch of ignored tokens only: nan * 0
+        found = self.vocab_loss if self.vocab_loss is not None else counter
+        count = found.count.to(loss.dtype)
+        self._counts.append((count, found.rows))
+        return torch.where(count > 0, loss * (count / found.rows), 0.0)  # counting none: nan, times 0
 
     def dp_slice(self, n: int) -> slice:
         dp, r = self.world.par.dp, self.world.dp_rank
@@ -267,7 +271,7 @@ class PipelineRunner:
         return self._finish(self.forward_backward_local(inputs, targets), step)
 
     def _finish(self, losses: list[Tensor], step: int | None) -> float:
-        loss, bad_grads, sq = self._global_mean(losses)  # the report: 40 bytes, not part of the step's traffic
+        loss, bad_grads, sq = self._global_mean(losses)  # the report: 48 bytes, not part of the step's traffic
         reshard(self.modules)  # the gathered copies: stale once the optimizer updates the sharded weights
         if not math.isfinite(loss) or bad_grads:
             what = f"the loss is {loss}" if not math.isfinite(loss) else \
@@ -338,18 +342,22 @@ class PipelineRunner:
         gradient norm squared), on every rank: one all-reduce over the world, where only the ranks of the last stage
         contribute to the loss (each tp rank holds the same loss).
 
-        With `token_mean` the losses are sums of token losses and the same all-reduce counts the global batch's
-        tokens N: the loss is their sum over N, and the gradients (the schedule's 1/m and FSDP's average over dp x
-        cp applied to the sums) are multiplied by m·dp·cp / N here, the gradient of the mean over every counted
-        token of the batch, as one process computes it; before any use of them (the norm, clipping, the step)."""
+        With `token_mean` each micro-batch's loss is its sum of token losses over its R targets, and the same
+        all-reduce sums the global batch's counted tokens N and targets m·dp·cp·R: the loss is the sum of token
+        losses over N, and the gradients (the schedule's 1/m and FSDP's average over dp x cp applied to the
+        micro-batches' losses) are multiplied by m·dp·cp·R / N here (1 when no target is ignored), the gradient of
+        the mean over every counted token of the batch, as one process computes it; before any use of them (the
+        norm, clipping, the step)."""
         par = self.world.par
-        total = torch.zeros(5, dtype=torch.float64, device=self.world.device)
+        total = torch.zeros(6, dtype=torch.float64, device=self.world.device)
         if self.has_last:
             assert len(losses) == self.num_microbatches
             if self.token_mean:  # the ranks of other stages learn it from this all-reduce
-                total[0] += torch.stack([l.detach().double() for l in losses]).sum() / par.tp
-                total[3] += torch.stack([c.double() for c in self._counts]).sum() / par.tp
+                rows = torch.tensor([r for _, r in self._counts], dtype=torch.float64, device=total.device)
+                total[0] += (torch.stack([l.detach().double() for l in losses]) * rows).sum() / par.tp
+                total[3] += torch.stack([c.double() for c, _ in self._counts]).sum() / par.tp
                 total[4] += 1.0
+                total[5] += rows.sum() / par.tp
             else:
                 total[0] += torch.stack([l.detach().double() for l in losses]).mean() / (par.dp * par.cp * par.tp)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
@@ -358,13 +366,13 @@ class PipelineRunner:
             total[1] += torch.stack([~torch.isfinite(g).all() for g in grads]).sum()
         total[2] += local_sq_norm(self.grad_copies, self.world.device)
         dist.all_reduce(total)
-        loss, bad, sq, tokens, token_mean = total.tolist()
+        loss, bad, sq, tokens, token_mean, rows = total.tolist()
         self._counts = []
         if token_mean:
             if tokens <= 0:  # one process: a mean over no tokens
                 return math.nan, bad, sq
             loss = loss / tokens
-            scale = self.num_microbatches * par.dp * par.cp / tokens
+            scale = rows / tokens
             if scale != 1.0:
                 for g in grads:
                     g.mul_(scale)
