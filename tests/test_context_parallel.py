@@ -5,10 +5,12 @@ The multi-process test runs every program in one launch of 8 ranks: the bundled 
 cp 4 x dp 2, the bundled LLaMA at cp 2 x tp 2 x pp 2; Hugging Face's LLaMA (its causal mask proven,
 `partc.passes.causal_mask`) at cp 2 x tp 2 x pp 2 and cp 4 x dp 2 with ZeRO-3; with sequence parallelism, the
 bundled GPT at cp 2 x dp 2 x tp 2 (ZeRO-1) and cp 2 x tp 2 x pp 2, the bundled LLaMA at cp 2 x tp 2 x pp 2 and
-cp 2 x dp 2 x tp 2 with ZeRO-3 and `sp_regather`, Hugging Face's LLaMA at cp 2 x dp 2 x tp 2 with ZeRO-3. Each
-job trains with SGD in fp32 from a saved state dict; its losses and gathered state dict must equal
-`reference_run` within 1e-5 (relative), and every rank's collective payload must equal the plan's
-``predicted.ranks[].comm_bytes`` axis by axis (``cp`` and ``dp`` over dp x cp included).
+cp 2 x dp 2 x tp 2 with ZeRO-3 and `sp_regather`, Hugging Face's LLaMA at cp 2 x dp 2 x tp 2 with ZeRO-3; the
+bundled LLaMA with targets ignored unevenly over samples and cp ranks at cp 2 x dp 2 x tp 2 and cp 2 x dp 2 x pp 2.
+Each job trains with SGD in fp32 from a saved state dict; its losses and gathered state dict must equal
+`reference_run` within 1e-5 (relative; with ignored targets, one process's loss over the whole batch), and every
+rank's collective payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis by axis (``cp`` and ``dp``
+over dp x cp included). The same launch saves a checkpoint under one cp plan (AdamW) and resumes it under another.
 """
 
 from __future__ import annotations
