@@ -33,8 +33,8 @@ labels) divides by the tokens it counts, which differ between micro-batches and 
 each micro-batch then starts backward from its mean times the share of its targets it counts (read from the
 cross-entropy's ``total_weight``: its sum of token losses over its number of targets, the mean itself when none is
 ignored), and the loss report's all-reduce sums the counts, from which the loss and the gradients are made the
-mean over the batch's counted tokens before the optimizer step (Megatron-LM's and torchtitan's per-token loss): the whole batch's
-mean over its counted tokens, exactly. Any other loss (a second term, label smoothing) stays the mean over
+mean over the batch's counted tokens before the optimizer step (Megatron-LM's and torchtitan's per-token loss): the
+whole batch's mean over its counted tokens, exactly. Any other loss (a second term, label smoothing) stays the mean over
 micro-batches and ranks.
 
 Traffic. Each step counts what this rank passes to collectives by mesh axis (`partc.runtime.comm`):
