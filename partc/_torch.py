@@ -1,7 +1,8 @@
 """The private PyTorch names partc uses, in one place (so a PyTorch upgrade breaks one file).
 
 - `TorchDispatchMode`: `partc.deferred_init` records every ATen op that builds the model on the meta device, and
-  `partc.passes.measure` counts the bytes and FLOPs of each traced op.
+  `partc.passes.measure` counts the bytes and FLOPs of each traced op, and the runtime reads the token count of
+  the loss's cross-entropy (`partc.vocab_loss.CountTokens`).
 - `tree_map`, `tree_flatten`, `tree_unflatten`: arguments and results of any structure (tensor, tuple, dict): recorded
   ops, targets sliced per DP rank and per micro-batch, the loss traced on the model's outputs (`partc.vocab_loss`).
 - `storage_key`: which storage a tensor views (meta tensors have storages but no data pointer).

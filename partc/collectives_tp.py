@@ -203,7 +203,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, index, mine, ignored, count = ctx.saved_tensors
         g = softmax  # in place, as Megatron-Core: the saved softmax is not needed again
         g.scatter_add_(-1, index, -mine.unsqueeze(-1).to(g.dtype))
-        g.mul_(((grad / count) * ~ignored).unsqueeze(-1))
+        g.mul_(((grad / count.clamp(min=1)) * ~ignored).unsqueeze(-1))  # no row counted: zero, as torch's
         return g.to(ctx.dtype), None, None, None
 
 

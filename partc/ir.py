@@ -127,6 +127,14 @@ class Unit:
     whole under sequence parallelism (the program's Linear saves the all-gathered input; Megatron-Core gathers it
     again in backward instead); and what a layer of packed experts saves (`Layer.inner`: it runs on the tokens
     all-gathered)."""
+    saved_bytes_fixed: int = 0
+    """The part of `saved_bytes` in tensors that need no gradient and are no dropout mask (`measure.NodeStats.
+    fixed_bytes`: rotary tables, positions, token ids): whole on every tp rank, also where the op saving them is
+    split (counted in `saved_bytes_replicated` then too), and not split along the sequence under sequence
+    parallelism."""
+    saved_bytes_once: int = 0
+    """The part of `saved_bytes_fixed` without the batch (rotary tables, position ids): saved once a micro-batch
+    of any size, where the rest of `saved_bytes` grows with its samples."""
     op_saved_bytes: int = 0
     """The part of `saved_bytes` that the ops outside layers save (norms, activations, dropout, attention)."""
     op_saved_bytes_replicated: int = 0

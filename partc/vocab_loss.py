@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from partc._torch import tree_flatten, tree_unflatten
+from partc._torch import TorchDispatchMode, tree_flatten, tree_unflatten
 from partc.collectives import vocab_parallel_cross_entropy
 from partc.errors import PartcError
 
@@ -148,6 +148,10 @@ class VocabParallelLoss:
 
     def __init__(self, gm: GraphModule, n_outputs: int, found: Match, tp: int):
         self.gm, self.n_outputs, self.found, self.tp = gm, n_outputs, found, tp
+        self.count: Tensor | None = None
+        """The last call's tokens: its targets not ``ignore_index`` (the cross-entropy's ``total_weight``)."""
+        self.rows = 0
+        """The last call's targets, ignored or not."""
 
     def __call__(self, flat: tuple[Tensor, ...], targets: Any) -> Tensor:
         leaves, _ = tree_flatten(targets)
@@ -173,6 +177,7 @@ class VocabParallelLoss:
             if node.target is aten.nll_loss_forward.default and node.args[0].target is aten._log_softmax.default \
                     and node.args[0].args[0] in chain:
                 loss = vocab_parallel_cross_entropy(a[0], a[1], self.found.ignore_index)
+                self.count, self.rows = (a[1] != self.found.ignore_index).sum(), a[1].numel()
                 env[node] = (loss, None)
                 continue
             if node.args and node.args[0] in chain:
@@ -185,17 +190,81 @@ class VocabParallelLoss:
         raise AssertionError("the traced loss has no output")
 
 
-def program_loss(loss_fn: Callable, structure: Callable[[list[Tensor]], Any], local: list[Tensor], targets: Any,
-                 output: int, tp: int, batch: int) -> VocabParallelLoss:
-    """The runtime's loss for a program whose last stage returns flat output `output` split over the vocabulary:
-    `loss_fn` traced on the whole outputs (meta tensors shaped like this rank's `local` ones, that output's last
-    dimension `tp` times wider) and the micro-batch's `targets` (meta), matched as at compile time."""
+def trace_program_loss(loss_fn: Callable, structure: Callable[[list[Tensor]], Any], local: list[Tensor],
+                       targets: Any, output: int | None, tp: int) -> tuple[GraphModule, int]:
+    """`trace_loss` of the last stage's outputs: meta tensors shaped like this rank's `local` ones (flat output
+    `output`, split over the vocabulary, `tp` times wider: whole), in fp32 as the loss sees them."""
     flat = [torch.empty((*t.shape[:-1], t.shape[-1] * (tp if i == output else 1)) if t.dim() else t.shape,
                         dtype=torch.float32 if t.is_floating_point() else t.dtype, device="meta")
             for i, t in enumerate(local)]
-    gm, n = trace_loss(loss_fn, structure, flat, targets)
-    found = match(gm, n, output, flat[output].shape[-1], batch)
+    return trace_loss(loss_fn, structure, flat, targets)
+
+
+def program_loss(gm: GraphModule, n: int, output: int, vocab: int, tp: int, batch: int) -> VocabParallelLoss:
+    """The runtime's loss for a program whose last stage returns flat output `output` split over the vocabulary:
+    the loss traced on the whole outputs (`trace_program_loss`; `vocab` the whole last dimension) and the
+    micro-batch's targets, matched as at compile time."""
+    found = match(gm, n, output, vocab, batch)
     if isinstance(found, str):
         raise PartcError(f"the program computes the loss on the vocabulary shards, but the model file's loss is no "
                          f"longer a cross-entropy partc can split ({found}); compile again")
     return VocabParallelLoss(gm, n, found, tp)
+
+
+TOKENS = "tokens"
+"""`reduction`: the loss is one nll_loss's mean over the rows it counts, its ``total_weight`` (the targets not
+``ignore_index``, or their class weights): a count a micro-batch's targets decide."""
+ELEMENTS = "elements"
+"""`reduction`: the loss is a mean over every element of one tensor (``aten.mean``, a loss op's mean): as many in
+every micro-batch and on every rank."""
+NLL = {aten.nll_loss_forward.default, aten.nll_loss2d_forward.default}
+MEAN_LOSSES = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
+               aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
+               aten.soft_margin_loss.default}
+"""Loss ops whose ``reduction`` argument 1 (mean) divides by the number of elements."""
+
+
+def reduction(gm: GraphModule) -> str:
+    """How the traced loss `gm` reduces over the batch: `TOKENS`, `ELEMENTS`, or why neither (a phrase).
+
+    The runtime splits a global batch over micro-batches, dp and cp ranks and averages their losses. That average
+    is the whole batch's loss for `ELEMENTS` (every part has as many elements); for `TOKENS` it is not when the
+    parts count different numbers of tokens (ignored targets, Hugging Face's -100 labels), so the runtime sums the
+    parts' token losses and divides by the tokens counted over the whole batch (`partc.runtime.train`), as
+    Megatron-LM and torchtitan do. Any other loss (a second term beside a cross-entropy, label smoothing, a masked
+    mean written by hand) is a mean over micro-batches and ranks, not proven to be the whole batch's."""
+    out = gm.graph.output_node().args[0]
+    out = out[0] if isinstance(out, (list, tuple)) and len(out) == 1 else out
+    nll = [n for n in gm.graph.nodes if n.target in NLL]
+    if len(nll) > 1:
+        return "the loss holds several cross-entropies"
+    if nll:
+        if not (isinstance(out, Node) and out.target is operator.getitem and out.args == (nll[0], 0)):
+            return "the loss is more than one cross-entropy (nll_loss), whose token count partc would weigh"
+        if nll[0].args[3] != 1:
+            return "the cross-entropy is not a mean (reduction='mean')"
+        return TOKENS
+    if isinstance(out, Node) and out.target is aten.mean.default:
+        return ELEMENTS
+    if isinstance(out, Node) and out.target is aten.mean.dim and out.meta["val"].dim() == 0:
+        return ELEMENTS
+    if isinstance(out, Node) and out.target in MEAN_LOSSES and \
+            (out.args[2] if len(out.args) > 2 else out.kwargs.get("reduction", 1)) == 1:
+        return ELEMENTS
+    return "the loss is not a mean over the elements of one tensor or a cross-entropy's over its tokens"
+
+
+class CountTokens(TorchDispatchMode):
+    """While active, ``count`` is the ``total_weight`` of the last nll_loss run (the tokens a `TOKENS` loss divides
+    by), a tensor (no device synchronization), and ``rows`` the number of its targets."""
+
+    def __init__(self):
+        super().__init__()
+        self.count: Tensor | None = None
+        self.rows = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in NLL:
+            self.count, self.rows = out[1].detach(), args[1].numel()
+        return out

@@ -109,6 +109,22 @@ REGATHER = "bwd-regather"
 that `unit_time_parts` overlaps with the input gradient's GEMMs."""
 
 
+REPLAY = "bwd-replay"
+"""The phase of a forward all-gather run again in backward by the full recomputation of the unit whose code runs it
+(`Collective.runs_in`, its first reader's: a colwise embedding's output gathered in the first block) where its
+source's unit is not recomputed (the embedding): counted once, exposed, as a backward collective."""
+
+
+def _replays(par: Parallel, colls, unit: Unit, units: dict[str, Unit]) -> list[tuple[str, str, float]]:
+    """`REPLAY`s of `unit`'s forward all-gathers: where the unit running one (`Collective.runs_in`) is recomputed in
+    full and `unit` is not (when both are, `tp_bytes` and `unit_time_parts` count the forward twice already)."""
+    if recompute_mode(unit, par) == "full":
+        return []
+    return [(c.kind, REPLAY, float(c.nbytes * tokens(par))) for c in colls
+            if c.phase == "fwd" and c.runs_in and c.runs_in != unit.fqn
+            and recompute_mode(units[c.runs_in], par) == "full"]
+
+
 def regather_hidden_time(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None, unit: Unit) -> float:
     """Seconds of `unit`'s re-gathers (`sp_regather`) that its colwise Linears' input-gradient GEMMs hide: the
     program issues each all-gather before those GEMMs and waits for it after them (as Megatron-Core does), and an
@@ -136,11 +152,13 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     and the chosen experts are all-gathered before the experts (the routing weights' gradient reduce-scattered
     back), and the experts' output is reduce-scattered (all-gathered backward) in place of its all-reduce.
     With `sp_regather` each all-gather before colwise layers runs again in backward (phase `REGATHER`), the
-    same bytes."""
+    same bytes. Without sequence parallelism, a forward all-gather the full recomputation of its first reader's
+    block runs again (`REPLAY`)."""
     b = tokens(par)
     colls = [] if tp is None else tp.collectives.get(unit.fqn, [])
     if not (par.sequence_parallel and par.tp > 1):
-        return [(c.kind, c.phase, float(c.nbytes * b)) for c in colls]
+        replays = _replays(par, colls, unit, {u.fqn: u for u in graph.units}) if par.recompute == "full" else []
+        return [(c.kind, c.phase, float(c.nbytes * b)) for c in colls] + replays
     program = getattr(tp, "program", {})
     if unit.fqn in program:  # where the program falls back to tensor parallelism: what it runs, and the loss's
         return list(program[unit.fqn]) + [(c.kind, c.phase, float(c.nbytes * b)) for c in colls

@@ -45,7 +45,7 @@ class Cuts:
     """The part of `fixed_seq` that needs a gradient."""
 
 
-def _batched(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:
+def batched_nodes(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:
     """The nodes whose value may carry the batch: those that depend on a user input (every user input carries the
     batch) or on a size of 1 (`sizes_hold_one`: at one sample, the batch size itself). What depends only on
     parameters, buffers, constants and other sizes (a rotary table from the sequence positions) is the same for any
@@ -76,7 +76,7 @@ def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[s
             producer_pos[n] = unit_index.get(a.node_unit[n], -1)
     param_nodes = {spec.arg.name for spec in ep.graph_signature.input_specs
                    if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT}
-    batched = _batched(ep)
+    batched = batched_nodes(ep)
     # diffs[batched, gradient]: difference arrays over the boundaries of the bytes that carry the batch or not, all
     # of them (gradient False) or the part that needs a gradient (True)
     diffs = {key: [0] * (len(a.unit_names) + 1) for key in ((True, False), (True, True), (False, False), (False, True),

@@ -73,6 +73,12 @@ class NodeStats:
     memory_bytes: int = 0
     saved: list[tuple[int, int, bool]] = field(default_factory=list)
     """(storage key, bytes at 16-bit, dropped by selective recomputation) per tensor first saved by this node."""
+    fixed: list[tuple[torch.fx.Node, int]] = field(default_factory=list)
+    """Of `saved`, the tensors that need no gradient and are no dropout mask (rotary tables and their casts,
+    positions, token ids, masks made from positions): (the node whose value it is, an input of this one or this one
+    itself; bytes). The same whole tensor on every tp rank whatever splits the op's other inputs, and not along the
+    sequence-split stream under sequence parallelism; where the node carries no batch (`passes.cuts`), one a
+    micro-batch whatever its size."""
     core_input_bytes: int = 0
     """For an attention-core op: bytes of its inputs that no op saves, which selective recomputation must keep
     to replay it (they offset what it drops)."""
@@ -174,6 +180,8 @@ class _Recorder(TorchDispatchMode):
         self.fused_core = False
         """While a fused attention core runs: only its GEMMs are recorded (`measure` adds the rest)."""
         self.stats: dict[torch.fx.Node, NodeStats] = defaultdict(NodeStats)
+        self.inputs: dict[int, torch.fx.Node] = {}
+        """While a node runs: the storage of each of its tensor inputs -> the node that made it."""
         self.mask_storages: set[int] = set()
         """Storages of dropout keep-masks (outputs of `MASK_OPS`): saved at `MASK_BYTES` per element."""
         self._masks: list[torch.Tensor] = []  # kept alive so that no other tensor reuses a mask's storage key
@@ -270,6 +278,8 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
             core = (seq_len is not None and t.dim() >= 3 and t.shape[-3] > 1 and t.shape[-1] == seq_len
                     and t.shape[-2] == seq_len)
         recorder.stats[node].saved.append((key, storage_bytes(t), core))
+        if not t.requires_grad and key not in recorder.mask_storages:
+            recorder.stats[node].fixed.append((recorder.inputs.get(key, node), storage_bytes(t)))
         return t
 
     def fused_core_saved(node: torch.fx.Node, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -290,6 +300,8 @@ def measure(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, seq_len
     class Interp(torch.fx.Interpreter):
         def run_node(self, n):
             recorder.node = ep_nodes.get(n.name)
+            recorder.inputs = {v.untyped_storage()._cdata: ep_nodes.get(x.name, x) for x in n.all_input_nodes
+                               for v in [self.env.get(x)] if isinstance(v, torch.Tensor)}
             core = n.op == "call_function" and n.target in CORE_OPS and recorder.node is not None
             if core:
                 inputs = [a for a in fx_pytree.tree_flatten(self.fetch_args_kwargs_from_env(n))[0]

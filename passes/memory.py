@@ -185,14 +185,19 @@ def _saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit, mode: str, sequen
             replicated -= unit.fused_gqa_saved_bytes_replicated
     rep = replicated if split else 0
     sharded = saved - rep - (unit.saved_bytes_core if mode == "selective" else 0)
-    if not split:  # all of it whole, or on this rank's part of the sequence
-        return sharded * tokens(par) / (par.tp if sequence else 1) + _cp_saved_bytes(par, tp, unit)
+    # the tables and positions without the batch (counted whole below, each a sample): once a micro-batch
+    once = min(unit.saved_bytes_once, saved) * (tokens(par) - 1 / par.cp)
+    if not split:  # all of it whole, or on this rank's part of the sequence (but the tables and positions)
+        fixed = min(unit.saved_bytes_fixed, sharded) if sequence else 0
+        return ((sharded - fixed) / (par.tp if sequence else 1) + fixed) * tokens(par) - once + \
+            _cp_saved_bytes(par, tp, unit)
     if sequence:  # the norms, dropout and residual on 1/t of the sequence
-        # and, gathered again in backward (`sp_regather`), the colwise Linears' inputs
-        kept = 0 if par.sp_regather else unit.saved_bytes_replicated_linear
+        # and, gathered again in backward (`sp_regather`), the colwise Linears' inputs; the tables and positions
+        # whole
+        kept = min(rep, (0 if par.sp_regather else unit.saved_bytes_replicated_linear) + unit.saved_bytes_fixed)
         sharded += rep - kept
         rep = kept
-    return (rep + sharded / (par.tp if split else 1)) * tokens(par) + _cp_saved_bytes(par, tp, unit)
+    return (rep + sharded / (par.tp if split else 1)) * tokens(par) - once + _cp_saved_bytes(par, tp, unit)
 
 
 def _cp_saved_bytes(par: Parallel, tp: TPPlan | None, unit: Unit) -> float:

@@ -77,6 +77,10 @@ class Collective:
     """A backward all-reduce of partial input gradients (the backward of `copy_to_tp`): the units of the layers
     that hand them back. The program runs it once on each pipeline stage holding one of them (each stage copies the
     value itself, `passes.codegen`), not on the source's stage: `passes.cost.copy_all_reduces` moves the charge."""
+    runs_in: str = ""
+    """A forward all-gather of a split output for readers that need it whole: the unit of its first reader, whose
+    code runs it (`passes.tp_rewrite` gathers before the first reader), so a recomputation of that unit runs it
+    again (`passes.cost.unit_collectives`). Empty where the loss reads it, or for other collectives."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -444,6 +448,7 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
               given: set[str] | frozenset = frozenset(), solved: bool = True,
               cache: SolveCache | None = None) -> TPSolution:
     cache = cache or SolveCache(graph, cluster)
+    order = {u.fqn: i for i, u in enumerate(graph.units)}
     unit_time = {u.fqn: 0.0 for u in graph.units}
     collectives: dict[str, list[Collective]] = {u.fqn: [] for u in graph.units}
     for fqn, layer in graph.layers.items():
@@ -467,7 +472,9 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
                 coll = Collective(kind=kind, phase=phase, nbytes=src.nbytes, src=src.layer,
                                   reason=_reason(phase, kind, layer, style, readers, reader_style, src.members),
                                   reader_units=tuple(dict.fromkeys(graph.layers[r].unit for r in readers))
-                                  if (phase, kind) == ("bwd", "all_reduce") else ())
+                                  if (phase, kind) == ("bwd", "all_reduce") else (),
+                                  runs_in=min((graph.layers[r].unit for r in readers), key=order.__getitem__)
+                                  if (phase, kind) == ("fwd", "all_gather") and readers else "")
                 collectives.setdefault(layer.unit, []).append(coll)
                 unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + hw.collective_time(
                     cluster, kind, src.nbytes * b, tp, spans_nodes=_spans_nodes(cluster, tp))

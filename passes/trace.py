@@ -28,7 +28,7 @@ from partc.precision import cast_floating, cast_parameters, compute_dtype
 from partc.passes.assign import Assignment, assign, layer_outputs, owner
 from partc.value_sized import VALUE_SIZED, expected_sizes
 from partc.passes.context import is_causal_attention, kv_before_repeat
-from partc.passes.cuts import pipeline_cuts, realizable_cuts, val_bytes
+from partc.passes.cuts import batched_nodes, pipeline_cuts, realizable_cuts, val_bytes
 from partc.passes.experts import mark_inner, param_placeholders, routed_experts
 from partc.passes.export import export_on_meta, norms_on_any_batch
 from partc.passes import fuse
@@ -49,7 +49,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
                   if a.kind(m) == "linear" and m in layer_out}
     shard = ShardAnalysis(ep.graph, a.node_layer, linear_out)  # 4. where a colwise split flows without collectives
     layers = _layers(a, shard, counted)                    # 5. layers: shapes, split groups, fused pieces
-    units = _costs(a, stats, layers, shard, layer_out)     # 6. per-node costs into layers and units
+    units = _costs(a, stats, layers, shard, layer_out, batched_nodes(ep))  # 6. per-node costs into layers, units
     if fusions is not None:                                #    and what fused kernels would keep instead
         _fused_savings(a, stats, fusions, units, _whole_saver(a, layers, shard))
     mark_inner(ep.graph, a.node_layer, param_placeholders(ep), layers, stats)  # experts: split inside
@@ -136,9 +136,9 @@ def _layers(a: Assignment, shard: ShardAnalysis, counted: set[str]) -> dict[str,
 
 
 def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[str, Layer], shard: ShardAnalysis,
-           layer_out: dict[str, torch.fx.Node]) -> dict[str, Unit]:
+           layer_out: dict[str, torch.fx.Node], batched: set[torch.fx.Node]) -> dict[str, Unit]:
     """Units with their layers, and every node's GEMMs, bytes moved and bytes saved added to its layer (or, outside
-    layers, to its unit: the attention core)."""
+    layers, to its unit: the attention core). `batched`: the nodes whose value carries the batch."""
     units = {u: Unit(fqn=u, kind=a.unit_kind[u], layers=[], num_params=0) for u in a.unit_names}
     for m, layer in layers.items():
         if layer.unit in units:
@@ -192,6 +192,11 @@ def _costs(a: Assignment, stats: dict[torch.fx.Node, NodeStats], layers: dict[st
             unit.saved_bytes_replicated += saved
             if layer is not None and layer.kind == "linear":
                 unit.saved_bytes_replicated_linear += saved
+        fixed = sum(nbytes for _, nbytes in st.fixed)
+        if not whole:  # what a split op saves of whole tensors: the rotary tables a colwise query is multiplied by
+            unit.saved_bytes_replicated += fixed
+        unit.saved_bytes_fixed += fixed
+        unit.saved_bytes_once += sum(nbytes for src, nbytes in st.fixed if src not in batched)
         if layer is None:
             unit.op_saved_bytes += saved
             unit.op_saved_bytes_replicated += saved if whole else 0

@@ -21,18 +21,27 @@ tensor where the model made one), and the loss is computed in fp32 from the mode
 
 Context parallelism. Each cp rank runs its tokens of every sample (the manifest's ``cp``: chunks i and 2·cp-1-i,
 `partc.collectives.cp_cut`) of the inputs and the targets; its loss is the mean over them, and FSDP averages over
-dp x cp (every cp rank holds as many tokens), so the gradients are those of the mean over every token.
+dp x cp, so the gradients are those of the mean over every token (weighed by each rank's counted tokens, below, for
+a cross-entropy that ignores targets). A plan with cp needs a loss proven `TOKENS` or `ELEMENTS`.
 
 Loss and gradients. ``loss_fn`` gives each micro-batch's mean; the schedule scales gradients by 1/m
-(``scale_grads``) and DP averages over dp, so the gradients are those of the global-batch mean, and the returned
-loss is the mean over micro-batches and DP ranks: what one process computes with ``loss_fn(model(x), y)`` on the
-whole batch (when the loss is a mean over equally many elements per sample, as cross-entropy without ignored
-positions is).
+(``scale_grads``) and DP averages over dp, so the gradients are those of the mean over micro-batches and DP ranks,
+and so is the returned loss: what one process computes with ``loss_fn(model(x), y)`` on the whole batch when the
+loss is a mean over equally many elements per micro-batch (`partc.vocab_loss.ELEMENTS`). A cross-entropy's mean
+(`partc.vocab_loss.TOKENS`: partc's default loss, ``F.cross_entropy`` with its ``ignore_index``, Hugging Face's -100
+labels) divides by the tokens it counts, which differ between micro-batches and ranks when targets are ignored:
+each micro-batch then starts backward from its mean times the share of its targets it counts (read from the
+cross-entropy's ``total_weight``: its sum of token losses over its number of targets, the mean itself when none is
+ignored), and the loss report's all-reduce sums the counts, from which the loss and the gradients are made the
+mean over the batch's counted tokens before the optimizer step (Megatron-LM's and torchtitan's per-token loss): the
+whole batch's mean over its counted tokens, exactly. Any other loss (a second term, label smoothing) stays the mean over
+micro-batches and ranks.
 
 Traffic. Each step counts what this rank passes to collectives by mesh axis (`partc.runtime.comm`):
 `PipelineRunner.comm_bytes`, the quantity the plan predicts as ``predicted.ranks[].comm_bytes``: the pipeline
-schedule, FSDP's gathers and reductions and the shared weights' sums; not the one all-reduce of 24 bytes that
-reports the loss, checks for non-finite gradients and sums the squares of the gradients (clipping,
+schedule, FSDP's gathers and reductions and the shared weights' sums; not the one all-reduce of 48 bytes that
+reports the loss (with the tokens it counts), checks for non-finite gradients and sums the squares of the
+gradients (clipping,
 `partc.runtime.optim`).
 
 Optimizer step. The learning rate of the step (`LRSchedule.lr_at`), the gradients clipped to the global norm
@@ -76,7 +85,7 @@ from partc.runtime.program import ProgramFiles
 from partc.runtime.schedule import GatherOnceInterleaved1F1B, PipeStage
 from partc.sharding import TPLayout
 from partc.value_sized import expected_sizes
-from partc.vocab_loss import program_loss
+from partc.vocab_loss import ELEMENTS, TOKENS, CountTokens, program_loss, reduction, trace_program_loss
 
 
 class NonFiniteError(PartcError):
@@ -195,23 +204,56 @@ class PipelineRunner:
         self.vocab_loss = None
         """With tp > 1 and the manifest's ``tp.vocab_loss``: the loss from this rank's vocabulary columns of the
         logits (`partc.vocab_loss`), which the last stage returns split, not gathered."""
-        vocab = program.tp.get("vocab_loss")
-        if vocab is not None and par.tp > 1 and self.has_last:
+        self.token_mean = False
+        """The loss is a cross-entropy's mean over the tokens it counts (`partc.vocab_loss.TOKENS`): each
+        micro-batch's loss is weighed by its tokens (`_loss`, `_global_mean`)."""
+        self._counts: list[tuple[Tensor, int]] = []
+        """This step's (tokens counted, targets) of each micro-batch, in the order `_loss` saw them (with
+        `token_mean`)."""
+        if self.has_last:
+            vocab = program.tp.get("vocab_loss") if par.tp > 1 else None
+            output = int(vocab["output"]) if vocab is not None else None
             with torch.device("meta"):
                 targets = spec.targets(par.micro_batch_size)
                 if program.cp:  # this cp rank's tokens
                     targets = cp_cut_targets(targets, program.cp["seq_len"])
-            self.vocab_loss = program_loss(self.loss_fn, self.last_code.outputs, list(shapes[-1][1]), targets,
-                                           int(vocab["output"]), par.tp, par.micro_batch_size)
+            try:
+                gm, n = trace_program_loss(self.loss_fn, self.last_code.outputs, list(shapes[-1][1]), targets,
+                                           output, par.tp)
+                kind = reduction(gm)
+            except Exception as e:  # noqa: BLE001 - a loss partc cannot trace: a mean over micro-batches and ranks
+                if vocab is not None:
+                    raise
+                kind = f"the loss could not be traced on meta tensors ({type(e).__name__})"
+            if par.cp > 1 and kind not in (TOKENS, ELEMENTS):
+                raise PartcError(f"context parallelism (cp {par.cp}) needs a loss that is a mean over the tokens "
+                                 f"or the elements of the batch, proven at compile time, but {kind}; compile again")
+            self.token_mean = kind == TOKENS
+            if vocab is not None:
+                self.vocab_loss = program_loss(gm, n, output, int(shapes[-1][1][output].shape[-1]) * par.tp,
+                                               par.tp, par.micro_batch_size)
 
     def _loss(self, output: Any, index: Tensor) -> Tensor:
+        """The micro-batch's loss, as backward starts from it: ``loss_fn``'s mean; with `token_mean`, that mean
+        times the share of the micro-batch's targets it counts (its sum of token losses over its number of
+        targets R; 0 where it counts none), which `_global_mean` makes the mean over the global batch's counted
+        tokens. Where no target is ignored the share is 1: the same arithmetic as the mean alone."""
         flat = output if isinstance(output, tuple) else (output,)
         targets = tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, self._targets)
-        if self.vocab_loss is not None:  # the logits in the compute dtype: the loss upcasts its working copy
-            keep = self.vocab_loss.found.output
-            return self.vocab_loss(tuple(t if i == keep else cast_floating(t, MASTER_DTYPE)
-                                         for i, t in enumerate(flat)), targets)
-        return self.loss_fn(self.last_code.outputs(cast_floating(flat, MASTER_DTYPE)), targets)
+        counter = CountTokens() if self.token_mean and self.vocab_loss is None else contextlib.nullcontext()
+        with counter:
+            if self.vocab_loss is not None:  # the logits in the compute dtype: the loss upcasts its working copy
+                keep = self.vocab_loss.found.output
+                loss = self.vocab_loss(tuple(t if i == keep else cast_floating(t, MASTER_DTYPE)
+                                             for i, t in enumerate(flat)), targets)
+            else:
+                loss = self.loss_fn(self.last_code.outputs(cast_floating(flat, MASTER_DTYPE)), targets)
+        if not self.token_mean:
+            return loss
+        found = self.vocab_loss if self.vocab_loss is not None else counter
+        count = found.count.to(loss.dtype)
+        self._counts.append((count, found.rows))
+        return torch.where(count > 0, loss * (count / found.rows), 0.0)  # counting none: nan, times 0
 
     def dp_slice(self, n: int) -> slice:
         dp, r = self.world.par.dp, self.world.dp_rank
@@ -229,7 +271,7 @@ class PipelineRunner:
         return self._finish(self.forward_backward_local(inputs, targets), step)
 
     def _finish(self, losses: list[Tensor], step: int | None) -> float:
-        loss, bad_grads, sq = self._global_mean(losses)  # the report: 24 bytes, not part of the step's traffic
+        loss, bad_grads, sq = self._global_mean(losses)  # the report: 48 bytes, not part of the step's traffic
         reshard(self.modules)  # the gathered copies: stale once the optimizer updates the sharded weights
         if not math.isfinite(loss) or bad_grads:
             what = f"the loss is {loss}" if not math.isfinite(loss) else \
@@ -284,6 +326,7 @@ class PipelineRunner:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         losses: list[Tensor] = []
+        self._counts = []
         with self.counter.counting() as counted:
             if self.has_first:
                 self.schedule.step(*local, target=index, losses=losses, return_outputs=False)
@@ -297,17 +340,41 @@ class PipelineRunner:
     def _global_mean(self, losses: list[Tensor]) -> tuple[float, float, float]:
         """(the loss: mean over micro-batches and DP ranks; how many gradient tensors hold nan or inf; the global
         gradient norm squared), on every rank: one all-reduce over the world, where only the ranks of the last stage
-        contribute to the loss (each tp rank holds the same loss)."""
-        total = torch.zeros(3, dtype=torch.float64, device=self.world.device)
+        contribute to the loss (each tp rank holds the same loss).
+
+        With `token_mean` each micro-batch's loss is its sum of token losses over its R targets, and the same
+        all-reduce sums the global batch's counted tokens N and targets m·dp·cp·R: the loss is the sum of token
+        losses over N, and the gradients (the schedule's 1/m and FSDP's average over dp x cp applied to the
+        micro-batches' losses) are multiplied by m·dp·cp·R / N here (1 when no target is ignored), the gradient of
+        the mean over every counted token of the batch, as one process computes it; before any use of them (the
+        norm, clipping, the step)."""
+        par = self.world.par
+        total = torch.zeros(6, dtype=torch.float64, device=self.world.device)
         if self.has_last:
             assert len(losses) == self.num_microbatches
-            par = self.world.par
-            total[0] += torch.stack([l.detach().double() for l in losses]).mean() / (par.dp * par.cp * par.tp)
+            if self.token_mean:  # the ranks of other stages learn it from this all-reduce
+                rows = torch.tensor([r for _, r in self._counts], dtype=torch.float64, device=total.device)
+                total[0] += (torch.stack([l.detach().double() for l in losses]) * rows).sum() / par.tp
+                total[3] += torch.stack([c.double() for c, _ in self._counts]).sum() / par.tp
+                total[4] += 1.0
+                total[5] += rows.sum() / par.tp
+            else:
+                total[0] += torch.stack([l.detach().double() for l in losses]).mean() / (par.dp * par.cp * par.tp)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                  if p.grad is not None]
         if grads:
             total[1] += torch.stack([~torch.isfinite(g).all() for g in grads]).sum()
         total[2] += local_sq_norm(self.grad_copies, self.world.device)
         dist.all_reduce(total)
-        loss, bad, sq = total.tolist()
+        loss, bad, sq, tokens, token_mean, rows = total.tolist()
+        self._counts = []
+        if token_mean:
+            if tokens <= 0:  # one process: a mean over no tokens
+                return math.nan, bad, sq
+            loss = loss / tokens
+            scale = rows / tokens
+            if scale != 1.0:
+                for g in grads:
+                    g.mul_(scale)
+                sq *= scale * scale
         return loss, bad, sq

@@ -5,10 +5,12 @@ The multi-process test runs every program in one launch of 8 ranks: the bundled 
 cp 4 x dp 2, the bundled LLaMA at cp 2 x tp 2 x pp 2; Hugging Face's LLaMA (its causal mask proven,
 `partc.passes.causal_mask`) at cp 2 x tp 2 x pp 2 and cp 4 x dp 2 with ZeRO-3; with sequence parallelism, the
 bundled GPT at cp 2 x dp 2 x tp 2 (ZeRO-1) and cp 2 x tp 2 x pp 2, the bundled LLaMA at cp 2 x tp 2 x pp 2 and
-cp 2 x dp 2 x tp 2 with ZeRO-3 and `sp_regather`, Hugging Face's LLaMA at cp 2 x dp 2 x tp 2 with ZeRO-3. Each
-job trains with SGD in fp32 from a saved state dict; its losses and gathered state dict must equal
-`reference_run` within 1e-5 (relative), and every rank's collective payload must equal the plan's
-``predicted.ranks[].comm_bytes`` axis by axis (``cp`` and ``dp`` over dp x cp included).
+cp 2 x dp 2 x tp 2 with ZeRO-3 and `sp_regather`, Hugging Face's LLaMA at cp 2 x dp 2 x tp 2 with ZeRO-3; the
+bundled LLaMA with targets ignored unevenly over samples and cp ranks at cp 2 x dp 2 x tp 2 and cp 2 x dp 2 x pp 2.
+Each job trains with SGD in fp32 from a saved state dict; its losses and gathered state dict must equal
+`reference_run` within 1e-5 (relative; with ignored targets, one process's loss over the whole batch), and every
+rank's collective payload must equal the plan's ``predicted.ranks[].comm_bytes`` axis by axis (``cp`` and ``dp``
+over dp x cp included). The same launch saves a checkpoint under one cp plan (AdamW) and resumes it under another.
 """
 
 from __future__ import annotations
@@ -83,6 +85,30 @@ def test_refuses_what_mixes_positions(tmp_path, causal, mix, why):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("loss, why", [
+    ("F.cross_entropy(y.flatten(0, 1), t.flatten()) + 1e-3 * y.pow(2).mean()", "more than one cross-entropy"),
+    ("F.cross_entropy(y.flatten(0, 1), t.flatten(), reduction='sum')", "not a mean"),
+    ("(F.cross_entropy(y.flatten(0, 1), t.flatten(), reduction='none') * (t.flatten() > 3)).sum() / 7",
+     "more than one cross-entropy"),
+])
+def test_refuses_a_loss_not_proven_a_mean_over_tokens(tmp_path, loss, why):
+    """Each cp rank's loss is weighed by the tokens its cross-entropy counts (or is a mean over as many elements
+    as every other rank's): a second term, a sum, or a mean by hand is not proven the batch's mean."""
+    path = tmp_path / "m.py"
+    path.write_text(TIME_CONV.format(causal=True, mix="") + f"""
+
+def example_targets(batch_size):
+    return torch.randint(0, 64, (batch_size, 16))
+
+
+def loss_fn(y, t):
+    return {loss}
+""")
+    with pytest.raises(PartcError, match=f"not proven for this loss: .*{why}") as err:
+        compile_model(str(path), gpus=2, pins=Pins(cp=2, dp=1, tp=1, pp=1), global_batch_size=2)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.slow  # partc check in a process of its own (as tests/test_check.py marks it)
 def test_plan_prices_the_key_value_gathers(tmp_path):
     """LLaMA tiny: 4 layers, 2 key/value heads of 16 (gathered before grouped-query attention repeats them), 64
@@ -139,6 +165,23 @@ def test_sequence_parallel_under_cp_splits_each_ranks_tokens(tmp_path):
         assert rank.comm_bytes[axis] == rank.predicted_comm_bytes[axis] > 0, axis
 
 
+@pytest.mark.slow
+def test_check_measures_the_replayed_embedding_gather(tmp_path):
+    """A colwise token embedding's output is all-gathered where it is first read, in the first block's code, so that
+    block's full recomputation runs the gather again: the plan charges the replay (`passes.cost.REPLAY`) and `partc
+    check` measures the plan's tp bytes to the byte (tiny LLaMA, cp 2 x tp 2, bf16)."""
+    pins = dict(cp=2, tp=2, dp=1, pp=1, micro_batch_size=1, precision="bf16", recompute="full", zero=0)
+    styles = lambda f, s: "colwise" if f == "tok" else megatron_style(f, vocab=True) or "replicate"  # noqa: E731
+    compile_program("llama", tmp_path / "out", global_batch_size=2, tp_styles=styles, sequence_parallel=False,
+                    **pins)
+    stage = (tmp_path / "out" / "program" / "stage_0.py").read_text()
+    block = stage[stage.index("def blocks_0("):stage.index("def blocks_1(")]
+    assert "tp.gather_from_tp(embedding, 2)" in block  # in the recomputed block, not in tok's code
+    (rank,) = check_program(str(tmp_path / "out"), slack_bytes=0)
+    # charged once, the plan was 2 micro-batches x a cp rank's 32 tokens x 64 features x 2 bytes short
+    assert rank.comm_bytes["tp"] == rank.predicted_comm_bytes["tp"] == 221952
+
+
 def test_sequence_parallel_needs_each_cp_ranks_tokens_to_divide_over_tp():
     """The search weighs sequence parallelism under cp where a rank's s/cp tokens divide over tp; a pin that
     cannot be is refused in one line (cp pinned) or skips that cp (cp searched)."""
@@ -175,6 +218,10 @@ CONFIGS = {
     # with expert parallelism: ep 2 carved from dp 4 at each cp coordinate (two ep groups), the experts' gradients
     # reduced and ZeRO-3-sharded over the dp / ep x cp = 4 ranks holding them
     "hf_mixtral_cp2_dp4_ep2_z3": ("hf_mixtral", 2, 1, 1, 4, 3, 8),
+    # a cross-entropy that ignores targets (-100), unevenly over samples, micro-batches and cp ranks: the loss is
+    # weighed by the tokens each counts; the vocab-parallel loss (tp 2) and the gathered logits' (pp 2)
+    "ignored_cp2_dp2_tp2": ("ignored", 2, 2, 1, 2, 1, 4),
+    "ignored_cp2_dp2_pp2": ("ignored", 2, 1, 2, 2, 0, 4),
 }
 EP = {"hf_mixtral_cp2_dp4_ep2_z3": 2}
 """Configurations pinned to expert parallelism, and its degree (the others have no experts)."""
@@ -184,11 +231,49 @@ REGATHER = {"llama_cp2_dp2_tp2_z3_sp"}
 """Of those, pinned to `sp_regather` (the colwise layers' inputs gathered again in backward)."""
 STEPS = 2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0}
+ADAMW = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1}
+CHECKPOINT = ("llama_cp2_dp2_tp2_z3_sp", "llama_cp2_tp2_pp2")
+"""A checkpoint written at step 1 of 2 under the first plan (AdamW, its states sharded over dp x cp by ZeRO-3) and
+resumed under the second (ZeRO-1 over cp alone, pp 2), against the first run uninterrupted."""
 HF_SEQ_LEN = 32
 """Tokens of the tiny Hugging Face LLaMA's samples (its config allows 128): 8 chunks of 4 at cp 4."""
 
 
+IGNORED = f"""
+import importlib.util
+import sys
+
+import torch
+
+_spec = importlib.util.spec_from_file_location("partc_example_llama_ignored", {str(EXAMPLES / "llama.py")!r})
+llama = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = llama
+_spec.loader.exec_module(llama)
+model, example_inputs = llama.model, llama.example_inputs
+
+SHARE = (3 / 8, 1.0, 5 / 8, 0.0, 1 / 8)  # of each sample's positions, from the first, ignored: sample 1 counts none
+
+
+def example_targets(batch_size):
+    c = llama.config()
+    t = torch.randint(0, c.vocab_size, (batch_size, c.seq_len))
+    for j in range(batch_size):
+        t[j, :int(SHARE[j % len(SHARE)] * c.seq_len)] = -100
+    return t
+
+
+def loss_fn(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+"""
+"""The bundled LLaMA whose targets are ignored at the start of each sample: at cp 2 (chunks 0 and 3 of 16 tokens on
+rank 0, 1 and 2 on rank 1) the ranks count 16 and 24 of their 32 tokens of sample 0, none of sample 1."""
+
+
 def _path(model: str, tmp: Path) -> str:
+    if model == "ignored":
+        path = tmp / "llama_ignored.py"
+        path.write_text(IGNORED)
+        return str(path)
     return write_hf_model(tmp, model[3:]) if model.startswith("hf_") else str(EXAMPLES / f"{model}.py")
 
 
@@ -267,7 +352,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("cp")
     inits = {}
-    for m in ("gpt", "llama", "hf_llama", "hf_mixtral"):
+    for m in ("gpt", "llama", "hf_llama", "hf_mixtral", "ignored"):
         torch.manual_seed(1234)
         inits[m] = load_model_file(_path(m, tmp), seq_len=_seq_len(m)).build().state_dict()
         torch.save(inits[m], tmp / f"init_{m}.pt")
@@ -283,6 +368,11 @@ def runs(tmp_path_factory):
         # test_runtime_tp; the rest from Program.load_state_dict
         jobs.append({"out": str(tmp / name), "steps": STEPS, "result": str(tmp / f"{name}.pt"), **SGD,
                      ("init_checkpoint" if model == "hf_llama" else "init"): str(tmp / f"init_{model}.pt")})
+    whole, resumed = CHECKPOINT
+    jobs += [{"out": str(tmp / whole), "steps": STEPS, "init": str(tmp / "init_llama.pt"), "save": str(tmp / "ck"),
+              "save_at": 1, "result": str(tmp / "ck_whole.pt"), **ADAMW},
+             {"out": str(tmp / resumed), "steps": STEPS, "load": str(tmp / "ck"), "result": str(tmp / "ck_resumed.pt"),
+              **ADAMW}]
     run_jobs(8, jobs, tmp)
     return tmp, inits
 
@@ -293,9 +383,11 @@ def test_trains_like_one_process(runs, name):
     tmp, inits = runs
     model, cp, tp, pp, dp, zero, gbs = CONFIGS[name]
     got = torch.load(tmp / f"{name}.pt", weights_only=True)
+    # ignored targets: one process's loss over the whole batch (its mean over every counted token), not the mean of
+    # its micro-batches' means; configurations of one model, batch and tying: one reference
     losses, state = reference_once(_path(model, tmp), inits[model], steps=STEPS, seed=0, seq_len=_seq_len(model),
-                                   global_batch_size=gbs, precision="fp32", micro_batch_size=1, untied=pp > 1,
-                                   **SGD)  # configurations of one model, batch and tying: one reference
+                                   global_batch_size=gbs, precision="fp32",
+                                   micro_batch_size=None if model == "ignored" else 1, untied=pp > 1, **SGD)
     assert_close_losses(got["losses"], losses)
     assert_close_states(got["state"], state)
     if name in EP:  # a real router: its all-to-alls send other bytes than the uniform routing the plan prices
@@ -308,6 +400,19 @@ def test_trains_like_one_process(runs, name):
         plan = json.loads((tmp / name / "plan.json").read_text())
         assert plan["parallel"]["sequence_parallel"] and "sequence_parallel_gathers" not in plan["model"]
         assert got["replica_diff"] == 0.0  # the norms, applied to each rank's part, stay identical over tp
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_under_another_cp_plan(runs):
+    """Saved at step 1 under cp 2 x dp 2 x tp 2 (ZeRO-3, the optimizer's states sharded over dp x cp), resumed under
+    cp 2 x tp 2 x pp 2 (ZeRO-1): its step 2 is the uninterrupted run's."""
+    tmp, _ = runs
+    whole = torch.load(tmp / "ck_whole.pt", weights_only=True)
+    resumed = torch.load(tmp / "ck_resumed.pt", weights_only=True)
+    assert resumed["start"] == 1 and len(resumed["losses"]) == STEPS - 1
+    assert_close_losses(resumed["losses"], whole["losses"][1:])
+    assert_close_states(resumed["state"], whole["state"], rtol=1e-5, atol=1e-5)  # AdamW: as test_runtime_dist
+    assert_comm_matches_plan(tmp / CHECKPOINT[1], resumed["comm"])
 
 
 @pytest.fixture(scope="module")
@@ -359,3 +464,25 @@ def test_plan_prices_what_a_cp_block_keeps(tmp_path):
         block[layers] = (row.predicted, row.measured)
     predicted, measured = (block[2][i] - block[1][i] for i in (0, 1))
     assert measured == pytest.approx(predicted, rel=0.01), (predicted / 2**20, measured / 2**20)
+
+
+@pytest.mark.slow
+def test_plan_prices_what_a_sequence_parallel_block_keeps(tmp_path):
+    """cp 2 x tp 2 with sequence parallelism and `sp_regather`, bf16: what a block keeps a micro-batch (1 and 2
+    blocks, as above) is what the plan charges, to a few bytes. The rotary tables the attention multiplies its
+    colwise queries and keys by (their bf16 casts, [s/cp, head_dim] each) are whole on every tp rank: the plan
+    once divided them by t, as the split op that saves them, one [s/cp, h/t] tensor a block short."""
+    block = {}
+    styles = lambda f, s: megatron_style(f, vocab=True) or "replicate"  # noqa: E731
+    for layers in (1, 2):
+        # 2 key/value heads: the tp ranks split the attention by heads
+        path = llama_variant(tmp_path / f"llama_{layers}.py", "vocab_size=64, seq_len=512, hidden=128, heads=4, "
+                             f"kv_heads=2, layers={layers}, ffn_hidden=352")
+        compile_program(path, tmp_path / f"out{layers}", global_batch_size=1, tp_styles=styles, cp=2, tp=2, dp=1,
+                        pp=1, micro_batch_size=1, precision="bf16", recompute="none", zero=0, sequence_parallel=True,
+                        sp_regather=True, fuse_pointwise=False)
+        (rank,) = check_program(str(tmp_path / f"out{layers}"), slack_bytes=0)
+        (row,) = [r for r in rank.rows() if r.what == "memory activations"]
+        block[layers] = (row.predicted, row.measured)
+    predicted, measured = (block[2][i] - block[1][i] for i in (0, 1))
+    assert measured == pytest.approx(predicted, abs=64), (predicted, measured)  # a block: 899 KiB
