@@ -149,7 +149,12 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     for c in colls:
         layer = graph.layers.get(c.src)
         n = float(c.nbytes * b)
-        if c.kind == "all_reduce" and c.phase == "fwd" and style_of(tp, c.src) in ("rowwise", "inner"):
+        if c.kind == "all_reduce" and c.phase == "fwd" and heads(graph, tp, c.src):
+            # the model's output (an output layer tied to a colwise token embedding): all-reduced whole for the
+            # loss, its input the final norm's output all-gathered (Megatron-LM's edge of sequence parallelism)
+            out.append((c.kind, c.phase, n))
+            out += [("all_gather", "fwd", float(graph.layers[s].out_bytes * b)) for s in _norms_into(graph, c.src)]
+        elif c.kind == "all_reduce" and c.phase == "fwd" and style_of(tp, c.src) in ("rowwise", "inner"):
             out += [("reduce_scatter", "fwd", n), ("all_gather", "bwd", n)]
             if layer is not None and layer.kind == "linear":
                 params += sum(math.prod(shape) for name, shape in layer.params.items() if name.endswith(".bias"))
@@ -211,13 +216,28 @@ def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit
             if into.get(f) and all(style_of(tp, s) == "replicate" and graph.layers[s].kind != "norm" and
                                    not routes(graph, tp, s) for s in into[f]):
                 out.append(("all_gather", "bwd", float(layer.out_bytes * b)))
-            if outof.get(f) and all(pools(d) for d in outof[f]):
+            if outof.get(f) and all(pools(d) or heads(graph, tp, d) for d in outof[f]):
                 out.append(("all_reduce", "bwd", float(sum(math.prod(s) for s in layer.params.values())
                                                        * compute_bytes(par.precision))))
         elif pools(f):
             out += [("all_gather", "fwd", float(graph.layers[s].out_bytes * b)) for s in dict.fromkeys(into.get(f, []))
                     if graph.layers[s].kind == "norm"]
     return out
+
+
+def heads(graph: ModelGraph, tp: TPPlan | None, fqn: str) -> bool:
+    """Whether layer `fqn` is a rowwise Linear whose output only the loss reads (an output layer tied to a colwise
+    token embedding): under sequence parallelism its partial outputs are all-reduced whole and its input, the final
+    norm's output split along the sequence, is all-gathered first (`passes.tp_rewrite`: the ranks' gradients of it
+    are the same, each keeps its part); the norm's parameters, applied to each rank's part, have their gradients
+    all-reduced."""
+    layer = graph.layers[fqn]
+    return layer.kind == "linear" and style_of(tp, fqn) == "rowwise" and not any(e.src == fqn for e in graph.edges)
+
+
+def _norms_into(graph: ModelGraph, fqn: str) -> list[str]:
+    """The norms whose outputs layer `fqn` reads, each once."""
+    return [s for s in dict.fromkeys(e.src for e in graph.edges if e.dst == fqn) if graph.layers[s].kind == "norm"]
 
 
 def routes(graph: ModelGraph, tp: TPPlan | None, fqn: str) -> bool:
