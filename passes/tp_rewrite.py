@@ -174,7 +174,7 @@ class _Rewriter:
         v = self.val[x]
         if want == R and isinstance(have, int):
             d = have
-            if x in self.seq and not self._pools(x, user) and user not in self.heads:
+            if x in self.seq and not self._pools(x, user) and not self._heads(x, user):
                 self.result.sequence_gathers.append(
                     f"{user.target} ({user.name}, in {self._where(user)}) takes {x.name} whole (a whole layer, or "
                     f"an op not proven per-position): all-gathered over the sequence")
@@ -511,6 +511,13 @@ class _Rewriter:
         whole, its gradient the same on every rank)."""
         src = self.layers.get(self.node_layer.get(x, ""))
         return src is not None and src.kind == "norm" and self.node_layer.get(user) is None
+
+    def _heads(self, x: Node, user: Node) -> bool:
+        """Whether gathering `x` (split along the sequence) for `user` is the edge of a rowwise output layer
+        (`heads`): the output of a norm (the final norm) read by it. The plan charges it
+        (`passes.cost.unit_collectives`): an all-gather forward, nothing backward."""
+        src = self.layers.get(self.node_layer.get(x, ""))
+        return user in self.heads and src is not None and src.kind == "norm"
 
     def _routers(self) -> set[str]:
         """The replicated layers (not norms) whose outputs a layer split inside reads: a mixture of experts' router.
