@@ -25,7 +25,9 @@ to the local part. An op that cannot be proven per-position gathers its input (`
 A mixture of experts split inside runs as Megatron-Core's: its router on the local part (`_routers`), the experts'
 inputs all-gathered (`_gather_sequence`), their partial output reduce-scattered (`_partial_to_sequence`). A stream
 that enters whole (a vision transformer's patches) is scattered at the first norm (`_enter_sequence`); a pooled
-head's norm output is gathered (`_pools`).
+head's norm output is gathered (`_pools`). The sum of colwise embeddings (GPT's token and learned positions) is
+added on the feature shards and enters the sequence split once (`_embedding_sum`); a rowwise output layer whose
+output is the model's reads the final norm's output gathered and all-reduces its logits (`_heads`).
 
 Between layers each op keeps a split when `passes.shard.shard_rule` proves it per-shard (elementwise, views that
 split features into heads, transposes, attention over heads, softmax over another dim): its size arguments are
