@@ -82,7 +82,8 @@ def child_compile(size: str) -> dict:
     t["load"] = t["total"] - sum(t[k] for k in ("trace", "passes", "solve", "codegen"))
     # The search's CPU seconds: the same search again on the traced graph (wall time is noisy on a shared machine).
     # Sequence parallelism pinned as compile left it: where the search chose it and the program could not keep the
-    # split everywhere, compile searched again without it (`partc.compile.sequence_fallbacks`).
+    # split everywhere, compile kept the faster of it priced as it runs and the best plan without it
+    # (`partc.compile.settle_sequence_parallel`).
     c0 = time.process_time()
     again = search(result.graph, load_cluster("a100-80g"), ROWS[size], global_batch_size=par.global_batch_size,
                    pins=Pins(precision=par.precision, sequence_parallel=par.sequence_parallel))

@@ -182,18 +182,15 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
         if result.best is None:
             raise PartcError(_no_fit_message(clus, result))
         if result.best.parallel.sequence_parallel and pins.sequence_parallel is None:
-            # The search chose sequence parallelism: the plan prices it on every unit, so the program must keep the
-            # split everywhere. Where it cannot (`sequence_fallbacks`), the plan is searched again
-            # without it, so that the best plan and its alternatives are all priced as their programs run.
+            # The search chose sequence parallelism, priced with its edges (the embeddings' sum scattered, the
+            # final norm's output gathered for the output layer) as the program runs them. Where the program does
+            # not keep the split elsewhere (`sequence_fallbacks`), the plan is priced as its program runs
+            # (`price_sequence_fallbacks`) and kept only if it still beats the best plan without it.
             sp_plan = make_plan(graph, clus, result.best, result, path=path, entry=entry,
                                 tokens=spec.seq_len is not None)
             fallbacks, program = sequence_fallbacks(spec, model, traced, sp_plan, path=path, entry=entry)
             if fallbacks:
-                program = None
-                pins = dataclasses.replace(pins, sequence_parallel=False, sp_regather=None)
-                result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
-                if result.best is None:
-                    raise PartcError(_no_fit_message(clus, result))
+                result, program = settle_sequence_parallel(graph, clus, gpus, gbs, pins, result, program)
         best = result.best
     else:
         result = None
@@ -317,6 +314,34 @@ def sequence_fallbacks(spec: ModelSpec, model: torch.nn.Module, traced: Traced, 
     return program.sequence_gathers, program
 
 
+def settle_sequence_parallel(graph: ModelGraph, clus: Cluster, gpus: int, global_batch_size: int, pins: Pins,
+                             result: SearchResult, program: GeneratedProgram | None
+                             ) -> tuple[SearchResult, GeneratedProgram | None]:
+    """The search's best plan, with sequence parallelism, falls back to tensor parallelism somewhere in its
+    `program` (None: it cannot be generated): the plan priced as that program runs (`price_sequence_fallbacks`)
+    against the best plan without sequence parallelism, the faster that fits kept (ties: without). The best plan
+    without it is the first such among the search's alternatives (they are the fastest plans of all, so no plan
+    without it beats that one); only when none is there is the search run again, pinned without it. The result's
+    alternatives are the plans without sequence parallelism (the others are priced as if they kept the split).
+    Returns (the result, the program to write: None when the plan without it is kept)."""
+    best = result.best
+    priced = price_sequence_fallbacks(graph, clus, best, program) if program is not None else None
+    plain = [c for c in result.alternatives if not c.parallel.sequence_parallel]
+    if plain:
+        without = SearchResult(best=plain[0], alternatives=plain[1:], evaluated=result.evaluated,
+                               considered=result.considered)
+    else:
+        without = search(graph, clus, gpus, global_batch_size=global_batch_size,
+                         pins=dataclasses.replace(pins, sequence_parallel=False, sp_regather=None))
+    if priced is not None and cost.fits(clus, priced.prediction.memory_per_gpu) and \
+            (without.best is None or priced.step_time_s < without.best.step_time_s):
+        return dataclasses.replace(result, best=priced, alternatives=[c for c in [without.best, *without.alternatives]
+                                                                      if c is not None]), program
+    if without.best is None:
+        raise PartcError(_no_fit_message(clus, without))
+    return without, None
+
+
 def price_sequence_fallbacks(graph: ModelGraph, clus: Cluster, best: Candidate,
                              program: GeneratedProgram) -> Candidate:
     """`best`, a sequence-parallel plan, predicted again with the TP collectives its `program` runs
@@ -324,7 +349,10 @@ def price_sequence_fallbacks(graph: ModelGraph, clus: Cluster, best: Candidate,
     model's sequence-parallel ones: where the program falls back to tensor parallelism (a whole layer, an op not
     proven per-position, a rowwise output without a sequence dim), today's collectives inside the unit, and the
     conversions at its edges (the gather of the sequence-split input, the scatter of its whole output: each in the
-    unit that runs it)."""
+    unit that runs it). A stage whose units' formulas and program move the same bytes by kind and phase has
+    nothing charged: the program runs a collective in a neighbouring unit of the stage (the embeddings' sum enters
+    the sequence split in the first block, where the sum is computed; the output layer's input gradient is
+    gathered in its unit, not the final norm's), which changes no GPU's bytes or time."""
     par, tp = best.parallel, best.tp
 
     def key(colls):  # bytes by kind and phase (the formulas sum the norms' gradients in one all-reduce)
@@ -334,15 +362,21 @@ def price_sequence_fallbacks(graph: ModelGraph, clus: Cluster, best: Candidate,
         return {k: round(v) for k, v in out.items() if round(v)}
     loss = cost.VOCAB_LOSS_REASON
     differ = {}
-    for unit in graph.units:
-        charged = [(c.kind, c.phase, float(c.nbytes * cost.tokens(par))) for c in tp.collectives.get(unit.fqn, [])
-                   if c.reason.startswith(loss)]
-        formula = cost.unit_collectives(graph, par, tp, unit)
-        for c in charged:  # the loss runs these, not the stage code
-            formula.remove(c)
-        runs = program.tp_traffic.get(unit.fqn, [])
-        if key(formula) != key(runs):
-            differ[unit.fqn] = runs
+    for lo, hi in best.bounds:
+        formulas, runs = [], []
+        for unit in graph.units[lo:hi]:
+            charged = [(c.kind, c.phase, float(c.nbytes * cost.tokens(par)))
+                       for c in tp.collectives.get(unit.fqn, []) if c.reason.startswith(loss)]
+            formula = cost.unit_collectives(graph, par, tp, unit)
+            for c in charged:  # the loss runs these, not the stage code
+                formula.remove(c)
+            formulas.append(formula)
+            runs.append(program.tp_traffic.get(unit.fqn, []))
+        if key([c for f in formulas for c in f]) == key([c for r in runs for c in r]):
+            continue
+        for unit, formula, run in zip(graph.units[lo:hi], formulas, runs):
+            if key(formula) != key(run):
+                differ[unit.fqn] = run
     priced = dataclasses.replace(tp, program=differ)
     return Candidate(parallel=par, tp=priced, bounds=best.bounds,
                      prediction=assemble.predict(graph, clus, par, priced, best.bounds))

@@ -167,7 +167,12 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
     for c in colls:
         layer = graph.layers.get(c.src)
         n = float(c.nbytes * b)
-        if c.kind == "all_reduce" and c.phase == "fwd" and style_of(tp, c.src) in ("rowwise", "inner"):
+        if c.kind == "all_reduce" and c.phase == "fwd" and heads(graph, tp, c.src):
+            # the model's output (an output layer tied to a colwise token embedding): all-reduced whole for the
+            # loss, its input the final norm's output all-gathered (Megatron-LM's edge of sequence parallelism)
+            out.append((c.kind, c.phase, n))
+            out += [("all_gather", "fwd", float(graph.layers[s].out_bytes * b)) for s in _norms_into(graph, c.src)]
+        elif c.kind == "all_reduce" and c.phase == "fwd" and style_of(tp, c.src) in ("rowwise", "inner"):
             out += [("reduce_scatter", "fwd", n), ("all_gather", "bwd", n)]
             if layer is not None and layer.kind == "linear":
                 params += sum(math.prod(shape) for name, shape in layer.params.items() if name.endswith(".bias"))
@@ -208,14 +213,9 @@ def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit
     the tokens' mean) has the norm's output all-gathered forward (backward, each rank keeps its part of the same
     gradient), and that norm, read by no split layer, has its parameters' gradients all-reduced (it ran on each
     rank's part)."""
-    into: dict[str, list[str]] = {}
-    outof: dict[str, list[str]] = {}
-    mine = set(unit.layers)
-    for e in graph.edges:
-        if e.dst in mine:
-            into.setdefault(e.dst, []).append(e.src)
-        if e.src in mine:
-            outof.setdefault(e.src, []).append(e.dst)
+    into_all, outof_all = _edge_index(graph)
+    into = {f: into_all[f] for f in unit.layers if f in into_all}
+    outof = {f: outof_all[f] for f in unit.layers if f in outof_all}
 
     def pools(f: str) -> bool:
         layer = graph.layers[f]
@@ -229,7 +229,7 @@ def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit
             if into.get(f) and all(style_of(tp, s) == "replicate" and graph.layers[s].kind != "norm" and
                                    not routes(graph, tp, s) for s in into[f]):
                 out.append(("all_gather", "bwd", float(layer.out_bytes * b)))
-            if outof.get(f) and all(pools(d) for d in outof[f]):
+            if outof.get(f) and all(pools(d) or heads(graph, tp, d) for d in outof[f]):
                 out.append(("all_reduce", "bwd", float(sum(math.prod(s) for s in layer.params.values())
                                                        * compute_bytes(par.precision))))
         elif pools(f):
@@ -238,12 +238,47 @@ def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit
     return out
 
 
+def heads(graph: ModelGraph, tp: TPPlan | None, fqn: str) -> bool:
+    """Whether layer `fqn` is a rowwise Linear whose output only the loss reads (an output layer tied to a colwise
+    token embedding): under sequence parallelism its partial outputs are all-reduced whole and its input, the final
+    norm's output split along the sequence, is all-gathered first (`passes.tp_rewrite`: the ranks' gradients of it
+    are the same, each keeps its part); the norm's parameters, applied to each rank's part, have their gradients
+    all-reduced."""
+    layer = graph.layers[fqn]
+    return layer.kind == "linear" and style_of(tp, fqn) == "rowwise" and fqn not in _edge_index(graph)[1]
+
+
+def _norms_into(graph: ModelGraph, fqn: str) -> list[str]:
+    """The norms whose outputs layer `fqn` reads, each once."""
+    return [s for s in dict.fromkeys(_edge_index(graph)[0].get(fqn, [])) if graph.layers[s].kind == "norm"]
+
+
+_EDGES: dict[int, tuple[list, int, dict[str, list[str]], dict[str, list[str]]]] = {}
+"""`_edge_index`'s cache: id(graph) -> (its edge list, that list's length, into, out of)."""
+
+
+def _edge_index(graph: ModelGraph) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(layer -> the sources of its in-edges, layer -> the destinations of its out-edges), in edge order: built
+    once per graph (the search prices hundreds of plans of one graph, each unit's edges read many times)."""
+    hit = _EDGES.get(id(graph))
+    if hit is None or hit[0] is not graph.edges or hit[1] != len(graph.edges):
+        into: dict[str, list[str]] = {}
+        outof: dict[str, list[str]] = {}
+        for e in graph.edges:
+            into.setdefault(e.dst, []).append(e.src)
+            outof.setdefault(e.src, []).append(e.dst)
+        if len(_EDGES) > 16:
+            _EDGES.clear()
+        hit = _EDGES[id(graph)] = (graph.edges, len(graph.edges), into, outof)
+    return hit[2], hit[3]
+
+
 def routes(graph: ModelGraph, tp: TPPlan | None, fqn: str) -> bool:
     """Whether layer `fqn` is a router: replicated, not a norm, its output read by a layer split inside (under
     sequence parallelism it runs on each rank's part of the sequence, `passes.tp_rewrite`)."""
     layer = graph.layers[fqn]
     return layer.kind != "norm" and style_of(tp, fqn) == "replicate" and \
-        any(e.src == fqn and style_of(tp, e.dst) == "inner" for e in graph.edges)
+        any(style_of(tp, d) == "inner" for d in _edge_index(graph)[1].get(fqn, ()))
 
 
 def launch_time(cluster: Cluster, unit: Unit, mode: str) -> float:

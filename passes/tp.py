@@ -457,6 +457,11 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
         sums, merged = summed(cache.sums, styles)
         for src in [s for s in cache.sources if s.layer not in merged] + sums:
             layer, style = graph.layers[src.layer], styles[src.layer]
+            # A sum's conversion runs where the program adds the members (glue goes with the first unit that reads
+            # it, `passes.assign`): the unit of its first reader, not the last member's (a pipeline boundary may
+            # lie between them).
+            unit = min((graph.layers[c].unit for c in src.consumers), key=order.__getitem__, default=layer.unit) \
+                if src.members else layer.unit
             needs = [(*_needs(graph.layers[c], styles[c]), ok) for c, ok in src.consumers.items()]
             vocab = src.loss == "vocab" and style == "colwise"
             for coll in vocab_loss_collectives(graph) if vocab else ():
@@ -475,8 +480,8 @@ def _evaluate(graph: ModelGraph, tp: int, styles: dict[str, str], cluster: Clust
                                   if (phase, kind) == ("bwd", "all_reduce") else (),
                                   runs_in=min((graph.layers[r].unit for r in readers), key=order.__getitem__)
                                   if (phase, kind) == ("fwd", "all_gather") and readers else "")
-                collectives.setdefault(layer.unit, []).append(coll)
-                unit_time[layer.unit] = unit_time.get(layer.unit, 0.0) + hw.collective_time(
+                collectives.setdefault(unit, []).append(coll)
+                unit_time[unit] = unit_time.get(unit, 0.0) + hw.collective_time(
                     cluster, kind, src.nbytes * b, tp, spans_nodes=_spans_nodes(cluster, tp))
     return TPSolution(styles=dict(styles), collectives=collectives, time_s=float(sum(unit_time.values())),
                       unit_time_s=unit_time, why=explain(graph, tp, styles, given=given, solved=solved))

@@ -25,7 +25,9 @@ to the local part. An op that cannot be proven per-position gathers its input (`
 A mixture of experts split inside runs as Megatron-Core's: its router on the local part (`_routers`), the experts'
 inputs all-gathered (`_gather_sequence`), their partial output reduce-scattered (`_partial_to_sequence`). A stream
 that enters whole (a vision transformer's patches) is scattered at the first norm (`_enter_sequence`); a pooled
-head's norm output is gathered (`_pools`).
+head's norm output is gathered (`_pools`). The sum of colwise embeddings (GPT's token and learned positions) is
+added on the feature shards and enters the sequence split once (`_embedding_sum`); a rowwise output layer whose
+output is the model's reads the final norm's output gathered and all-reduces its logits (`_heads`).
 
 Between layers each op keeps a split when `passes.shard.shard_rule` proves it per-shard (elementwise, views that
 split features into heads, transposes, attention over heads, softmax over another dim): its size arguments are
@@ -136,6 +138,13 @@ class _Rewriter:
         self.routers = self._routers() if self.sp else set()
         """Under sequence parallelism, the replicated layers a layer split inside reads (a mixture of experts'
         router): they run on this rank's part of the sequence (`_router_op`)."""
+        self.sums: set[Node] = set()
+        """Under sequence parallelism, the adds of colwise embeddings' outputs (GPT's token and position
+        embeddings): the sum stays split over the features and enters the sequence split once (`_embedding_sum`)."""
+        self.heads: set[Node] = set()
+        """Under sequence parallelism, the rowwise layers' ops whose output is the model's (an output layer tied to
+        a colwise token embedding): their input is the stream all-gathered, their output all-reduced, as Megatron-LM
+        all-gathers the final norm's output before its output layer (`_split_layer`)."""
 
     # ------------------------------------------------------------------ helpers
     def _insert(self, after: Node, fn, args: tuple, why: str, anchor: Node, local: torch.Tensor, state) -> Node:
@@ -167,7 +176,7 @@ class _Rewriter:
         v = self.val[x]
         if want == R and isinstance(have, int):
             d = have
-            if x in self.seq and not self._pools(x, user):
+            if x in self.seq and not self._pools(x, user) and not self._heads(x, user):
                 self.result.sequence_gathers.append(
                     f"{user.target} ({user.name}, in {self._where(user)}) takes {x.name} whole (a whole layer, or "
                     f"an op not proven per-position): all-gathered over the sequence")
@@ -505,6 +514,13 @@ class _Rewriter:
         src = self.layers.get(self.node_layer.get(x, ""))
         return src is not None and src.kind == "norm" and self.node_layer.get(user) is None
 
+    def _heads(self, x: Node, user: Node) -> bool:
+        """Whether gathering `x` (split along the sequence) for `user` is the edge of a rowwise output layer
+        (`heads`): the output of a norm (the final norm) read by it. The plan charges it
+        (`passes.cost.unit_collectives`): an all-gather forward, nothing backward."""
+        src = self.layers.get(self.node_layer.get(x, ""))
+        return user in self.heads and src is not None and src.kind == "norm"
+
     def _routers(self) -> set[str]:
         """The replicated layers (not norms) whose outputs a layer split inside reads: a mixture of experts' router.
         Under sequence parallelism it runs on this rank's part of the sequence, as Megatron-Core's router does, its
@@ -664,6 +680,8 @@ class _Rewriter:
         self._rewrite_sizes(node, out_dim)
         self._run_local(node, out_dim)
         self._check_local(node, out_dim)
+        if node in self.sums:
+            self._to_stream(node, "the sum of colwise embeddings")
 
     def _norm_of_positions(self, node: Node, d: int):
         """(out dim, why-not) of a layer norm (or RMS norm) of a tensor split along the sequence dim `d`: per
@@ -741,18 +759,46 @@ class _Rewriter:
     def _colwise_embedding_to_sequence(self, node: Node, layer: Layer) -> None:
         """Under sequence parallelism, a colwise Embedding's output (its features split) enters the stream split
         along the sequence instead: all-gathered over its features (backward: this rank's part), then this rank's
-        part of the sequence kept (backward: the gradient all-gathered over the sequence)."""
+        part of the sequence kept (backward: the gradient all-gathered over the sequence). Added only to other
+        colwise embeddings' outputs (GPT's token and learned position embeddings), it stays split over the
+        features and their sum enters the sequence split (`_embedding_sum`)."""
+        add = self._embedding_sum(node)
+        if add is not None:
+            self.sums.add(add)
+            return
+        self._to_stream(node, f"colwise {layer.fqn}'s output")
+
+    def _to_stream(self, node: Node, what: str) -> None:
+        """`node`, split over its features, all-gathered over them and split along the sequence for its readers
+        (one line in `sequence_gathers` where it has no sequence dim: then it is gathered whole)."""
         d = self.seq_dim(node)
         if d is None:
             self.result.sequence_gathers.append(
-                f"colwise {layer.fqn}'s output has no sequence dim: gathered whole (tensor parallelism)")
+                f"{what} has no sequence dim: gathered whole (tensor parallelism)")
             return
         users = list(node.users)
         out = self._split_sequence(self.need(node, R, node), C.scatter_to_tp, d,
-                                   f"colwise {layer.fqn}'s output gathered, each rank keeping 1/{self.t} of the "
+                                   f"{what} gathered, each rank keeping 1/{self.t} of the "
                                    f"sequence (all-gather of its gradient backward)", node)
         for u in users:
             u.replace_input_with(node, out)
+
+    def _embedding_sum(self, node: Node) -> Node | None:
+        """The add that is the only reader of `node`, a colwise embedding's output, where every operand of it is
+        a colwise embedding's output (`ModelGraph.sums`: the TP solver converts such a sum once, charged to its
+        last member): under sequence parallelism it runs on the feature shards and its output enters the
+        sequence split once, as Megatron-LM scatters the embeddings' sum. None otherwise."""
+        users = list(node.users)
+        if len(users) != 1 or users[0].target is not aten.add.Tensor:
+            return None
+        add = users[0]
+        for a in add.all_input_nodes:
+            fqn = self.node_layer.get(a)
+            layer = self.layers.get(fqn) if fqn else None
+            if layer is None or layer.kind != "embedding" or self.styles.get(fqn) != "colwise" or \
+                    a.target is not aten.embedding.default or len(a.users) != 1:
+                return None
+        return add if len(add.all_input_nodes) > 1 else None
 
     def _view_to_sequence(self, node: Node) -> tuple[Node, int] | None:
         """(view, its sequence dim) where a rowwise output without a sequence dim (Hugging Face's Conv1D: the
@@ -814,6 +860,9 @@ class _Rewriter:
                 self.pieces[node] = layer.fused
             return None
         # rowwise: the input split on its features; partial outputs summed, then the bias added once.
+        head = self.sp and bool(node.users) and all(u.op == "output" for u in node.users)
+        if head:  # the model's output: all-reduced, its input the stream gathered (SP's edge, not a fallback)
+            self.heads.add(node)
         xs = self.need(x, x.meta["val"].dim() - 1, node)
         if kind == "linear":
             bias = node.args[2] if len(node.args) > 2 else None
@@ -824,8 +873,8 @@ class _Rewriter:
             node.args = (xs, node.args[2])
         self._run_local(node, P)
         users = list(node.users)
-        d = self.seq_dim(node)
-        through = self._view_to_sequence(node) if d is None and self.sp else None
+        d = None if head else self.seq_dim(node)
+        through = self._view_to_sequence(node) if d is None and self.sp and not head else None
         if through is not None:  # summed after the view back to [b, s, h]: the view runs on the partial sums
             view, d = through
             self._run_local(view, P)
@@ -835,7 +884,7 @@ class _Rewriter:
         elif d is not None:
             out = self._to_sequence(node, d, f"rowwise {layer.fqn}")
         else:
-            if self.sp:
+            if self.sp and not head:
                 self.result.sequence_gathers.append(
                     f"rowwise {layer.fqn}'s output {node.name} has no sequence dim: all-reduced (tensor parallelism)")
             out = self._insert(node, C.reduce_from_tp, (node,),

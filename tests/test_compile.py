@@ -183,6 +183,9 @@ def test_gpt3_175b_on_512_gpus_fits_80gb(tmp_path):
     assert all(s["predicted"]["memory_bytes"] <= usable for s in plan["stages"])
     modules = [m for s in plan["stages"] for m in s["modules"]]
     assert modules.count("lm_head") == 1 and sum(m.startswith("blocks.") for m in modules) == 96
+    # sequence parallelism, as searched: its program keeps the split everywhere (the embeddings' sum and the tied
+    # output layer are its edges, not fallbacks; docs/sequence-parallel.md)
+    assert par["sequence_parallel"] and "sequence_parallel_gathers" not in plan["model"]
     assert {"tok", "pos"} <= set(plan["stages"][0]["modules"]) and "lm_head" in plan["stages"][-1]["modules"]
     # 16 bytes per parameter of model states alone are 2.8 TB: the model must be split or ZeRO-3 sharded
     assert par["tp"] * par["pp"] > 1 or par["zero"] == 3

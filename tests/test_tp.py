@@ -201,7 +201,7 @@ def test_gpt_matches_brute_force(cluster, tp, b, shard_ok):
 def test_summed_colwise_embeddings_convert_once():
     """GPT's token and position embeddings, added before anything reads them: both colwise, the program keeps
     their sum split and gathers it once (`passes.tp_rewrite`), so the evaluator charges one all-gather of the sum
-    (it charged one per embedding), and the CP-SAT model the same: its least time equals brute force over the
+    (it charged one per embedding), to the unit that adds them, and the CP-SAT model the same: its least time equals brute force over the
     embeddings' and the head's styles (the blocks pinned to Megatron's)."""
     graph = gpt_graph(num_blocks=2, pos=True)
     blocks = {f: style for f, style in megatron_styles(graph).items() if f.startswith("blocks.")}
@@ -210,7 +210,9 @@ def test_summed_colwise_embeddings_convert_once():
         both = evaluate_tp(graph, tp, {f: "replicate" for f in graph.layers} | blocks | {"tok": "colwise",
                                                                                           "pos": "colwise"},
                            cluster, b)
-        gathers = [c for c in both.collectives["tok"] if c.kind == "all_gather"]
+        # charged where the program adds them: the unit of the sum's first reader (the glue goes with it)
+        assert not [c for c in both.collectives["tok"] if c.kind == "all_gather"]
+        gathers = [c for c in both.collectives["blocks.0"] if c.kind == "all_gather" and c.src in ("tok", "pos")]
         assert [(c.phase, c.nbytes, c.src) for c in gathers] == [("fwd", graph.layers["tok"].out_bytes, "pos")]
         assert "the sum of colwise tok and pos" in gathers[0].reason
         one = evaluate_tp(graph, tp, {f: "replicate" for f in graph.layers} | blocks | {"tok": "colwise"},

@@ -9,7 +9,9 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -517,21 +519,29 @@ def test_sequence_parallel_gathers_are_said_in_the_plan(tmp_path):
 
 
 def test_search_keeps_sequence_parallelism_only_where_the_program_does(tmp_path, monkeypatch):
-    """The plan prices a sequence-parallel plan as split along the sequence on every unit: when the search takes
-    sequence parallelism (forced here at tp 2) with a style map the program cannot keep it under (the tiny GPT's
-    map at tp 2 leaves the layers feeding its rowwise fc2 whole), compile searches again without it; the plan says
-    nothing is gathered, and where the program keeps the split (Megatron's map), `sequence_fallbacks` is empty."""
+    """The search prices a sequence-parallel plan as its program runs at the edges of the split; where the program
+    falls back elsewhere (forced here at tp 2 with the tiny GPT's map, which leaves the layers feeding its rowwise
+    fc2 whole), compile prices the plan as its program runs (`price_sequence_fallbacks`) and keeps it only if it
+    still beats the best plan without it: here it does not, and the plan says nothing is gathered. Priced as
+    faster than every plan (a stand-in for the pricing), it is kept, and the plan names the places. Where the
+    program keeps the split (Megatron's map), `sequence_fallbacks` is empty."""
     import partc.compile as compile_module
     import partc.passes.search as search_module
-    found = []
+    found, priced = [], []
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         found.append(out[0])
         return out
 
-    real = compile_module.sequence_fallbacks
+    def price(*args, **kwargs):
+        out = real_price(*args, **kwargs)
+        priced.append(out)
+        return out
+
+    real, real_price = compile_module.sequence_fallbacks, compile_module.price_sequence_fallbacks
     monkeypatch.setattr(compile_module, "sequence_fallbacks", spy)
+    monkeypatch.setattr(compile_module, "price_sequence_fallbacks", price)
     monkeypatch.setattr(search_module, "sequence_parallel_choices",
                         lambda graph, tp, pins, cp=1: (pins.sequence_parallel,) if pins.sequence_parallel is not None
                         else (tp > 1,))
@@ -540,13 +550,80 @@ def test_search_keeps_sequence_parallelism_only_where_the_program_does(tmp_path,
     assert len(found) == 1 and found[0], "the search's sequence-parallel plan was checked, and not kept"
     assert any("not split along the sequence" in line or "whole" in line for line in found[0]), found[0]
     assert not result.plan.parallel.sequence_parallel
+    assert priced and priced[0].parallel.sequence_parallel and priced[0].tp.program
+    assert priced[0].step_time_s >= result.best.step_time_s  # decided with the priced numbers
     assert "sequence_parallel_gathers" not in json.loads((out / "plan.json").read_text())["model"]
     assert not [w for w in result.warnings if w.startswith("sequence parallelism")]
+
+    monkeypatch.setattr(compile_module, "price_sequence_fallbacks", lambda graph, clus, best, program:
+                        dataclasses.replace(best, prediction=dataclasses.replace(best.prediction, step_time_s=1e-6)))
+    kept = compile_model(path, gpus=2, pins=Pins(tp=2, precision="fp32"), global_batch_size=2,
+                         out_dir=tmp_path / "kept")
+    assert kept.plan.parallel.sequence_parallel
+    assert kept.plan.model["sequence_parallel_gathers"] == found[-1]
+    assert all(not a["parallel"].get("sequence_parallel") for a in kept.plan.alternatives)
 
     pinned = Pins(tp=2, pp=1, dp=1, zero=0, micro_batch_size=1, precision="fp32", sequence_parallel=True)
     first = compile_model(path, gpus=2, pins=pinned, global_batch_size=2)
     first.plan.tp = {f: megatron_style(f, vocab=True) or "replicate" for f in first.plan.tp}
     assert real(first.spec, first.spec.build(), first.traced, first.plan, path=path, entry="model")[0] == []
+
+
+WIDE_GPT = """
+    import importlib.util
+    import sys
+
+    import torch
+
+    # examples/gpt.py at GPT-3's widths, 2 layers
+    _spec = importlib.util.spec_from_file_location("partc_example_gpt", {path!r})
+    gpt = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = gpt
+    _spec.loader.exec_module(gpt)
+    CONFIG = gpt.GPTConfig(vocab_size=50257, seq_len=2048, hidden=12288, heads=96, layers=2)
+    loss_fn = gpt.loss_fn
+
+    def model():
+        return gpt.GPT(CONFIG)
+
+    def example_inputs(batch_size):
+        return (torch.randint(0, CONFIG.vocab_size, (batch_size, CONFIG.seq_len)),)
+
+    def example_targets(batch_size):
+        return torch.randint(0, CONFIG.vocab_size, (batch_size, CONFIG.seq_len))
+"""
+
+
+def test_searched_sequence_parallel_gpt_keeps_the_split_and_the_plan_s_bytes(tmp_path):
+    """GPT-3's widths (h 12,288, 96 heads, s 2,048, V 50,257, which does not divide over tp: the token and position
+    embeddings are split colwise, the output layer rowwise, as for GPT-3 175B), 2 layers, 4 GPUs at tp 2 and pp 2:
+    the search takes sequence parallelism, and its program keeps the split everywhere: the embeddings' sum enters
+    it once (gathered over the features, each rank keeping its part of the sequence), the output layer reads the
+    final norm's output all-gathered and all-reduces the logits (Megatron-LM's edges), so the plan is kept as
+    searched. `partc check` measures the plan's bytes on every axis of both pipeline ranks, to the byte (the sum is
+    converted where the first block adds the embeddings, past the boundary after them)."""
+    from partc.runtime.check import check_rank, representatives
+    from partc.runtime.program import read_program
+    path, out = tmp_path / "gpt_wide.py", tmp_path / "out"
+    path.write_text(textwrap.dedent(WIDE_GPT.format(path=str(EXAMPLES / "gpt.py"))))
+    result = compile_model(str(path), gpus=4, pins=Pins(tp=2, pp=2), global_batch_size=4, out_dir=out)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["parallel"]["sequence_parallel"], plan["parallel"]
+    assert not [p for p in plan["alternatives"] if p["step_time_s"] < plan["predicted"]["step_time_s"]]
+    assert "sequence_parallel_gathers" not in plan["model"]
+    assert not [w for w in result.warnings if w.startswith("sequence parallelism")], result.warnings
+    assert {f: plan["tp"][f] for f in ("tok", "pos", "lm_head")} == {"tok": "colwise", "pos": "colwise",
+                                                                      "lm_head": "rowwise"}
+    assert plan["stages"][0]["modules"] == ["tok", "pos"]  # the boundary between the embeddings and their sum
+    source = "".join(f.read_text() for f in sorted((out / "program").glob("stage_*.py")))
+    assert source.count("tp.scatter_to_tp(") == 2  # the sum's part of the sequence, the output layer's features
+    assert source.count("tp.reduce_from_tp(") == 1  # the logits
+    files = read_program(str(out))
+    torch.set_num_threads(1)
+    for rank in representatives(result.plan.parallel):
+        r = check_rank(files, rank, slack_bytes=0)
+        assert r.comm_bytes == {k: int(v) for k, v in r.predicted_comm_bytes.items()}, (rank, r.comm_bytes)
+        assert r.comm_bytes["tp"] > 0
 
 
 def test_vision_transformer_tokens_come_from_the_trace(tmp_path):
