@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import sys
 import textwrap
 from pathlib import Path
