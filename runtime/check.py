@@ -224,7 +224,11 @@ def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float 
                    for rank in ranks}
         tell(0, ranks[0])
         for done in concurrent.futures.as_completed(running):
-            results[running[done]] = done.result()
+            try:
+                results[running[done]] = done.result()
+            except concurrent.futures.BrokenExecutor:
+                raise PartcError(f"global rank {running[done]} could not be checked: its process ended without "
+                                 f"an answer (out of host memory, or a crash in native code)") from None
             tell(len(results), next((r for r in ranks if r not in results), -1))
     tell(len(ranks), -1)
     return [results[r] for r in ranks]
@@ -243,12 +247,22 @@ def _check_in_worker(out_dir: str, rank: int, optimizer: str, slack_bytes: float
         return check_rank(files, rank, optimizer=optimizer, slack_bytes=slack_bytes)
     except PartcError:
         raise
-    except Exception as e:  # the program (the model's own code) failed on fake tensors: one line, not a traceback
-        what = (str(e).strip().splitlines() or [""])[0][:300]
+    except (Exception, SystemExit) as e:  # the program (the model's own code) failed on fake tensors: one line
         raise PartcError(f"global rank {rank} could not be checked: its program failed on fake tensors with "
-                         f"{type(e).__name__}: {what} (partc check runs the program without data: a program that "
-                         f"fails here fails under `partc run` too, unless the failing op needs real tensor "
-                         f"values)") from None
+                         f"{_failure(e)} (partc check runs the program without data: a program that fails here "
+                         f"fails under `partc run` too, unless the failing op needs real tensor values)") from None
+
+
+def _failure(e: BaseException) -> str:
+    """``Type: first line`` of `e`, and of the exception that caused it at the end of its chain: the pipeline
+    schedule wraps what a stage raised in a ``RuntimeError`` whose own message names only the stage."""
+    def line(x: BaseException) -> str:
+        return f"{type(x).__name__}: {(str(x).strip().splitlines() or [''])[0].strip()[:300]}"
+
+    root = e
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    return line(e) if root is e else f"{line(e)} caused by {line(root)}"
 
 
 def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
@@ -444,6 +458,27 @@ class _Tracker(FSDPMemTracker):
             if group is not None and not isinstance(module, (StageModule, UnitModule)):
                 self._unshards.append((group, group.wait_for_unshard))
                 group.wait_for_unshard = self._recorded_unshard(group, group.wait_for_unshard)
+
+    def _fsdp_state_pre_forward(self, fsdp_mod: nn.Module, orig: Callable) -> Callable:
+        # The torch tracker refuses a second forward of a module called from no other (it takes it for the next
+        # step), but the schedule calls the stage once a micro-batch. The stage holds parameters of its own, and so
+        # its forward is instrumented, where units share a weight (a tied embedding and head on one stage stay in
+        # the stage's group, `apply_zero`): its later micro-batches are the same step, recorded as a module called
+        # again within it. The stage's name is known once its forward has begun: a parent besides "Global".
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def pre_forward(*args: Any, **kwargs: Any) -> Any:
+            tracker = self._mod_tracker
+            again = fsdp_mod in self.memory_tracking and not tracker.is_bw and "partc.step" not in tracker.parents
+            if again:
+                tracker.parents.add("partc.step")
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if again:
+                    tracker.parents.discard("partc.step")
+
+        return pre_forward
 
     def _recorded_unshard(self, group: Any, orig: Callable) -> Callable:
         def wait_for_unshard(*args: Any, **kwargs: Any) -> None:
