@@ -41,6 +41,7 @@ import contextlib
 import math
 import multiprocessing
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -505,14 +506,55 @@ class _Tracker(FSDPMemTracker):
             if fsdp_mod not in self.memory_tracking:  # packed experts (ep): the stage code reads their tensors
                 # without calling their module, whose forward the torch tracker would have recorded
                 self.memory_tracking[fsdp_mod] = FSDPModMemStats(self._mod_tracker.get_known_fqn(fsdp_mod) or "")
-            inner(*args, **kwargs)
             group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            with self._reduction_output_as_gradient(group):
+                inner(*args, **kwargs)
             for fsdp_param in group.fsdp_params if group is not None else ():
                 grad = fsdp_param.unsharded_accumulated_grad
                 if grad is not None:
                     self._update_and_maybe_create_winfos(grad, FSDPRefType.SHARDED_GRAD)
 
         return post_backward
+
+    @contextlib.contextmanager
+    def _reduction_output_as_gradient(self, group: Any) -> Iterator[None]:
+        """While `group` reduces its gradients, where none of its parameters holds a sharded gradient yet (ZeRO 0 and
+        1; ZeRO 2 and 3 in the first micro-batch), the reduction's output is the new sharded gradient from the moment
+        it is allocated (FSDP's ``foreach_reduce``: the input, the accumulation copied into it and freed, then the
+        output). The torch tracker records it as a temporary until the reduction returns: with the input beside it,
+        one unit's fp32 gradient twice in the transient memory (the plan's activations), never in the gradients.
+        It is made the plan's kind (``grads``) as it is allocated (the second allocation of the group's
+        reduce-scatter in the call), where the accumulation it replaces is gone by then; one still held beside it
+        (an embedding's, at dp 2) leaves it working memory, as the plan charges it."""
+        comm = getattr(group, "_reduce_scatter_comm", None)
+        if comm is None or any(p.sharded_param.grad is not None for p in group.fsdp_params):
+            yield
+            return
+        allocate, own, calls = comm.allocate, vars(comm).get("allocate"), [0]
+        folded = [weakref.ref(p.unsharded_accumulated_grad) for p in group.fsdp_params
+                  if p.unsharded_accumulated_grad is not None]
+
+        def allocated(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            self._making_gradient = calls[0] == 2 and all(ref() is None for ref in folded)
+            try:
+                return allocate(*args, **kwargs)
+            finally:
+                self._making_gradient = False
+
+        comm.allocate = allocated
+        try:
+            yield
+        finally:
+            if own is None:
+                del comm.allocate  # the class's method again
+            else:
+                comm.allocate = own
+
+    _making_gradient = False
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        super()._track(FSDPRefType.SHARDED_GRAD if self._making_gradient else reftype, t)
 
     def _update_snap(self, *args: Any, **kwargs: Any) -> None:
         super()._update_snap(*args, **kwargs)
