@@ -327,8 +327,14 @@ def check_cmd(out_dir, optimizer, fmt, slack_bytes, jobs, pp_ranks):
 
         # The model's code runs inside: what it prints goes to stderr, so stdout holds partc's output alone.
         with contextlib.redirect_stdout(sys.stderr):
-            results = check_program(out_dir, optimizer=optimizer, slack_bytes=slack_bytes, jobs=jobs,
-                                    pp_ranks=pp_ranks, progress=progress, started=started)
+            try:
+                results = check_program(out_dir, optimizer=optimizer, slack_bytes=slack_bytes, jobs=jobs,
+                                        pp_ranks=pp_ranks, progress=progress, started=started)
+            except PartcError:
+                raise
+            except Exception as e:  # any other failure of the check: one line too (exit 2), not a traceback
+                what = (str(e).strip().splitlines() or [""])[0].strip()[:300]
+                raise PartcError(f"partc check failed: {type(e).__name__}: {what}") from None
     rows = [row for r in results for row in r.rows()]
     bad = [row for row in rows if not row.agrees]
     unfit = [r for r in results if not r.fits]

@@ -41,6 +41,7 @@ import contextlib
 import math
 import multiprocessing
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -224,7 +225,11 @@ def check_program(out_dir: str, *, optimizer: str = "adamw", slack_bytes: float 
                    for rank in ranks}
         tell(0, ranks[0])
         for done in concurrent.futures.as_completed(running):
-            results[running[done]] = done.result()
+            try:
+                results[running[done]] = done.result()
+            except concurrent.futures.BrokenExecutor:
+                raise PartcError(f"global rank {running[done]} could not be checked: its process ended without "
+                                 f"an answer (out of host memory, or a crash in native code)") from None
             tell(len(results), next((r for r in ranks if r not in results), -1))
     tell(len(ranks), -1)
     return [results[r] for r in ranks]
@@ -243,12 +248,22 @@ def _check_in_worker(out_dir: str, rank: int, optimizer: str, slack_bytes: float
         return check_rank(files, rank, optimizer=optimizer, slack_bytes=slack_bytes)
     except PartcError:
         raise
-    except Exception as e:  # the program (the model's own code) failed on fake tensors: one line, not a traceback
-        what = (str(e).strip().splitlines() or [""])[0][:300]
+    except (Exception, SystemExit) as e:  # the program (the model's own code) failed on fake tensors: one line
         raise PartcError(f"global rank {rank} could not be checked: its program failed on fake tensors with "
-                         f"{type(e).__name__}: {what} (partc check runs the program without data: a program that "
-                         f"fails here fails under `partc run` too, unless the failing op needs real tensor "
-                         f"values)") from None
+                         f"{_failure(e)} (partc check runs the program without data: a program that fails here "
+                         f"fails under `partc run` too, unless the failing op needs real tensor values)") from None
+
+
+def _failure(e: BaseException) -> str:
+    """``Type: first line`` of `e`, and of the exception that caused it at the end of its chain: the pipeline
+    schedule wraps what a stage raised in a ``RuntimeError`` whose own message names only the stage."""
+    def line(x: BaseException) -> str:
+        return f"{type(x).__name__}: {(str(x).strip().splitlines() or [''])[0].strip()[:300]}"
+
+    root = e
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    return line(e) if root is e else f"{line(e)} caused by {line(root)}"
 
 
 def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
@@ -445,6 +460,27 @@ class _Tracker(FSDPMemTracker):
                 self._unshards.append((group, group.wait_for_unshard))
                 group.wait_for_unshard = self._recorded_unshard(group, group.wait_for_unshard)
 
+    def _fsdp_state_pre_forward(self, fsdp_mod: nn.Module, orig: Callable) -> Callable:
+        # The torch tracker refuses a second forward of a module called from no other (it takes it for the next
+        # step), but the schedule calls the stage once a micro-batch. The stage holds parameters of its own, and so
+        # its forward is instrumented, where units share a weight (a tied embedding and head on one stage stay in
+        # the stage's group, `apply_zero`): its later micro-batches are the same step, recorded as a module called
+        # again within it. The stage's name is known once its forward has begun: a parent besides "Global".
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def pre_forward(*args: Any, **kwargs: Any) -> Any:
+            tracker = self._mod_tracker
+            again = fsdp_mod in self.memory_tracking and not tracker.is_bw and "partc.step" not in tracker.parents
+            if again:
+                tracker.parents.add("partc.step")
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if again:
+                    tracker.parents.discard("partc.step")
+
+        return pre_forward
+
     def _recorded_unshard(self, group: Any, orig: Callable) -> Callable:
         def wait_for_unshard(*args: Any, **kwargs: Any) -> None:
             orig(*args, **kwargs)
@@ -470,14 +506,55 @@ class _Tracker(FSDPMemTracker):
             if fsdp_mod not in self.memory_tracking:  # packed experts (ep): the stage code reads their tensors
                 # without calling their module, whose forward the torch tracker would have recorded
                 self.memory_tracking[fsdp_mod] = FSDPModMemStats(self._mod_tracker.get_known_fqn(fsdp_mod) or "")
-            inner(*args, **kwargs)
             group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            with self._reduction_output_as_gradient(group):
+                inner(*args, **kwargs)
             for fsdp_param in group.fsdp_params if group is not None else ():
                 grad = fsdp_param.unsharded_accumulated_grad
                 if grad is not None:
                     self._update_and_maybe_create_winfos(grad, FSDPRefType.SHARDED_GRAD)
 
         return post_backward
+
+    @contextlib.contextmanager
+    def _reduction_output_as_gradient(self, group: Any) -> Iterator[None]:
+        """While `group` reduces its gradients, where none of its parameters holds a sharded gradient yet (ZeRO 0 and
+        1; ZeRO 2 and 3 in the first micro-batch), the reduction's output is the new sharded gradient from the moment
+        it is allocated (FSDP's ``foreach_reduce``: the input, the accumulation copied into it and freed, then the
+        output). The torch tracker records it as a temporary until the reduction returns: with the input beside it,
+        one unit's fp32 gradient twice in the transient memory (the plan's activations), never in the gradients.
+        It is made the plan's kind (``grads``) as it is allocated (the second allocation of the group's
+        reduce-scatter in the call), where the accumulation it replaces is gone by then; one still held beside it
+        (an embedding's, at dp 2) leaves it working memory, as the plan charges it."""
+        comm = getattr(group, "_reduce_scatter_comm", None)
+        if comm is None or any(p.sharded_param.grad is not None for p in group.fsdp_params):
+            yield
+            return
+        allocate, own, calls = comm.allocate, vars(comm).get("allocate"), [0]
+        folded = [weakref.ref(p.unsharded_accumulated_grad) for p in group.fsdp_params
+                  if p.unsharded_accumulated_grad is not None]
+
+        def allocated(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            self._making_gradient = calls[0] == 2 and all(ref() is None for ref in folded)
+            try:
+                return allocate(*args, **kwargs)
+            finally:
+                self._making_gradient = False
+
+        comm.allocate = allocated
+        try:
+            yield
+        finally:
+            if own is None:
+                del comm.allocate  # the class's method again
+            else:
+                comm.allocate = own
+
+    _making_gradient = False
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        super()._track(FSDPRefType.SHARDED_GRAD if self._making_gradient else reftype, t)
 
     def _update_snap(self, *args: Any, **kwargs: Any) -> None:
         super()._update_snap(*args, **kwargs)
