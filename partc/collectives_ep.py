@@ -79,9 +79,11 @@ def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *pa
     weights. `experts(rows, offsets, *params)` runs this rank's E/ep experts (`params`: its part of the packed
     parameters) on `rows` sorted by local expert, `offsets` the int32 cumulative count of rows per local expert (the
     grouped GEMMs' offsets). The routing weights never leave the rank: the results come back unscaled and are
-    scaled where the token lives. `group`: the ``ep`` group (default: the table's,
-    `partc.collectives_groups.set_groups`). `sizes`: `experts` takes the rows of each local expert as a list of
-    ints instead of the offsets (`each_expert`)."""
+    scaled where the token lives. The sum is returned in the tokens' dtype, as the layer it replaces returns it
+    (Hugging Face casts its sum back to the tokens' dtype, a plain loop adds into zeros of it): under bf16 the
+    routing weights are fp32, and the sum would otherwise leave the rest of the model in fp32. `group`: the ``ep``
+    group (default: the table's, `partc.collectives_groups.set_groups`). `sizes`: `experts` takes the rows of each
+    local expert as a list of ints instead of the offsets (`each_expert`)."""
     group = group or axis_group("ep")
     # Packed experts are this rank's own fp32 master weights under ep (FSDP leaves them alone): cast for compute
     # (a differentiable cast, the gradient comes back in fp32), as FSDP's mixed precision casts the others.
@@ -99,7 +101,7 @@ def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *pa
         local = num_experts // ep
         y = experts(hidden.new_empty((tokens * k, hidden.shape[-1])),
                     [tokens * k // local + (e < tokens * k % local) for e in range(local)])
-        return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
+        return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1).to(hidden.dtype)
     if _is_fake(hidden):  # `partc check`: no values to route by; routing taken uniform, as the plan prices it
         return _uniform(hidden, weights, experts, num_experts, group, ep)
     flat = index.reshape(-1)
@@ -126,7 +128,7 @@ def expert_parallel(hidden: Tensor, index: Tensor, weights: Tensor, experts, *pa
         y = experts(x[perm], per.tolist() if sizes else per)
         y = _AllToAll.apply(y[_inverse(perm)], send, recv, group)
     y = y * weights.reshape(-1)[order].unsqueeze(-1)
-    return y[_inverse(order)].view(tokens, k, -1).sum(1)
+    return y[_inverse(order)].view(tokens, k, -1).sum(1).to(hidden.dtype)
 
 
 def each_expert(expert, per_expert: int):
@@ -190,4 +192,4 @@ def _uniform(hidden: Tensor, weights: Tensor, experts, num_experts: int, group, 
         perm = torch.tensor(sorted(range(len(ids)), key=ids.__getitem__), device=device)
         y = experts(x[perm], [n * ep for n in mine])
         y = _AllToAll.apply(y[_inverse(perm)], send, recv, group)
-    return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
+    return (y * weights.reshape(-1, 1)).view(tokens, k, -1).sum(1).to(hidden.dtype)

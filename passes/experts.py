@@ -384,8 +384,9 @@ def expert_split(nodes: list[Node], params: dict[Node, str]) -> ExpertSplit | st
         return ("the layer's inputs are not tokens (T, H), the experts they chose (T, k) and their weights (T, k): "
                 f"{', '.join(a.name for a in inputs)}")
     leaving = [n for n in nodes if any(u not in mine for u in n.users)]
-    if len(leaving) != 1 or _val(leaving[0]).shape != h.shape:
-        return f"the layer's output is not one tensor of its tokens' shape: {', '.join(n.name for n in leaving)}"
+    if len(leaving) != 1 or _val(leaving[0]).shape != h.shape or _val(leaving[0]).dtype != h.dtype:
+        return (f"the layer's output is not one tensor of its tokens' shape and dtype (what `expert_parallel` "
+                f"returns): {', '.join(n.name for n in leaving)}")
     after = [n for n in nodes if last in _ancestors(n, mine)]
     if leaving[0] not in after:
         return "the layer's output does not come from its experts"
@@ -785,6 +786,8 @@ def _routed_split(start: Node, chain: list[Node], params: dict[Node, str]) -> Ro
     for n in nodes0:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[nodes0[-1]])
+    if _val(chain[-1]).dtype != _val(hidden).dtype:  # `expert_parallel` returns the tokens' dtype
+        return f"{where}: the sum is {_val(chain[-1]).dtype}, the tokens {_val(hidden).dtype}"
     region = _ancestors(chain[-1], set(chain[-1].graph.nodes)) | {chain[-1]}
     keep = _ancestors(hidden, region) | _ancestors(choice, region) | _ancestors(weights, region) \
         | {hidden, choice, weights}

@@ -341,7 +341,7 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
     gradient. Under `sp_regather` a colwise Linear's backward also holds its input, all-gathered again. Under
     `fuse_pointwise` a pointwise region's backward runs it again beside those gradients: the largest region's
     replayed values too. Checked against one block's backward on the CPU (tests/test_activations.py)."""
-    b, t = tokens(par), par.tp
+    b, t, c = tokens(par), par.tp, compute_bytes(par.precision)
     fed: dict[str, float] = {}  # layer -> gradients of the layers of its unit that feed its input
     for e in graph.edges:
         if graph.layers[e.src].unit == graph.layers[e.dst].unit:
@@ -362,13 +362,28 @@ def unit_backward_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> 
                     nbytes /= t
                 elif par.sp_regather and style_of(tp, fqn) == "colwise":
                     nbytes *= 2  # its input all-gathered again, beside that input's gradient
-            largest = max(largest, nbytes * b, fed.get(fqn, 0.0) * b)
+            largest = max(largest, nbytes * b, fed.get(fqn, 0.0) * b, _combine_backward_bytes(layer, c) * b)
         if par.fuse_pointwise:  # a region replayed beside those gradients (recomputed or not)
             split = is_split(par, tp, unit)
             largest += b * max(unit.fused_replay_peak_bytes_replicated / (t if split and par.sequence_parallel else 1),
                                unit.fused_replay_peak_bytes / (t if split else 1))
         out.append(grad + (grad / t if t > 1 else 0.0) + largest)
     return out
+
+
+def _combine_backward_bytes(layer, c: int) -> float:
+    """Per sample, what the backward of a layer of packed experts (`Layer.inner`) holds first: the gradients of
+    its weighted sum, in fp32 where the routing weights are (Hugging Face's routers take their softmax or sigmoid in
+    fp32, and each (token, expert) row's result times its weight is fp32): the sum's (s x h), the rows' put back in
+    expert order, their product with the routing weights and the one with the results that gives the weights'
+    gradient (3 x s·k x h), all while the layer's saved tensors are held. Measured on the CPU, Hugging Face's layer
+    and `expert_parallel`'s alike (tests/test_activations.py): 7.5 times the rows' compute-dtype bytes at k = 2, not
+    the layer's output gradient (s x h) alone. 0 for any other layer."""
+    first = next((g for g in layer.gemms if g.inner_split == "n"), None) if layer.inner else None
+    if first is None:
+        return 0.0
+    rows = first.batch * first.m  # s·k (token, expert) rows of h = first.k elements
+    return float(layer.out_bytes) / c * 4 + 3 * rows * first.k * 4  # out_bytes: s x h in the compute dtype
 
 
 def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
