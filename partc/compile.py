@@ -397,9 +397,10 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
         if split is not None:
             args, kwargs = local_inputs(args, kwargs, split.seq_len, cp)
         ep = rebatch(ep, model, args, kwargs) or export_on_meta(model, args, kwargs, path=path,
-                                                                precision=plan.parallel.precision)
+                                                                precision=plan.parallel.precision, samples=b)
     vocab = traced.graph.vocab_loss if plan.tp_loss == vocab_loss.VOCAB_PARALLEL else None
-    with expected_sizes(ep.graph_module.meta) or contextlib.nullcontext():  # the TP rewrite runs ops on meta
+    # The TP rewrite runs ops on meta: a value-sized op at its expected size over b samples, as `partc check` does
+    with expected_sizes(ep.graph_module.meta, b) or contextlib.nullcontext():
         return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers,
                         vocab_loss=vocab, context=split,
                         seq_len=traced.graph.seq_len // cp if traced.graph.seq_len else None)

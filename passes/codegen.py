@@ -194,7 +194,10 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
         code.source = _render(code, plan, names, model_path, ep.call_spec.out_spec if st.index == len(plan.stages) - 1
                               else None, fusing)
         stages.append(code)
-    traffic = _tp_traffic(stages, _needs_grad(ep, io), plan.parallel.tp) if plan.parallel.tp > 1 else {}
+    grad = _needs_grad(ep, io)
+    traffic = _tp_traffic(stages, grad, plan.parallel.tp) if plan.parallel.tp > 1 else {}
+    if plan.parallel.sequence_parallel and plan.parallel.tp > 1:
+        _whole_boundaries(traffic, stages, receives, sends, split, grad)
     manifest = _manifest(ep, a, io, rw, layers, plan, stages, names, aliases, model_path=model_path, entry=entry)
     if experts or routed:  # the packed parameters each ep rank holds E/ep experts of (dim 0); the expert modules
         # (plain PyTorch) and the ep rank holding each
@@ -254,6 +257,29 @@ def _tp_traffic(stages: list[StageCode], grad: set[torch.fx.Node], t: int) -> di
     return out
 
 
+def _whole_boundaries(traffic: dict[str, list[tuple[str, str, float]]], stages: list[StageCode],
+                      receives: list[list[torch.fx.Node]], sends: list[list[torch.fx.Node]], split,
+                      grad: set[torch.fx.Node]) -> None:
+    """Add to `traffic` (`_tp_traffic`) the scatter/gather of the values that need a gradient and cross a stage
+    boundary whole under sequence parallelism (a fallback to tensor parallelism, listed in `sequence_gathers`):
+    the receiving stage all-gathers each forward (charged to its first unit), the sending stage the gradient
+    backward (charged to its last unit). `partc.passes.cost.gather_bytes` counts only the values that need no
+    gradient under sequence parallelism, so these are priced as the program's (`partc.compile.
+    price_sequence_fallbacks`)."""
+    from partc.passes.cuts import val_bytes
+    for st in stages:
+        if not st.units:
+            continue
+        if st.index > 0:
+            for x in receives[st.index]:
+                if split(x) and x in grad:
+                    traffic.setdefault(st.units[0].units[0], []).append(("all_gather", "fwd", float(val_bytes(x))))
+        if st.index < len(stages) - 1:
+            for x in sends[st.index]:
+                if split(x) and x in grad:
+                    traffic.setdefault(st.units[-1].units[0], []).append(("all_gather", "bwd", float(val_bytes(x))))
+
+
 def _scatter_gather(t: int, rw: tp_rewrite.Rewrite):
     """Which values crossing a stage boundary go as each TP rank's 1/t part (`partc.collectives.
     scatter_to_next_stage`): with tp > 1, a tensor every TP rank holds whole whose size divides by t. The cost model
@@ -273,9 +299,18 @@ def _needs_grad(ep: torch.export.ExportedProgram, io: _GraphIO) -> set[torch.fx.
                    for v in (val if isinstance(val, (list, tuple)) else [val]))
     grad = {n for n in io.params if floating(n)}
     for n in ep.graph.nodes:
-        if n.op == "call_function" and floating(n) and any(x in grad for x in n.all_input_nodes):
+        if n.op == "call_function" and floating(n) and n.target not in NO_GRADIENT and \
+                any(x in grad for x in n.all_input_nodes):
             grad.add(n)
     return grad
+
+
+_aten = torch.ops.aten
+NO_GRADIENT = {_aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default, _aten.full_like.default,
+               _aten.rand_like.default, _aten.randn_like.default, _aten.new_zeros.default, _aten.new_ones.default,
+               _aten.new_empty.default, _aten.new_full.default}
+"""Ops whose floating output autograd does not track whatever their input (a value of the input's shape made
+anew, `torch.zeros_like(x)`): no TP collective's backward runs for it (`_tp_traffic`)."""
 
 
 def _graph_io(ep: torch.export.ExportedProgram) -> _GraphIO:

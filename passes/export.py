@@ -26,8 +26,9 @@ aten = torch.ops.aten
 
 
 def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "",
-                   precision: str = "fp32") -> torch.export.ExportedProgram:
-    """Export `model` (already on meta) with meta example inputs, under the forward's casts at `precision`
+                   precision: str = "fp32", samples: int = 1) -> torch.export.ExportedProgram:
+    """Export `model` (already on meta) with meta example inputs (of `samples` samples: a value-sized op's expected
+    size is per sample, `concrete_sizes`), under the forward's casts at `precision`
     (`partc.precision.forward_casts`: at bf16 the casts are ops of the graph). Errors name the module and source
     line, and an op that cannot take the dtypes it meets at bf16 is named, with ``--precision fp32`` to try."""
     calls: list[str] = []
@@ -46,7 +47,7 @@ def export_on_meta(model: nn.Module, args: tuple, kwargs: dict, *, path: str = "
             from None
     ep.graph_module.meta[CHECKPOINT_CALLS] = calls
     inline_grad_regions(ep, path=path)
-    concrete_sizes(ep, args, kwargs, path=path)
+    concrete_sizes(ep, args, kwargs, path=path, samples=samples)
     device_neutral(ep)
     drop_causal_masks(ep)
     linears_of_transposes(ep)
@@ -74,13 +75,15 @@ def _where(n: torch.fx.Node, path: str) -> str:
     return where + (f" at {frame.filename}:{frame.lineno}" if frame is not None else "")
 
 
-def concrete_sizes(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, *, path: str = "") -> None:
+def concrete_sizes(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, *, path: str = "",
+                   samples: int = 1) -> None:
     """Give a graph that torch.export traced with unbacked sizes (`partc.value_sized`) concrete values at the
     expected sizes, in place: every node's ``val`` becomes its value at those sizes and a node whose size depended
     on values is marked (`VALUE_SIZED`); torch.export's runtime checks of those sizes (`TRACE_ASSERTS`) and the
     size arithmetic only they read leave the graph. The expectation: each value-sized op (`VALUE_SIZED_OPS`) reads a
     mask ``x == c``, and the `n` such ops comparing one tensor `x` (the routing's choice, one per expert) each select
-    1/n of its elements. A value-sized op of another form is refused in one line."""
+    1/n of its elements, a whole number per sample of the `samples` the inputs hold (`partc.value_sized.
+    expected_rows`, as `partc check` runs it). A value-sized op of another form is refused in one line."""
     from partc.value_sized import EXPECTED_SIZES, VALUE_SIZED, VALUE_SIZED_OPS, ExpectedSizes
 
     nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
@@ -111,7 +114,7 @@ def concrete_sizes(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, 
             ep.graph.erase_node(n)
     ep.graph_module.recompile()
     marked = {n for n in ep.graph.nodes if _unbacked(n.meta.get("val"))}
-    mode = ExpectedSizes(n_groups)
+    mode = ExpectedSizes(n_groups, samples)
     vals: dict[str, object] = {}
 
     class Record(torch.fx.Interpreter):

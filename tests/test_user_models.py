@@ -150,14 +150,22 @@ def test_wrong_input_width_prints_one_line(tmp_path):
     assert "in module fc1" in lines[0] and "shapes of example_inputs do not fit" in lines[0], lines[0]
 
 
+SP_PINS = pytest.mark.parametrize("sp", [None, True], ids=["searched", "sequence_parallel"])
+"""The search's choice, and sequence parallelism pinned: its program falls back to tensor parallelism around the
+experts (values crossing the pipeline boundary whole, scattered and gathered), priced as the program runs."""
+
+
 @pytest.mark.slow  # partc check spawns a process per pipeline rank: 30-60 s on 2 shared cores
-def test_copied_value_all_reduce_is_priced_to_the_byte(tmp_path):
+@SP_PINS
+def test_copied_value_all_reduce_is_priced_to_the_byte(tmp_path, sp):
     """moe_dense under tp 2 x pp 2 with its experts split: experts on both stages read the block's input, each
     stage copies it (`copy_to_tp`) and all-reduces its gradient; the plan's tp bytes equal partc check's on every
-    pipeline rank with no slack."""
+    pipeline rank with no slack. Under sequence parallelism the program's ``zeros_like`` of the stream, scattered
+    along the sequence, has no gradient to gather."""
     from partc.runtime.check import check_program
 
-    tp_pp = Pins(tp=2, pp=2, dp=1, zero=0, micro_batch_size=2, schedule="1f1b", recompute="none", precision="fp32")
+    tp_pp = Pins(tp=2, pp=2, dp=1, zero=0, micro_batch_size=2, schedule="1f1b", recompute="none", precision="fp32",
+                 sequence_parallel=sp)
     # Without the kernel-launch floor (which prices this tiny model's units by their kernel counts, and so puts
     # every expert on the first stage), the stage DP splits the experts over the two stages: the case under test.
     no_launches = dataclasses.replace(PRESETS["a100-80g"], kernel_launch_s=0.0)
@@ -173,15 +181,20 @@ def test_copied_value_all_reduce_is_priced_to_the_byte(tmp_path):
 
 
 @pytest.mark.slow  # partc check spawns a process per pipeline rank: 30-60 s on 2 shared cores
-def test_routed_moe_checks_at_expected_sizes(tmp_path):
+@SP_PINS
+def test_routed_moe_checks_at_expected_sizes(tmp_path, sp):
     """partc check runs nonzero on fake tensors (no values) at the plan's expected size per expert: the traffic of
     every axis, tp's collectives on the routed tokens included, is the plan's to the byte. Each expert's colwise
     fc1 reads its own routed rows, whose gradient the program all-reduces per expert (`Edge.routed`), and the
     router reaches fc1 only through integer indices, which carry no gradient (the last stage's tp bytes were 256 of
-    15,104 off). Memory rows agree within the default slack (a tiny model's differ by a few KiB)."""
+    15,104 off). Memory rows agree within the default slack (a tiny model's differ by a few KiB). The program is
+    generated at the expected size per sample, as the check runs it (its tp bytes, which price a sequence-parallel
+    plan, were 512 a micro-batch short: an expert's rows were 3 of the micro-batch's 12 tokens, not 2 of each
+    sample's 6)."""
     from partc.runtime.check import check_program
 
-    tp_pp = Pins(tp=2, pp=2, dp=1, zero=0, micro_batch_size=2, schedule="1f1b", recompute="none", precision="fp32")
+    tp_pp = Pins(tp=2, pp=2, dp=1, zero=0, micro_batch_size=2, schedule="1f1b", recompute="none", precision="fp32",
+                 sequence_parallel=sp)
     path, _ = compile_user(tmp_path, "moe", pins=tp_pp, out="c")
     set_styles(tmp_path, "moe", path, "c")
     results = check_program(str(tmp_path / "c"))
