@@ -29,7 +29,7 @@ from partc import output, timeline
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.plan import read_plan
-from partc.parallel import SHOWN_AXES
+from partc.parallel import REQUIRED_AXES, SHOWN_AXES
 from partc.report_draw import (BREAKDOWN, CATEGORIES, CATEGORY_NAMES, COLORS, CSS, OFF_SCALE, STYLE_COLORS, _axis,
                                _bytes, _e, _legend, _mem_unit, _nice_ticks, _num, _secs, _svg, _tick, _ticks_between)
 from partc.report_log import _log
@@ -282,9 +282,18 @@ def _breakdown(plan: dict) -> str:
 
 
 def _summary(par: dict) -> str:
-    text = (f"dp={par['dp']} tp={par['tp']} pp={par['pp']} zero={par['zero']} mb={par['micro_batch_size']} "
-            f"recompute={par['recompute']} {par['schedule']}")
-    return text + (f" v={par['virtual_stages']}" if par.get("virtual_stages", 1) > 1 else "")
+    """The plan's one line, as `Parallel.summary` writes it for the CLI (sequence parallelism, ep, precision...),
+    from the plan's dict as it is (a report draws whatever plan it is given)."""
+    text = " ".join(f"{a}={par.get(a, 1)}" for a in SHOWN_AXES if a in REQUIRED_AXES or par.get(a, 1) != 1)
+    text += f" zero={par['zero']} mb={par['micro_batch_size']} recompute={par['recompute']} {par['schedule']}"
+    text += f" v={par['virtual_stages']}" if par.get("virtual_stages", 1) > 1 else ""
+    text += " sp" if par.get("sequence_parallel") else ""
+    text += "+regather" if par.get("sp_regather") else ""
+    text += " fused" if par.get("fuse_pointwise") else ""
+    text += f" ep={par['ep']}" if par.get("ep", 1) > 1 else ""
+    text += f" imbalance={par['expert_imbalance']:g}" if par.get("ep", 1) > 1 and \
+        par.get("expert_imbalance", 1.0) != 1.0 else ""
+    return text + (f" {par['precision']}" if par.get("precision", "bf16") != "bf16" else "")
 
 
 def _alternatives(plan: dict, usable: float) -> str:
