@@ -23,6 +23,7 @@ from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_
                                optimizer_time, p2p_round_trip, pp_bytes, shared_time, shared_weights, stage_param_count,
                                tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_collectives,
                                unit_local_shapes, unit_param_shards, unit_time_parts)
+from partc.passes.cost_axes import packed_expert_keys, packed_padding_bytes
 from partc.passes.cost_types import Prediction, RankPrediction, TPPlan, UnitTime
 
 from . import hw, schedule, zero
@@ -35,6 +36,7 @@ UNITS = Reads("units", (*_PER_MICRO_BATCH, "recompute"))  # parameters a unit ho
 PADDED = Reads("padded", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # + dp
 EXPERTS = Reads("experts", (*_PER_MICRO_BATCH, "recompute"))  # packed expert parameters on one GPU: (tp, ep)
 EXPERT_PADDED = Reads("expert_padded", PADDED.ignores)  # FSDP's padded packed experts on one GPU: (tp, dp, ep)
+PACKED_PADDED = Reads("packed_padded", PADDED.ignores)  # packed experts at ep 1, unpadded and padded: (tp, dp)
 EP_TIME = Reads("ep_time", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages"))
 REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp, b, recompute)
 BACKWARD = Reads("backward", (*_PER_MICRO_BATCH, "recompute"))  # what a unit's backward holds: (tp, b)
@@ -131,6 +133,11 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
     expert_padded = keep(EXPERT_PADDED.key(par), lambda: [0, *itertools.accumulate(  # over the dp / ep x cp holders
         sum(zero.padded_numel(x, par.expert_shard) for k, x in shapes.items() if k in experts)
         for shapes in local_shapes)])
+    packed = frozenset() if par.ep > 1 else packed_expert_keys(graph)  # at ep 1, in the dp groups: padded by FSDP
+    packed_sums = keep(PACKED_PADDED.key(par), lambda: [(0, 0), *itertools.accumulate(
+        ((sum(n for k, n in s.items() if k in packed),
+          sum(zero.padded_numel(x, par.dp_shard) for k, x in shapes.items() if k in packed))
+         for s, shapes in zip(shards, local_shapes)), lambda a, b: (a[0] + b[0], a[1] + b[1]))])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
     backward = backward_of(graph, par, tp, keep.store)
     for r in range(p):
@@ -157,6 +164,11 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             own = expert_state_bytes(held, par, held_padded)
             mem.params, mem.grads, mem.optimizer = (mem.params + own.params, mem.grads + own.grads,
                                                     mem.optimizer + own.optimizer)
+        if packed:
+            pad = packed_padding_bytes(sum(packed_sums[hi][0] - packed_sums[lo][0] for lo, hi in chunks),
+                                       sum(packed_sums[hi][1] - packed_sums[lo][1] for lo, hi in chunks), par)
+            mem.params, mem.grads, mem.optimizer = (mem.params + pad.params, mem.grads + pad.grads,
+                                                    mem.optimizer + pad.optimizer)
         def extra(last: bool = True) -> float:
             return keep(EXTRA.key(par, tuple(chunks), last),
                         lambda: _extra_bytes(graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx],

@@ -152,8 +152,13 @@ def expert_keys(graph: ModelGraph, par: Parallel) -> frozenset[str]:
     gradients over those ranks."""
     if par.ep == 1:
         return frozenset()
-    return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner) | frozenset(
+    return packed_expert_keys(graph) | frozenset(
         graph.tied.get(n, n) for routed in graph.routed_experts for n in routed.params)
+
+
+def packed_expert_keys(graph: ModelGraph) -> frozenset[str]:
+    """The packed experts' parameters (`Layer.inner`): one tensor of all E experts, which FSDP cuts along dim 0."""
+    return frozenset(graph.tied.get(n, n) for layer in graph.layers.values() for n in layer.inner)
 
 
 def routed_rows_layers(graph: ModelGraph) -> frozenset[str]:
@@ -191,6 +196,19 @@ def expert_state_bytes(num_params: float, par: Parallel, padded: float | None = 
     if compute_bytes(par.precision) == zero.MASTER_BYTES:  # fp32: the cast is the weight itself, no copy
         params = num_params * zero.MASTER_BYTES
     return Memory(params=params, grads=grads, optimizer=optimizer)
+
+
+def packed_padding_bytes(num_params: float, padded: float, par: Parallel) -> Memory:
+    """The model states FSDP's padding of `num_params` packed expert parameters adds at ep 1, where they are in the
+    ordinary dp groups (`zero.model_state_bytes` prices them unpadded): FSDP cuts dim 0, the E experts, padded to
+    a multiple of ``dp_shard`` (`padded` elements, `zero.padded_numel`), so where E is below ``dp_shard`` a rank
+    holds a whole expert, not 1/dp_shard of them (Mixtral's 8 experts over dp 32: 4 times the elements), and under
+    ZeRO 1 and 2 gathers the whole padded tensor. The same states as `expert_state_bytes` over ``dp_shard``."""
+    if par.ep > 1 or par.zero == 0 or par.dp_shard == 1 or padded == num_params:
+        return Memory()
+    own = expert_state_bytes(num_params, par, padded)
+    params, grads, optimizer = zero.model_state_bytes(num_params, par)
+    return Memory(params=own.params - params, grads=own.grads - grads, optimizer=own.optimizer - optimizer)
 
 
 def expert_dp_bytes(num_params: float, padded: float, par: Parallel) -> float:

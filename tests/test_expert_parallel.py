@@ -654,22 +654,26 @@ def test_check_agrees_on_an_ep_plan(runs):
             assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=1e-3), what  # ZeRO-3)
 
 
-@pytest.mark.slow  # a compile and `partc check` of 8 ranks' plan
+@pytest.mark.slow  # compiles and `partc check`s of 8 ranks' plans
 def test_check_agrees_on_experts_padded_by_fsdp(tmp_path, model_files):
     """dp 8, ep 2: each rank's 2 of Mixtral's 4 experts are sharded over the 4 ranks holding them, and FSDP cuts
     dim 0 (the experts), padded to 4 rows: each rank holds a whole expert of the padded tensor (half its experts,
     not a quarter), and under ZeRO 1 and 2 gathers the 4 padded rows. The plan prices the padded tensor
     (`cost.expert_state_bytes`); `partc check` measures the same model states (it measured 62% more optimizer
-    states than the plan priced unpadded)."""
+    states than the plan priced unpadded). At ep 1 the 4 experts are in the ordinary dp groups, padded to 8 rows:
+    each rank holds a whole expert (a quarter of them, not an eighth), priced padded
+    (`cost_axes.packed_padding_bytes`; `partc check` measured 62% more weights and optimizer states under ZeRO-3
+    than the plan priced unpadded)."""
     from helpers import compile_program
 
-    for zero in (1, 2):
-        out = tmp_path / f"z{zero}"
-        compile_program(model_files["mixtral"], out, global_batch_size=8, seq_len=S, tp=1, ep=2, dp=8, pp=1,
+    for ep, zero in ((2, 1), (2, 2), (1, 1), (1, 3)):
+        out = tmp_path / f"ep{ep}_z{zero}"
+        compile_program(model_files["mixtral"], out, global_batch_size=8, seq_len=S, tp=1, ep=ep, dp=8, pp=1,
                         zero=zero, micro_batch_size=1, schedule="1f1b", recompute="none", precision="bf16")
         rows = check_rows(out)
         for what in ("memory params", "memory grads", "memory optimizer"):
-            assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=0.01), (zero, what)
+            assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=0.01), (ep, zero, what)
+        assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0, (ep, zero)
 
 
 @pytest.mark.slow  # a compile and `partc check` of 4 ranks' plan
