@@ -261,6 +261,11 @@ class ModelGraph:
     cut_value_sized: list[bool] = field(default_factory=list)
     """cut_value_sized[i]: a tensor whose size depends on values (a mixture's routed tokens, `partc.value_sized`)
     would cross the boundary after units[i] (a pipeline sends only shapes known before the step); empty: none."""
+    cut_layer_outputs: list[dict[str, tuple[int, int, int]]] = field(default_factory=list)
+    """cut_layer_outputs[i]: layer FQN -> (bytes per sample, per micro-batch, of those along the sequence) of that
+    layer's own output among what crosses the boundary after units[i] (`cut_bytes`, `cut_fixed_bytes`,
+    `cut_fixed_seq_bytes`): a colwise layer's output crosses as each TP rank's part, not gathered
+    (`passes.cost.gather_bytes`); empty: none."""
     tied: dict[str, str] = field(default_factory=dict)
     """Parameter FQN -> the FQN of the parameter it shares storage with (first in execution order)."""
     first_unit_required: list[str] = field(default_factory=list)
@@ -288,6 +293,13 @@ class ModelGraph:
         if not 0 <= i < len(self.cut_bytes):
             return 0
         return self.cut_bytes[i] * micro_batch_size + _fixed(self.cut_fixed_bytes, self.cut_fixed_seq_bytes, i, cp)
+
+    def boundary_layer_bytes(self, i: int, fqns, micro_batch_size: float, cp: int = 1) -> float:
+        """The part of `boundary_bytes` that is the own outputs of layers `fqns` (`cut_layer_outputs`)."""
+        if not self.cut_layer_outputs or not 0 <= i < len(self.cut_layer_outputs):
+            return 0
+        return sum(per_sample * micro_batch_size + _fixed([fixed], [seq], 0, cp)
+                   for fqn, (per_sample, fixed, seq) in self.cut_layer_outputs[i].items() if fqn in fqns)
 
     def boundary_grad_bytes(self, i: int, micro_batch_size: float, cp: int = 1) -> float:
         """The part of `boundary_bytes` that needs a gradient (all of it when the graph does not say)."""

@@ -20,7 +20,8 @@ from partc.passes.cost import cp_bytes, cp_time, tokens
 from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes,
                                _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves, ep_bytes, ep_time, expert_dp_bytes, expert_keys, expert_state_bytes,
                                dp_comm_time, fits, fsdp_groups, gather_bytes, in_flight, mesh_spans, model_state_bytes,
-                               optimizer_time, p2p_round_trip, pp_bytes, shared_time, shared_weights, stage_param_count,
+                               optimizer_time, p2p_round_trip, pp_bytes, shared_time, shared_weights, split_cut_bytes,
+                               stage_param_count,
                                tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_collectives,
                                unit_local_shapes, unit_param_shards, unit_time_parts)
 from partc.passes.cost_axes import packed_expert_keys, packed_padding_bytes
@@ -251,16 +252,22 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         compute, tp_comm = keep(TIME.key(par, ck), lambda: (
             sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
+        def split_of_larger(lo: int, hi: int) -> float:  # what of it crosses split over tp, ungathered
+            i = lo - 1 if graph.boundary_bytes(lo - 1, b, par.cp) >= graph.boundary_bytes(hi - 1, b, par.cp) else hi - 1
+            return split_cut_bytes(graph, tp, i, b, par.cp)
+
         pp_comm, pp_fwd = keep(PP_TIME.key(par, spans["pp"], ck), lambda: (
             sum(p2p_round_trip(cluster, par,
                                max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)),
                                spans["pp"],
                                max(graph.boundary_grad_bytes(lo - 1, b, par.cp),
-                                   graph.boundary_grad_bytes(hi - 1, b, par.cp)))
+                                   graph.boundary_grad_bytes(hi - 1, b, par.cp)),
+                               split_of_larger(lo, hi))
                 for lo, hi in chunks),
             sum(p2p_round_trip(cluster, par,
                                max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)),
-                               spans["pp"], 0.0) for lo, hi in chunks)))  # the activations' half
+                               spans["pp"], 0.0, split_of_larger(lo, hi))
+                for lo, hi in chunks)))  # the activations' half
         fwd_compute, fwd_tp = keep(FWD_TIME.key(par, ck), lambda: (
             sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
         # The cp collectives (keys and values of each attention) are exposed, with the tp ones inside a
@@ -285,7 +292,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                 "dp": (sum(zero.dp_bytes(par, params - held, *padded).values())
                        + expert_dp_bytes(held, held_padded, par)),
                 "cp": cp_bytes(graph, par, tp, idx),
-                "tp": tp_payload + gather_bytes(graph, par, chunks)}
+                "tp": tp_payload + gather_bytes(graph, par, chunks, tp)}
         if par.ep > 1:  # the experts' all-to-alls over the ep groups carved from dp, inside a cp coordinate
             comm["ep"] = ep_bytes(graph, par, idx)
         assert tuple(comm) == tuple(a.name for a in AXES if a.in_use(par)), tuple(comm)

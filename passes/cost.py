@@ -420,21 +420,23 @@ def dp_comm_time(cluster: Cluster, par: Parallel, params_per_gpu: float, spans_n
 
 
 def p2p_round_trip(cluster: Cluster, par: Parallel, nbytes: float, spans_nodes: bool,
-                   grad_bytes: float | None = None) -> float:
+                   grad_bytes: float | None = None, split_bytes: float = 0.0) -> float:
     """One boundary of one micro-batch (`nbytes`, `ModelGraph.boundary_bytes`): the activation forward and its
     gradient backward (`grad_bytes`: what of it needs a gradient, all of it by default). Scatter/gather
     (Narayanan et al. 2021, section 4.1; the program does it, `partc.collectives.scatter_to_next_stage`): the t
     ranks of a TP group hold the same boundary tensor, so each sends only 1/t of it, over its own link, and the
     receiving group all-gathers it over NVLink:
-        p2p(b·s·h/t) + all_gather(b·s·h over t ranks)     instead of p2p(b·s·h)."""
+        p2p(b·s·h/t) + all_gather(b·s·h over t ranks)     instead of p2p(b·s·h).
+    `split_bytes`: the part of `nbytes` (and of its gradient) that the TP ranks hold split already (`split_cut_bytes`):
+    each sends its part, and nothing is gathered."""
     if par.pp <= 1 or nbytes <= 0:
         return 0.0
     t = par.tp
     grad = nbytes if grad_bytes is None else grad_bytes
     tp_spans = par.spans_nodes("tp", cluster.gpus_per_node)
     total = 0.0
-    for size, gathered in ((nbytes, max(nbytes - grad, 0.0) if par.sequence_parallel else nbytes),
-                           (grad, 0.0 if par.sequence_parallel else grad)):
+    for size, gathered in ((nbytes, max(nbytes - grad, 0.0) if par.sequence_parallel else nbytes - split_bytes),
+                           (grad, 0.0 if par.sequence_parallel else max(grad - split_bytes, 0.0))):
         if size > 0:
             total += hw.collective_time(cluster, "p2p", size / t, 2, spans_nodes=spans_nodes)
             # Under sequence parallelism each rank's part of the sequence is its own: only what needs no gradient
@@ -541,9 +543,23 @@ def pp_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]
     return total * par.num_microbatches / par.tp
 
 
-def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]]) -> float:
+def split_cut_bytes(graph: ModelGraph, tp: TPPlan | None, i: int, micro_batch_size: float,
+                    cp: int = 1) -> float:
+    """Bytes of one micro-batch of the boundary after units[i] that cross split over tp: the outputs of colwise
+    layers read only past it (`ModelGraph.cut_layer_outputs`; a token and a position embedding before their sum).
+    The program converts such an output where it is read (`passes.assign`: glue goes with its first reader), so
+    each TP rank sends its own part and the next stage gathers nothing (`passes.codegen._scatter_gather`)."""
+    if tp is None or not graph.cut_layer_outputs or not 0 <= i < len(graph.cut_layer_outputs):
+        return 0.0
+    return float(graph.boundary_layer_bytes(i, {f for f in graph.cut_layer_outputs[i] if style_of(tp, f) == "colwise"},
+                                            micro_batch_size, cp))
+
+
+def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, int]],
+                 tp: TPPlan | None = None) -> float:
     """TP payload of scatter/gather on one GPU in a step: per micro-batch and chunk, the all-gather (its output, the
-    whole boundary) of what the chunk receives forward and of the gradient of what it sends backward. Under sequence
+    whole boundary) of what the chunk receives forward and of the gradient of what it sends backward, but for what
+    crosses split already (`split_cut_bytes`: sent as each rank's part, never gathered). Under sequence
     parallelism the activations cross as each rank's part of the sequence: only what needs no gradient (rotary
     tables, masks, token ids: every TP rank holds it whole) is gathered, forward (`passes.codegen`)."""
     if par.pp == 1 or par.tp == 1:
@@ -553,7 +569,9 @@ def gather_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, i
         if par.sequence_parallel:
             total += graph.boundary_bytes(lo - 1, b, par.cp) - graph.boundary_grad_bytes(lo - 1, b, par.cp)
         else:
-            total += graph.boundary_bytes(lo - 1, b, par.cp) + graph.boundary_grad_bytes(hi - 1, b, par.cp)
+            total += graph.boundary_bytes(lo - 1, b, par.cp) - split_cut_bytes(graph, tp, lo - 1, b, par.cp)
+            total += max(graph.boundary_grad_bytes(hi - 1, b, par.cp)
+                         - split_cut_bytes(graph, tp, hi - 1, b, par.cp), 0)
     return float(total * par.num_microbatches)
 
 

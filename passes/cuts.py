@@ -43,6 +43,10 @@ class Cuts:
     """The part of `fixed` in tensors along the sequence (a dim of the sample's tokens: rotary tables)."""
     grad_fixed_seq: list[int]
     """The part of `fixed_seq` that needs a gradient."""
+    layer_outputs: list[dict[str, tuple[int, int, int]]]
+    """Per boundary: layer FQN -> (bytes per sample, per micro-batch, of those along the sequence) of that layer's
+    own output crossing it (`layer_outputs`; empty where none does), as `per_sample`, `fixed` and `fixed_seq` count
+    it. A colwise layer's output crosses as each TP rank's part (`passes.cost.gather_bytes`)."""
 
 
 def batched_nodes(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:
@@ -63,7 +67,8 @@ def batched_nodes(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:
 
 
 def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[str, Unit],
-                  stats: dict[torch.fx.Node, NodeStats], seq_len: int | None = None) -> Cuts:
+                  stats: dict[torch.fx.Node, NodeStats], seq_len: int | None = None,
+                  layer_out: dict[str, torch.fx.Node] | None = None) -> Cuts:
     """The bytes crossing a pipeline boundary after each unit (all but the last), per sample for what carries the
     batch and per micro-batch for what does not (and of that, what lies along the `seq_len` tokens); sets each
     unit's `input_bytes` (what enters it from elsewhere)."""
@@ -82,6 +87,8 @@ def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[s
     diffs = {key: [0] * (len(a.unit_names) + 1) for key in ((True, False), (True, True), (False, False), (False, True),
                                                             ("seq", False), ("seq", True))}
     input_bytes: dict[str, int] = defaultdict(int)
+    out_layer = {n: m for m, n in (layer_out or {}).items()}
+    outputs: list[dict[str, tuple[int, int, int]]] = [{} for _ in range(max(len(a.unit_names) - 1, 0))]
     for n, pu in producer_pos.items():
         if n.op == "placeholder" and n.name in param_nodes:
             continue
@@ -103,11 +110,15 @@ def pipeline_cuts(ep: torch.export.ExportedProgram, a: Assignment, units: dict[s
                 if along:
                     diffs["seq", g][start] += nbytes
                     diffs["seq", g][last] -= nbytes
+            if n in out_layer:
+                for i in range(start, last):
+                    outputs[i][out_layer[n]] = (nbytes, 0, 0) if n in batched else (0, nbytes, nbytes if along else 0)
     for u, b in input_bytes.items():
         units[u].input_bytes = b
     sums = {key: list(itertools.accumulate(d[:len(a.unit_names) - 1])) for key, d in diffs.items()}
     return Cuts(per_sample=sums[True, False], grad_per_sample=sums[True, True], fixed=sums[False, False],
-                grad_fixed=sums[False, True], fixed_seq=sums["seq", False], grad_fixed_seq=sums["seq", True])
+                grad_fixed=sums[False, True], fixed_seq=sums["seq", False], grad_fixed_seq=sums["seq", True],
+                layer_outputs=outputs)
 
 
 def _along(n: torch.fx.Node, seq_len: int) -> bool:

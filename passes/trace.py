@@ -62,7 +62,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
     unit_index = {u: i for i, u in enumerate(a.unit_names)}
     edges = _edges(a.nodes, a.node_layer, a.node_unit, unit_index, layers, shard, layer_out,  # 7. data flow
                    {u for u, k in a.unit_kind.items() if k == "block"})
-    cuts = pipeline_cuts(ep, a, units, stats, seq_len)    # 8. bytes across each pipeline cut; unit inputs
+    cuts = pipeline_cuts(ep, a, units, stats, seq_len, layer_out)  # 8. bytes across each pipeline cut; unit inputs
     cut_ok, sized = realizable_cuts(a)                     #    and which cuts the program can make
     for u in units.values():
         u.signature = _signature(u, layers)                # 9. identical blocks share TP decisions
@@ -75,6 +75,7 @@ def build_graph(ep: torch.export.ExportedProgram, model: nn.Module, stats: dict[
                       cut_fixed_seq_bytes=cuts.fixed_seq if any(cuts.fixed_seq) else [],
                       cut_grad_fixed_seq_bytes=cuts.grad_fixed_seq if any(cuts.grad_fixed_seq) else [],
                       cut_value_sized=sized if any(sized) else [], tied=tied,
+                      cut_layer_outputs=cuts.layer_outputs if any(cuts.layer_outputs) else [],
                       first_unit_required=first_req,
                       last_unit_required=last_req, info=_model_info(layers, ordered, seq_len),
                       sums=_sums(a.nodes, a.node_layer, layer_out, layers), routed_experts=routed)

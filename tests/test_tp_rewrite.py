@@ -596,16 +596,18 @@ WIDE_GPT = """
 def test_searched_sequence_parallel_gpt_keeps_the_split_and_the_plan_s_bytes(tmp_path):
     """GPT-3's widths (h 12,288, 96 heads, s 2,048, V 50,257, which does not divide over tp: the token and position
     embeddings are split colwise, the output layer rowwise, as for GPT-3 175B), 2 layers, 4 GPUs at tp 2 and pp 2:
-    the search takes sequence parallelism, and its program keeps the split everywhere: the embeddings' sum enters
-    it once (gathered over the features, each rank keeping its part of the sequence), the output layer reads the
-    final norm's output all-gathered and all-reduces the logits (Megatron-LM's edges), so the plan is kept as
+    with sequence parallelism (pinned: the plan without it is 0.03% faster here, its embeddings' outputs crossing
+    the cut split, `passes.cost.split_cut_bytes`), the program keeps the split everywhere: the embeddings' sum
+    enters it once (gathered over the features, each rank keeping its part of the sequence), the output layer reads
+    the final norm's output all-gathered and all-reduces the logits (Megatron-LM's edges), so the plan is kept as
     searched. `partc check` measures the plan's bytes on every axis of both pipeline ranks, to the byte (the sum is
     converted where the first block adds the embeddings, past the boundary after them)."""
     from partc.runtime.check import check_rank, representatives
     from partc.runtime.program import read_program
     path, out = tmp_path / "gpt_wide.py", tmp_path / "out"
     path.write_text(textwrap.dedent(WIDE_GPT.format(path=str(EXAMPLES / "gpt.py"))))
-    result = compile_model(str(path), gpus=4, pins=Pins(tp=2, pp=2), global_batch_size=4, out_dir=out)
+    result = compile_model(str(path), gpus=4, pins=Pins(tp=2, pp=2, sequence_parallel=True), global_batch_size=4,
+                           out_dir=out)
     plan = json.loads((out / "plan.json").read_text())
     assert plan["parallel"]["sequence_parallel"], plan["parallel"]
     assert not [p for p in plan["alternatives"] if p["step_time_s"] < plan["predicted"]["step_time_s"]]
@@ -623,6 +625,40 @@ def test_searched_sequence_parallel_gpt_keeps_the_split_and_the_plan_s_bytes(tmp
         r = check_rank(files, rank, slack_bytes=0)
         assert r.comm_bytes == {k: int(v) for k, v in r.predicted_comm_bytes.items()}, (rank, r.comm_bytes)
         assert r.comm_bytes["tp"] > 0
+
+
+def test_colwise_embeddings_cross_the_cut_split_as_the_plan_prices_them(tmp_path):
+    """A small GPT at tp 2, pp 2 without sequence parallelism, the token and position embeddings colwise and alone
+    on the first stage: their outputs cross the cut as each TP rank's half (the sum that gathers them is on the
+    next stage), so nothing is scattered or gathered at the cut. The plan charges no all-gather there, forward or
+    backward, and each rank's half on the pipeline: `partc check` measures both, to the byte, on both ranks."""
+    from partc.runtime.check import check_rank, representatives
+    from partc.runtime.program import read_program
+    path = tmp_path / "gpt_small.py"
+    path.write_text(textwrap.dedent(WIDE_GPT.format(path=str(EXAMPLES / "gpt.py"))).replace(
+        "vocab_size=50257, seq_len=2048, hidden=12288, heads=96, layers=2",
+        "vocab_size=101, seq_len=16, hidden=64, heads=4, layers=2"))
+    pins = Pins(tp=2, pp=2, sequence_parallel=False, micro_batch_size=4)
+    compile_model(str(path), gpus=4, pins=pins, global_batch_size=4, out_dir=tmp_path / "searched")
+    plan = json.loads((tmp_path / "searched" / "plan.json").read_text())
+    plan["tp"].update(tok="colwise", pos="colwise")
+    plan["stages"][0]["modules"], plan["stages"][1]["modules"] = ["tok", "pos"], ["blocks.0", "blocks.1", "ln_f",
+                                                                                  "lm_head"]
+    (tmp_path / "edited.json").write_text(json.dumps(plan))
+    out = tmp_path / "out"
+    result = compile_model(str(path), gpus=4, global_batch_size=4, from_plan=str(tmp_path / "edited.json"),
+                           out_dir=out)
+    assert not result.plan.parallel.sequence_parallel
+    source = (out / "program" / "stage_0.py").read_text() + (out / "program" / "stage_1.py").read_text()
+    assert "scatter_to_next_stage" not in source and "gather_from_previous_stage" not in source, source
+    files = read_program(str(out))
+    torch.set_num_threads(1)
+    halves = (4 * 16 * 64 + 16 * 64) * 2 // 2  # bf16 token and position outputs, each rank's half
+    for rank in representatives(result.plan.parallel):
+        r = check_rank(files, rank, slack_bytes=0)
+        assert r.comm_bytes == {k: int(v) for k, v in r.predicted_comm_bytes.items()}, (rank, r.comm_bytes)
+        assert r.comm_bytes["pp"] == 2 * halves  # forward and backward
+    assert check_rank(files, 0, slack_bytes=0).comm_bytes["tp"] == 0  # the first stage runs no TP collective
 
 
 def test_vision_transformer_tokens_come_from_the_trace(tmp_path):
