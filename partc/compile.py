@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.fx import GraphModule
 
 from partc import output, report
 from partc._torch import tree_unflatten
@@ -420,19 +421,26 @@ def context_graph(spec: ModelSpec, model: torch.nn.Module, traced: Traced, cp: i
         if isinstance(t, torch.Tensor) and [d for d in range(1, t.dim()) if t.shape[d] == seq_len] == []:
             raise PartcError(f"--cp {cp}: a target of shape {list(t.shape)} has no dim of {seq_len} tokens; context "
                              f"parallelism needs a loss over the tokens (the mean over every token of the batch)")
-    kind = loss_reduction(spec, traced)
+    gm = model_loss(spec, traced)
+    kind = gm if isinstance(gm, str) else vocab_loss.reduction(gm)
     if kind not in (vocab_loss.TOKENS, vocab_loss.ELEMENTS):
         raise PartcError(f"context parallelism (--cp {cp}) is not proven for this loss: {kind}; each cp rank's "
                          f"loss must be a mean over its tokens (a cross-entropy, whose counted tokens partc "
                          f"weighs) or over as many elements as every other rank's")
+    moved = vocab_loss.moved_positions(gm)
+    if moved:
+        raise PartcError(f"context parallelism (--cp {cp}) is not proven for this loss: it moves positions "
+                         f"({moved}: a shift of the targets or outputs along the sequence, as Hugging Face's "
+                         f"causal-LM loss shifts its labels), and each cp rank holds only chunks of the sequence; "
+                         f"give targets already aligned with the positions (examples/llama.py's loss_fn)")
     local = export_on_meta(model, args, kwargs, path=path, precision=precision)
     experts = token_wise_nodes(local, assign(local, model).node_layer, traced.graph.layers)
     return local, analyze_context(traced.exported, local, cp, seq_len, token_wise=experts)
 
 
-def loss_reduction(spec: ModelSpec, traced: Traced) -> str:
-    """How the model file's loss reduces over a batch (`partc.vocab_loss.reduction`), traced on meta tensors
-    shaped like the traced model's outputs at one sample; or why it could not be traced."""
+def model_loss(spec: ModelSpec, traced: Traced) -> GraphModule | str:
+    """The model file's loss traced to ATen ops on meta tensors shaped like the traced model's outputs at one sample
+    (`partc.vocab_loss.trace_loss`); or why it could not be traced (a phrase)."""
     ep = traced.exported
     outs = list(ep.graph.output_node().args[0])
     flat = [torch.empty(o.meta["val"].shape, dtype=torch.float32 if o.meta["val"].is_floating_point()
@@ -443,7 +451,7 @@ def loss_reduction(spec: ModelSpec, traced: Traced) -> str:
         gm, _ = vocab_loss.trace_loss(spec.loss_fn, lambda f: tree_unflatten(f, ep.call_spec.out_spec), flat, targets)
     except Exception as e:  # noqa: BLE001 - the model file's code
         return f"the loss could not be traced on meta tensors ({type(e).__name__})"
-    return vocab_loss.reduction(gm)
+    return gm
 
 
 def _no_fit_message(clus: Cluster, result: SearchResult) -> str:

@@ -254,6 +254,29 @@ def reduction(gm: GraphModule) -> str:
     return "the loss is not a mean over the elements of one tensor or a cross-entropy's over its tokens"
 
 
+SOFTMAX = {aten._log_softmax.default, aten._softmax.default}
+"""Normalizations of one row: per position when over the last dim (the classes)."""
+
+
+def moved_positions(gm: GraphModule) -> str:
+    """The first op of the traced loss `gm` that may read one position's value at another (a shift of the targets,
+    as Hugging Face's causal-LM loss pads its labels and drops the first, a slice, a roll), named; empty when every
+    op keeps each position where it is (views, casts, elementwise ops, a softmax over the classes, the loss op).
+    Under context parallelism each rank holds chunks of the sequence: a loss that moves positions would read its
+    neighbours' tokens from its own chunk, so it is refused (`partc.compile.context_graph`)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        t = n.target
+        if t in VIEWS | SAME | NLL | MEAN_LOSSES or t in (aten.mean.default, aten.mean.dim, aten.detach.default) or \
+                torch.Tag.pointwise in getattr(t, "tags", ()):
+            continue
+        if t in SOFTMAX and n.args[1] in (-1, n.args[0].meta["val"].dim() - 1):
+            continue
+        return f"{t} ({n.name})"
+    return ""
+
+
 class CountTokens(TorchDispatchMode):
     """While active, ``count`` is the ``total_weight`` of the last nll_loss run (the tokens a `TOKENS` loss divides
     by), a tensor (no device synchronization), and ``rows`` the number of its targets."""

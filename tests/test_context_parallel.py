@@ -90,6 +90,11 @@ def test_refuses_what_mixes_positions(tmp_path, causal, mix, why):
     ("F.cross_entropy(y.flatten(0, 1), t.flatten(), reduction='sum')", "not a mean"),
     ("(F.cross_entropy(y.flatten(0, 1), t.flatten(), reduction='none') * (t.flatten() > 3)).sum() / 7",
      "more than one cross-entropy"),
+    # Hugging Face's causal-LM loss shifts its labels (the next token's, the last position -100): under cp each
+    # rank would shift its own chunks
+    ("F.cross_entropy(y.flatten(0, 1), F.pad(t, (0, 1), value=-100)[:, 1:].flatten(), ignore_index=-100)",
+     "moves positions"),
+    ("F.cross_entropy(y[:, :-1].flatten(0, 1), t[:, 1:].flatten())", "moves positions"),
 ])
 def test_refuses_a_loss_not_proven_a_mean_over_tokens(tmp_path, loss, why):
     """Each cp rank's loss is weighed by the tokens its cross-entropy counts (or is a mean over as many elements
