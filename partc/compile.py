@@ -289,15 +289,10 @@ def find_vocab_loss(spec: ModelSpec, model: torch.nn.Module, traced: Traced) -> 
         return {}, "no model output is one output layer's logits" if not found else \
             "several model outputs are output layers' logits"
     (i, fqn), = found
-    flat = [torch.empty(o.meta["val"].shape, dtype=torch.float32 if o.meta["val"].is_floating_point()
-                        else o.meta["val"].dtype, device="meta") for o in outs]
-    try:
-        with torch.device("meta"):
-            targets = spec.targets(1)
-        gm, n = vocab_loss.trace_loss(spec.loss_fn, lambda f: tree_unflatten(f, ep.call_spec.out_spec), flat, targets)
-    except Exception as e:  # noqa: BLE001 - a loss partc cannot trace is gathered as before
-        return {}, f"the loss could not be traced on meta tensors ({type(e).__name__})"
-    m = vocab_loss.match(gm, n, i, graph.layers[fqn].out_features, 1)
+    gm = model_loss(spec, traced)
+    if isinstance(gm, str):  # a loss partc cannot trace is gathered as before
+        return {}, gm
+    m = vocab_loss.match(gm, len(outs), i, graph.layers[fqn].out_features, 1)
     if isinstance(m, str):
         return {}, m
     return {"head": fqn, "output": i, "rows": m.rows_per_sample}, ""

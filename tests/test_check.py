@@ -99,18 +99,25 @@ def test_summed_colwise_embeddings_are_gathered_once(tmp_path):
     assert r.comm_bytes["tp"] > 0 and r.comm_bytes == {k: int(v) for k, v in r.predicted_comm_bytes.items()}
 
 
+def _one_gpu_gpt(tmp_path: Path, name: str, config: str, precision: str) -> Path:
+    """examples/gpt.py with its tiny size made ``GPTConfig(config)``, compiled for one GPU (two micro-batches of
+    one sample) into TMP_PATH/NAME."""
+    from helpers import compile_program
+
+    torch.set_num_threads(1)
+    path = tmp_path / f"gpt_{name}.py"
+    path.write_text((EXAMPLES / "gpt.py").read_text() + f'\nSIZES["tiny"] = GPTConfig({config})\n')
+    out = tmp_path / name
+    compile_program(path, out, global_batch_size=2, tp=1, pp=1, dp=1, zero=0, micro_batch_size=1,
+                    schedule="1f1b", precision=precision)
+    return out
+
+
 def test_tied_weights_on_one_stage_are_checked_once(tmp_path):
     """A tied embedding and head on one stage stay in the stage's own FSDP group, so the memory tracker sees the
     stage's forward once a micro-batch (it refused the second as a next step): the check runs, and the shared
     weight counts once in the plan and in the measurement."""
-    from helpers import compile_program
-
-    torch.set_num_threads(1)
-    path = tmp_path / "gpt_tied.py"
-    path.write_text((EXAMPLES / "gpt.py").read_text() + '\nSIZES["tiny"] = GPTConfig(layers=1, tie_weights=True)\n')
-    out = tmp_path / "tied"
-    compile_program(path, out, global_batch_size=2, tp=1, pp=1, dp=1, zero=0, micro_batch_size=1,
-                    schedule="1f1b", precision="fp32")
+    out = _one_gpu_gpt(tmp_path, "tied", "layers=1, tie_weights=True", "fp32")
     [r] = check_program(str(out))  # the default slack: a tiny model's activations are a few hundred KiB
     assert all(row.agrees for row in r.rows()), [row for row in r.rows() if not row.agrees]
     # 1 block (12h² + 13h), the token embedding (also the head), the positions, the last norm: fp32
@@ -128,14 +135,7 @@ def test_the_reduction_s_output_is_a_gradient(tmp_path):
     activations (+49% here; +41% on GPT-3's widths at 2 layers), and never in the gradients. A block of 0.8M
     parameters and 8 tokens a sample, so that its reduction is the transient memory's largest moment; SGD, whose
     step makes no temporaries of the parameters' size."""
-    from helpers import compile_program
-
-    torch.set_num_threads(1)
-    path = tmp_path / "gpt_wide.py"
-    path.write_text((EXAMPLES / "gpt.py").read_text() + '\nSIZES["tiny"] = GPTConfig(layers=1, hidden=256, seq_len=8)\n')
-    out = tmp_path / "wide"
-    compile_program(path, out, global_batch_size=2, tp=1, pp=1, dp=1, zero=0, micro_batch_size=1,
-                    schedule="1f1b", precision="bf16")
+    out = _one_gpu_gpt(tmp_path, "wide", "layers=1, hidden=256, seq_len=8", "bf16")
     [r] = check_program(str(out), optimizer="sgd", slack_bytes=0)
     h = 256
     block_grad = 4 * (12 * h * h + 13 * h)  # the block's fp32 gradient: the reduction's input, and its output
