@@ -252,22 +252,18 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         compute, tp_comm = keep(TIME.key(par, ck), lambda: (
             sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
-        def split_of_larger(lo: int, hi: int) -> float:  # what of it crosses split over tp, ungathered
-            i = lo - 1 if graph.boundary_bytes(lo - 1, b, par.cp) >= graph.boundary_bytes(hi - 1, b, par.cp) else hi - 1
-            return split_cut_bytes(graph, tp, i, b, par.cp)
+        def hop(lo: int, hi: int) -> tuple[float, float, float]:  # (bytes, gradient bytes, of them split over tp)
+            into, out = graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)
+            return (max(into, out), max(graph.boundary_grad_bytes(lo - 1, b, par.cp),
+                                        graph.boundary_grad_bytes(hi - 1, b, par.cp)),
+                    split_cut_bytes(graph, tp, lo - 1 if into >= out else hi - 1, b, par.cp))
 
-        pp_comm, pp_fwd = keep(PP_TIME.key(par, spans["pp"], ck), lambda: (
-            sum(p2p_round_trip(cluster, par,
-                               max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)),
-                               spans["pp"],
-                               max(graph.boundary_grad_bytes(lo - 1, b, par.cp),
-                                   graph.boundary_grad_bytes(hi - 1, b, par.cp)),
-                               split_of_larger(lo, hi))
-                for lo, hi in chunks),
-            sum(p2p_round_trip(cluster, par,
-                               max(graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)),
-                               spans["pp"], 0.0, split_of_larger(lo, hi))
-                for lo, hi in chunks)))  # the activations' half
+        def pp_time() -> tuple[float, float]:  # (forward and backward, the activations' half)
+            hops = [hop(lo, hi) for lo, hi in chunks]
+            return (sum(p2p_round_trip(cluster, par, n, spans["pp"], g, split) for n, g, split in hops),
+                    sum(p2p_round_trip(cluster, par, n, spans["pp"], 0.0, split) for n, _, split in hops))
+
+        pp_comm, pp_fwd = keep(PP_TIME.key(par, spans["pp"], ck), pp_time)
         fwd_compute, fwd_tp = keep(FWD_TIME.key(par, ck), lambda: (
             sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
         # The cp collectives (keys and values of each attention) are exposed, with the tp ones inside a
