@@ -1,6 +1,6 @@
 """How long the test suite takes, module by module: what the 8-minute budget of .ci/run (two cores) is spent on.
 
-    python benchmarks/suite_time.py                        # .ci/run's command: pytest -n 2 --dist loadgroup
+    python benchmarks/suite_time.py                        # .ci/run's command: pytest -n 2 --dist loadfile
     python benchmarks/suite_time.py --serial               # one pytest process
     python benchmarks/suite_time.py -- -m "not slow"       # the fast tier (arguments after -- go to pytest)
     python benchmarks/suite_time.py --cpu [tests/test_x.py ...]   # CPU seconds per module, one pytest each
@@ -94,7 +94,7 @@ def _report(lines: list[str], name: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--serial", action="store_true", help="one pytest process (no -n 2 --dist loadgroup)")
+    ap.add_argument("--serial", action="store_true", help="one pytest process (no -n 2 --dist loadfile)")
     ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/suite_time-DATE.txt")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     ap.add_argument("--cpu", action="store_true", help="CPU seconds per module: each module (pytest_args "
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-               *([] if args.serial else ["-n", "2", "--dist", "loadgroup"]), *args.pytest_args]
+               *([] if args.serial else ["-n", "2", "--dist", "loadfile"]), *args.pytest_args]
         load_before = os.getloadavg()[0]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()

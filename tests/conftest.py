@@ -2,7 +2,7 @@
 
 Tiers: ``pytest -m "not slow"`` runs the fast tier (single process); plain ``pytest`` runs everything, including the
 tests marked ``slow``: torchrun / gloo launches, GPT-3 175B, the Megatron-LM calibration, and anything else over
-about 10 s. .ci/run adds ``-n 2 --dist loadgroup`` (pytest-xdist: two workers, a module's tests on one of them).
+about 10 s. .ci/run adds ``-n 2 --dist loadfile`` (pytest-xdist: two workers, a module's tests on one of them).
 
 Processes: each test process has a fork server (zygote.py) with torch and partc imported once. `helpers.run_jobs`
 and `helpers.launch` fork their ranks from it, with torchrun's environment and store, instead of starting
@@ -33,7 +33,7 @@ under xdist they start first, and the short modules fill in around them."""
 
 
 def pytest_configure(config):
-    if config.getoption("dist", "no") == "loadgroup":  # the xdist controller: hand out the modules in our order
+    if config.getoption("dist", "no") == "loadfile":  # the xdist controller: hand out the modules in our order
         config.option.loadscopereorder = False
     if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each
         torch.set_num_threads(1)
@@ -41,15 +41,15 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's ``--dist loadgroup`` (what .ci/run uses), a module's tests go to one worker together, so
-    its module-scoped fixtures (compiled programs, a torchrun launch of many jobs) are built once, and the modules of
-    `HEAVY_FIRST` are handed out first; a test module may set its own ``xdist_group`` mark instead to share a worker
-    with others."""
-    if not getattr(config.option, "loadgroup", False):  # set on the workers (whose own ``dist`` is "no")
+    """Under pytest-xdist (.ci/run: ``-n 2 --dist loadfile``) a module's tests go to one worker together, so its
+    module-scoped fixtures (compiled programs, a torchrun launch of many jobs) are built once, and the modules of
+    `HEAVY_FIRST` are handed out first: each worker collects in this order, and the controller keeps it
+    (``loadscopereorder`` off, `pytest_configure`). Not ``--dist loadfile``: pytest 9.2 derives ``Item.nodeid``
+    from the item's structured id, and pytest-xdist 3.8 groups by a suffix it writes into the old ``_nodeid``, which
+    no longer reaches the controller: each module's tests were spread over both workers, building its fixtures
+    twice."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: the rest as collected
 
