@@ -3,7 +3,8 @@ axis, per GPU and step, exactly as the runtime (`partc.runtime.parallelize`: FSD
 them. `partc.passes.cost` turns the bytes into seconds; the plan reports them as ``predicted.ranks[].comm_bytes``
 and the runtime measures the same quantity (`partc.runtime.comm`).
 
-Model states per parameter on the GPU (Ψ after TP and PP, N = dp, c = 2 for bf16 and 4 for fp32; `partc.precision`):
+Model states per parameter on the GPU (Ψ after TP and PP, N = dp, c = 2 for bf16 and 4 for fp32; `partc.precision`;
+every 1/N and the gathered copy of ZeRO 1 and 2 of the padded Ψ', `padded_numel` below, as FSDP allocates them):
 
     ======  ==========================================  ====================  ===================
     ZeRO    parameters                                  gradients (fp32)      optimizer (Adam)
@@ -47,17 +48,26 @@ ADAM_BYTES = 8
 """Adam's two fp32 moments per parameter."""
 
 
-def model_state_bytes(num_params: float, par: Parallel, shards: int | None = None) -> tuple[float, float, float]:
+def model_state_bytes(num_params: float, par: Parallel, shards: int | None = None,
+                      padded: float | None = None) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes per GPU for `num_params` parameters (module docstring's table),
-    sharded over `shards` ranks (``dp_shard`` unless given: the packed experts' ``dp / ep`` x ``cp``)."""
+    sharded over `shards` ranks (``dp_shard`` unless given: the packed experts' ``dp / ep`` x ``cp``). `padded`:
+    their elements as FSDP allocates them over those ranks (`padded_numel`; `num_params` unless given). FSDP2
+    (``FSDPParam._init_sharding_spec``) cuts dim 0 as ``torch.chunk`` does, ceil(rows / N) rows a rank, and gives
+    every rank the first rank's, zero-padded: the sharded fp32 weight, the reduce-scattered gradient shard (a view
+    of the padded output) and the optimizer's states (the first rank's shard is whole: the most any rank holds)
+    are Ψ'/N of each parameter, and the gathered compute copy of ZeRO 1 and 2 is the padded all-gather output, Ψ'.
+    The fp32 accumulation below ZeRO-2 is the unsharded parameter's own gradient (Ψ, unpadded); ZeRO-0 shards over
+    a group of one (no padding)."""
     psi, n, c = float(num_params), shards or par.dp_shard, compute_bytes(par.precision)
     if par.zero == 0:
         return psi * (MASTER_BYTES + c), psi * MASTER_BYTES, psi * ADAM_BYTES
+    shard = (psi if padded is None else float(padded)) / n  # Ψ'/N: every rank's padded shard
     if par.zero == 1:
-        return psi * (MASTER_BYTES / n + c), psi * MASTER_BYTES, psi * ADAM_BYTES / n
+        return shard * MASTER_BYTES + shard * n * c, psi * MASTER_BYTES, shard * ADAM_BYTES
     if par.zero == 2:
-        return psi * (MASTER_BYTES / n + c), psi * MASTER_BYTES / n, psi * ADAM_BYTES / n
-    return psi * MASTER_BYTES / n, psi * MASTER_BYTES / n, psi * ADAM_BYTES / n
+        return shard * MASTER_BYTES + shard * n * c, shard * MASTER_BYTES, shard * ADAM_BYTES
+    return shard * MASTER_BYTES, shard * MASTER_BYTES, shard * ADAM_BYTES
 
 
 def working_bytes(par: Parallel, unit_params: Iterable[float], *, last: bool = True) -> float:
