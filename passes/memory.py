@@ -283,7 +283,8 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
       then), or with the vocab-parallel loss (`tp_loss`) `vocab_loss_bytes` per logit of this rank's columns.
       The larger of the two moments; measured by ``partc check``.
     `shards`: `unit_param_shards`, when the caller has it. `last` False: in a micro-batch's backward before the last
-    (`zero.working_bytes`; the search bounds every stage by the last one's, the larger). `backward`:
+    (`zero.working_bytes`; the search bounds every stage by the last one's, the larger; unpadded, as the search
+    keeps it whatever dp: `partc.passes.assemble.predict` prices FSDP's padding). `backward`:
     `unit_backward_bytes`, when the caller has it.
     """
     units = _unit_list(graph, units_in_stage)
@@ -389,11 +390,13 @@ def _combine_backward_bytes(layer, c: int) -> float:
 
 
 def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
-                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float], last: bool = True) -> float:
+                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float], last: bool = True,
+                 padded: Sequence[float] | None = None) -> float:
     """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU and hold
     `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`;
-    `last` False: in a micro-batch's backward before the last (`zero.working_bytes`)."""
-    extra = max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last) + max([0.0, *backward])
+    `last` False: in a micro-batch's backward before the last; `padded`: the units' elements as FSDP pads them
+    (`zero.working_bytes`)."""
+    extra = max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last, padded=padded) + max([0.0, *backward])
     last_unit = graph.units[-1]
     if not (holds_last and last_unit.layers):
         return extra
