@@ -62,11 +62,12 @@ def model_state_bytes(num_params: float, par: Parallel, shards: int | None = Non
     psi, n, c = float(num_params), shards or par.dp_shard, compute_bytes(par.precision)
     if par.zero == 0:
         return psi * (MASTER_BYTES + c), psi * MASTER_BYTES, psi * ADAM_BYTES
-    shard = (psi if padded is None else float(padded)) / n  # Ψ'/N: every rank's padded shard
+    whole = psi if padded is None else float(padded)  # Ψ': the padded tensors, gathered
+    shard = whole / n  # Ψ'/N: every rank's padded shard
     if par.zero == 1:
-        return shard * MASTER_BYTES + shard * n * c, psi * MASTER_BYTES, shard * ADAM_BYTES
+        return shard * MASTER_BYTES + whole * c, psi * MASTER_BYTES, shard * ADAM_BYTES
     if par.zero == 2:
-        return shard * MASTER_BYTES + shard * n * c, shard * MASTER_BYTES, shard * ADAM_BYTES
+        return shard * MASTER_BYTES + whole * c, shard * MASTER_BYTES, shard * ADAM_BYTES
     return shard * MASTER_BYTES, shard * MASTER_BYTES, shard * ADAM_BYTES
 
 
