@@ -285,6 +285,17 @@ class ModelGraph:
     """Layers whose outputs are read only through their elementwise sum (a token and a position embedding added,
     `passes.trace._sums`): when every one is colwise, the sum stays split in the program and is converted once
     for all of them (`passes.tp`), not once per layer."""
+    edges_into: dict[str, list[str]] = field(init=False, repr=False, compare=False)
+    """Layer -> the sources of its in-edges, in `edges` order: indexed once, on construction (the search prices
+    hundreds of plans of one graph, each unit's edges read many times; `edges` is not changed afterwards)."""
+    edges_out_of: dict[str, list[str]] = field(init=False, repr=False, compare=False)
+    """Layer -> the destinations of its out-edges, in `edges` order (as `edges_into`)."""
+
+    def __post_init__(self) -> None:
+        self.edges_into, self.edges_out_of = {}, {}
+        for e in self.edges:
+            self.edges_into.setdefault(e.dst, []).append(e.src)
+            self.edges_out_of.setdefault(e.src, []).append(e.dst)
 
     def boundary_bytes(self, i: int, micro_batch_size: float, cp: int = 1) -> float:
         """Bytes of one micro-batch across the pipeline boundary after units[i] (0 outside the model: before the

@@ -213,9 +213,8 @@ def _stream_ends(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: Unit
     the tokens' mean) has the norm's output all-gathered forward (backward, each rank keeps its part of the same
     gradient), and that norm, read by no split layer, has its parameters' gradients all-reduced (it ran on each
     rank's part)."""
-    into_all, outof_all = _edge_index(graph)
-    into = {f: into_all[f] for f in unit.layers if f in into_all}
-    outof = {f: outof_all[f] for f in unit.layers if f in outof_all}
+    into = {f: graph.edges_into[f] for f in unit.layers if f in graph.edges_into}
+    outof = {f: graph.edges_out_of[f] for f in unit.layers if f in graph.edges_out_of}
 
     def pools(f: str) -> bool:
         layer = graph.layers[f]
@@ -245,32 +244,12 @@ def heads(graph: ModelGraph, tp: TPPlan | None, fqn: str) -> bool:
     are the same, each keeps its part); the norm's parameters, applied to each rank's part, have their gradients
     all-reduced."""
     layer = graph.layers[fqn]
-    return layer.kind == "linear" and style_of(tp, fqn) == "rowwise" and fqn not in _edge_index(graph)[1]
+    return layer.kind == "linear" and style_of(tp, fqn) == "rowwise" and fqn not in graph.edges_out_of
 
 
 def _norms_into(graph: ModelGraph, fqn: str) -> list[str]:
     """The norms whose outputs layer `fqn` reads, each once."""
-    return [s for s in dict.fromkeys(_edge_index(graph)[0].get(fqn, [])) if graph.layers[s].kind == "norm"]
-
-
-_EDGES: dict[int, tuple[list, int, dict[str, list[str]], dict[str, list[str]]]] = {}
-"""`_edge_index`'s cache: id(graph) -> (its edge list, that list's length, into, out of)."""
-
-
-def _edge_index(graph: ModelGraph) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """(layer -> the sources of its in-edges, layer -> the destinations of its out-edges), in edge order: built
-    once per graph (the search prices hundreds of plans of one graph, each unit's edges read many times)."""
-    hit = _EDGES.get(id(graph))
-    if hit is None or hit[0] is not graph.edges or hit[1] != len(graph.edges):
-        into: dict[str, list[str]] = {}
-        outof: dict[str, list[str]] = {}
-        for e in graph.edges:
-            into.setdefault(e.dst, []).append(e.src)
-            outof.setdefault(e.src, []).append(e.dst)
-        if len(_EDGES) > 16:
-            _EDGES.clear()
-        hit = _EDGES[id(graph)] = (graph.edges, len(graph.edges), into, outof)
-    return hit[2], hit[3]
+    return [s for s in dict.fromkeys(graph.edges_into.get(fqn, [])) if graph.layers[s].kind == "norm"]
 
 
 def routes(graph: ModelGraph, tp: TPPlan | None, fqn: str) -> bool:
@@ -278,7 +257,7 @@ def routes(graph: ModelGraph, tp: TPPlan | None, fqn: str) -> bool:
     sequence parallelism it runs on each rank's part of the sequence, `passes.tp_rewrite`)."""
     layer = graph.layers[fqn]
     return layer.kind != "norm" and style_of(tp, fqn) == "replicate" and \
-        any(style_of(tp, d) == "inner" for d in _edge_index(graph)[1].get(fqn, ()))
+        any(style_of(tp, d) == "inner" for d in graph.edges_out_of.get(fqn, ()))
 
 
 def launch_time(cluster: Cluster, unit: Unit, mode: str) -> float:

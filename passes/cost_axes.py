@@ -178,37 +178,19 @@ def away_experts(graph: ModelGraph, par: Parallel) -> tuple[str, ...]:
 
 def expert_state_bytes(num_params: float, par: Parallel, padded: float | None = None) -> Memory:
     """Model states of `num_params` packed expert parameters on one GPU under ep: ZeRO's stage over the ``dp /
-    ep`` x ``cp`` ranks holding the same experts (`Parallel.expert_shard`, `zero.model_state_bytes`); under
-    ZeRO-0, or where each rank holds its experts alone (``dp == ep`` without cp), as it keeps them whole (fp32
-    weights, gradients and Adam moments, and the compute-dtype copy the forward casts). `padded`: their elements
-    as FSDP pads them over those ranks (`zero.padded_numel`), of which each rank holds its 1/n of whatever ZeRO
-    shards, and under ZeRO 1 and 2 the gathered copy is the whole padded tensor: FSDP cuts dim 0, this rank's
-    E/ep experts, so where E/ep is below n a rank holds a whole expert of the padded tensor (Mixtral-8x7B at ep 4
-    over 16 ranks: 1 of its 2 experts a rank, not 1/16 of them)."""
+    ep`` x ``cp`` ranks holding the same experts (`Parallel.expert_shard`, `zero.model_state_bytes`, of their
+    `padded` elements as FSDP pads them over those ranks, `zero.padded_numel`: FSDP cuts dim 0, this rank's E/ep
+    experts, so where E/ep is below n a rank holds a whole expert of the padded tensor, Mixtral-8x7B at ep 4 over
+    16 ranks: 1 of its 2 experts a rank, not 1/16 of them); under ZeRO-0, or where each rank holds its experts
+    alone (``dp == ep`` without cp), as it keeps them whole (fp32 weights, gradients and Adam moments, and the
+    compute-dtype copy the forward casts)."""
     if par.zero > 0 and par.expert_shard > 1:
-        n, c = par.expert_shard, compute_bytes(par.precision)
-        padded = num_params if padded is None else padded
-        shard = padded / n
-        copy = 0.0 if par.zero == 3 else padded * c  # ZeRO 1, 2: the compute copy, gathered whole (and padded)
-        grads = shard * zero.MASTER_BYTES if par.zero >= 2 else num_params * zero.MASTER_BYTES
-        return Memory(params=shard * zero.MASTER_BYTES + copy, grads=grads, optimizer=shard * zero.ADAM_BYTES)
+        params, grads, optimizer = zero.model_state_bytes(num_params, par, shards=par.expert_shard, padded=padded)
+        return Memory(params=params, grads=grads, optimizer=optimizer)
     params, grads, optimizer = zero.model_state_bytes(num_params, dataclasses.replace(par, zero=0))
     if compute_bytes(par.precision) == zero.MASTER_BYTES:  # fp32: the cast is the weight itself, no copy
         params = num_params * zero.MASTER_BYTES
     return Memory(params=params, grads=grads, optimizer=optimizer)
-
-
-def packed_padding_bytes(num_params: float, padded: float, par: Parallel) -> Memory:
-    """The model states FSDP's padding of `num_params` packed expert parameters adds at ep 1, where they are in the
-    ordinary dp groups (`zero.model_state_bytes` prices them unpadded): FSDP cuts dim 0, the E experts, padded to
-    a multiple of ``dp_shard`` (`padded` elements, `zero.padded_numel`), so where E is below ``dp_shard`` a rank
-    holds a whole expert, not 1/dp_shard of them (Mixtral's 8 experts over dp 32: 4 times the elements), and under
-    ZeRO 1 and 2 gathers the whole padded tensor. The same states as `expert_state_bytes` over ``dp_shard``."""
-    if par.ep > 1 or par.zero == 0 or par.dp_shard == 1 or padded == num_params:
-        return Memory()
-    own = expert_state_bytes(num_params, par, padded)
-    params, grads, optimizer = zero.model_state_bytes(num_params, par)
-    return Memory(params=own.params - params, grads=own.grads - grads, optimizer=own.optimizer - optimizer)
 
 
 def expert_dp_bytes(num_params: float, padded: float, par: Parallel) -> float:

@@ -14,7 +14,7 @@ from partc.precision import compute_bytes
 from partc.sharding import param_shard
 from partc.vocab_loss import VOCAB_PARALLEL
 from partc.passes.cost_types import Memory, TPPlan, _unit_list, is_split, recompute_mode, style_of, tokens
-from partc.passes.cost_axes import away_experts, routed_rows_layers
+from partc.passes.cost_axes import away_experts, expert_keys, routed_rows_layers
 
 from . import schedule, zero
 
@@ -58,11 +58,12 @@ def stage_param_count(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     return sum(merged.values())
 
 
-def model_state_bytes(num_params: float, par: Parallel) -> Memory:
+def model_state_bytes(num_params: float, par: Parallel, padded: float | None = None) -> Memory:
     """Model states per GPU of `num_params` parameters (already divided by TP and PP): the FSDP policies of the
     runtime under the plan's precision (`partc.passes.zero`'s table; Rajbhandari et al.'s 16Ψ, 4Ψ + 12Ψ/N_d...
-    assume 16-bit gradients, Megatron-LM's 18Ψ fp32 ones, as here)."""
-    params, grads, optimizer = zero.model_state_bytes(num_params, par)
+    assume 16-bit gradients, Megatron-LM's 18Ψ fp32 ones, as here). `padded`: their elements as FSDP pads them
+    over ``dp_shard`` (`zero.padded_numel`; unpadded unless given: a lower bound)."""
+    params, grads, optimizer = zero.model_state_bytes(num_params, par, padded=padded)
     return Memory(params=params, grads=grads, optimizer=optimizer)
 
 
@@ -102,14 +103,15 @@ def fsdp_groups(graph: ModelGraph, par: Parallel, tp: TPPlan | None, chunk: Sequ
     """FSDP's groups for one model chunk, as `partc.runtime.parallelize.apply_zero` makes them: (parameters of each
     unit with a group of its own, their padded elements, the padded elements of the chunk's root group, its
     parameters). A parameter shared by two units of the chunk (a tied embedding and head) puts both units in the
-    root group. `local_shapes`: `unit_local_shapes`, when the caller has it."""
+    root group. The packed experts under ep are in groups of their own (`expert_keys`): left out of the elements.
+    `local_shapes`: `unit_local_shapes`, when the caller has it."""
     shapes = [local_shapes[i] if local_shapes is not None else _param_local_shapes(graph, par, tp, graph.units[i])
               for i in chunk]
     owners: dict[str, int] = {}
     for j, s in enumerate(shapes):
         for key in s:
             owners[key] = owners.get(key, 0) + 1
-    own, own_padded, rest, rest_padded, seen = [], 0.0, 0.0, 0.0, set()
+    own, own_padded, rest, rest_padded, seen = [], 0.0, 0.0, 0.0, set(expert_keys(graph, par))
     for s in shapes:
         shared = any(owners[k] > 1 for k in s)
         numel = sum(math.prod(v) for k, v in s.items() if k not in seen)
@@ -281,7 +283,8 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
       then), or with the vocab-parallel loss (`tp_loss`) `vocab_loss_bytes` per logit of this rank's columns.
       The larger of the two moments; measured by ``partc check``.
     `shards`: `unit_param_shards`, when the caller has it. `last` False: in a micro-batch's backward before the last
-    (`zero.working_bytes`; the search bounds every stage by the last one's, the larger). `backward`:
+    (`zero.working_bytes`; the search bounds every stage by the last one's, the larger; unpadded, as the search
+    keeps it whatever dp: `partc.passes.assemble.predict` prices FSDP's padding). `backward`:
     `unit_backward_bytes`, when the caller has it.
     """
     units = _unit_list(graph, units_in_stage)
@@ -387,11 +390,13 @@ def _combine_backward_bytes(layer, c: int) -> float:
 
 
 def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
-                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float], last: bool = True) -> float:
+                 sizes: Sequence[float], holds_last: bool, backward: Sequence[float], last: bool = True,
+                 padded: Sequence[float] | None = None) -> float:
     """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU and hold
     `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`;
-    `last` False: in a micro-batch's backward before the last (`zero.working_bytes`)."""
-    extra = max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last) + max([0.0, *backward])
+    `last` False: in a micro-batch's backward before the last; `padded`: the units' elements as FSDP pads them
+    (`zero.working_bytes`)."""
+    extra = max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last, padded=padded) + max([0.0, *backward])
     last_unit = graph.units[-1]
     if not (holds_last and last_unit.layers):
         return extra

@@ -535,6 +535,32 @@ def test_interleaved_zero1_holds_one_chunks_accumulation(tmp_path):
         assert r.memory_bytes["grads"] == pytest.approx(r.predicted_memory_bytes["grads"], rel=0.01), r.pp_rank
 
 
+@pytest.mark.slow  # two compiles and `partc check`s of 4 and 8 ranks' plans: about 15 s
+def test_fsdp_padding_of_rows_that_do_not_divide_dp(tmp_path):
+    """A vocabulary of 101 rows over dp 4 and 8: FSDP2 gives every rank ceil(101 / N) rows of the embedding and the
+    head (26 and 13, the padded 104 over N), so the sharded fp32 weights, ZeRO-3's gradient shards and Adam's
+    moments hold the padded tensor's 1/N, and ZeRO-1's gathered bf16 copy the padded rows (its fp32 accumulation
+    is the unsharded gradient: unpadded). The plan prices every parameter padded (`zero.model_state_bytes`); it
+    priced them unpadded: 576 bytes of weights and 384 of optimizer states too few at dp 4, ZeRO-1."""
+    from helpers import compile_program
+
+    torch.set_num_threads(1)
+    path = tmp_path / "gpt_v101.py"
+    path.write_text((EXAMPLES / "gpt.py").read_text()
+                    + '\nSIZES["tiny"] = GPTConfig(vocab_size=101, hidden=32, layers=1, seq_len=16)\n')
+    tensors = 17  # AdamW's step counter, 4 bytes a parameter tensor, which the plan leaves out
+    for dp, zero in ((4, 1), (8, 3)):
+        out = tmp_path / f"dp{dp}_z{zero}"
+        compile_program(path, out, global_batch_size=dp, tp=1, pp=1, dp=dp, zero=zero, micro_batch_size=1,
+                        schedule="1f1b", recompute="none", precision="bf16")
+        [r] = check_program(str(out), slack_bytes=0)
+        measured, predicted = r.memory_bytes, r.predicted_memory_bytes
+        for c in ("params", "grads"):
+            assert measured[c] == predicted[c], (dp, zero, c)
+        assert measured["optimizer"] == predicted["optimizer"] + 4 * tensors, (dp, zero)
+        assert r.comm_bytes["dp"] == r.predicted_comm_bytes["dp"] > 0, (dp, zero)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "llama_sp"])
 def test_pipeline_boundaries_go_once_used(tmp_path, monkeypatch, model):

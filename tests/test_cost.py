@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 
 import pytest
@@ -90,6 +91,21 @@ def test_zero_split_by_kind():
 
 
 # --- 2. Activations (Korthikanti et al. 2022, Table 2) --------------------------------------------------
+
+
+def test_edge_index_is_the_graph_s_own():
+    """A graph's edges indexed by layer, in edge order, made with the graph (a cache keyed by ``id(graph)`` could
+    hand a new graph at a reused id the index of the old one): a copy with other edges has its own. `heads` reads
+    it: the output layer, read by no layer, heads the model under rowwise."""
+    g = gpt_graph(num_blocks=1)
+    assert g.edges_into["lm_head"] == ["ln_f"] and "lm_head" not in g.edges_out_of
+    assert [e.dst for e in g.edges if e.src == "ln_f"] == g.edges_out_of["ln_f"]
+    tp = SimpleNamespace(styles={"lm_head": "rowwise"}, collectives={})
+    assert cost.heads(g, tp, "lm_head")
+    extra = dataclasses.replace(g.edges[-1], src="lm_head", dst="ln_f")
+    h = dataclasses.replace(g, edges=[*g.edges, extra])
+    assert h.edges_out_of["lm_head"] == ["ln_f"] and "lm_head" not in g.edges_out_of
+    assert not cost.heads(h, tp, "lm_head")
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])

@@ -661,9 +661,10 @@ def test_check_agrees_on_experts_padded_by_fsdp(tmp_path, model_files):
     not a quarter), and under ZeRO 1 and 2 gathers the 4 padded rows. The plan prices the padded tensor
     (`cost.expert_state_bytes`); `partc check` measures the same model states (it measured 62% more optimizer
     states than the plan priced unpadded). At ep 1 the 4 experts are in the ordinary dp groups, padded to 8 rows:
-    each rank holds a whole expert (a quarter of them, not an eighth), priced padded
-    (`cost_axes.packed_padding_bytes`; `partc check` measured 62% more weights and optimizer states under ZeRO-3
-    than the plan priced unpadded)."""
+    each rank holds a whole expert (a quarter of them, not an eighth), priced padded as every parameter is
+    (`zero.model_state_bytes`; `partc check` measured 62% more weights and optimizer states under ZeRO-3 than the
+    plan priced unpadded), and ZeRO-3 gathers two layers of 8 padded rows at a time (`zero.working_bytes`: it
+    measured 25% more activations than the plan priced them unpadded)."""
     from helpers import compile_program
 
     for ep, zero in ((2, 1), (2, 2), (1, 1), (1, 3)):
@@ -674,6 +675,9 @@ def test_check_agrees_on_experts_padded_by_fsdp(tmp_path, model_files):
         for what in ("memory params", "memory grads", "memory optimizer"):
             assert rows[what]["measured"] == pytest.approx(rows[what]["predicted"], rel=0.01), (ep, zero, what)
         assert rows["comm dp"]["measured"] == rows["comm dp"]["predicted"] > 0, (ep, zero)
+        if (ep, zero) == (1, 3):
+            activations = rows["memory activations"]
+            assert activations["measured"] == pytest.approx(activations["predicted"], rel=0.1)
 
 
 @pytest.mark.slow  # a compile and `partc check` of 4 ranks' plan
