@@ -442,6 +442,7 @@ class _Rewriter(SequenceRewriter):
             u.replace_input_with(view if through is not None else node, final)
         return None
 
+
 def rewrite(ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
             styles: dict[str, str], t: int, aliases: dict[str, list[str]], *,
             sequence_parallel: bool = False, keep_split: int | None = None, seq_len: int | None = None,
