@@ -825,7 +825,7 @@ def test_cp_takes_followed_experts_as_per_token(model_files):
     refuses the model at the experts' sort. The router's ``topk`` over the experts (its dim left to the default)
     keeps the sequence where it is."""
     from partc.cluster import load_cluster
-    from partc.compile import context_graph
+    from partc.compile_traces import context_graph
     from partc.errors import PartcError
     from partc.model_file import build_on_meta, load_model_file
     from partc.passes.assign import assign
