@@ -16,13 +16,14 @@ from types import SimpleNamespace
 
 from partc.cluster import Cluster
 from partc.ir import ModelGraph
-from partc.parallel import Parallel, Reads
+from partc.parallel import Parallel
+from partc.reads import Reads
 from partc.passes import assemble, cost
 from partc.passes.stages import FreeSplits, partition_stages, stage_memory
 from partc.passes.tp import SolveCache, TPSolution
 from partc.passes.tp_solve import solve_tp_choices
 
-# The search's cached quantities (`partc.parallel.Reads`): each key is every field of `Parallel` but those the
+# The search's cached quantities (`partc.reads.Reads`): each key is every field of `Parallel` but those the
 # quantity declares it ignores, so a field added to `Parallel` is part of every key until a quantity declares itself
 # independent of it. A quantity that depends on a function of ignored fields (say, whether the pipeline has more
 # than one rank) adds that value to its key explicitly.

@@ -861,7 +861,8 @@ def test_ep_groups_under_cp(monkeypatch):
 
     import torch.distributed as dist
 
-    from partc.parallel import SUB_AXES_BY_NAME, Parallel
+    from partc.mesh_axes import SUB_AXES_BY_NAME
+    from partc.parallel import Parallel
     from partc.runtime.mesh import sub_axis_groups
 
     par = Parallel(pp=2, dp=4, cp=2, tp=2, ep=2, zero=1, micro_batch_size=1, global_batch_size=4)

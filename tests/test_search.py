@@ -25,7 +25,8 @@ from helpers import EXAMPLES, GiB
 from partc.cluster import PRESETS, Cluster
 from partc.passes import assemble, cost
 from partc.model_file import build_on_meta, load_model_file
-from partc.parallel import TP_STYLES, Parallel, Pins, Reads
+from partc.parallel import TP_STYLES, Parallel, Pins
+from partc.reads import Reads
 from partc.passes import search_costs, search_space
 from partc.passes.search import search
 from partc.passes.search_costs import _Costs
