@@ -87,7 +87,7 @@ MXNET = Published("MXNet DLE (mxnet-22.10)", 512, {1: 3410.52, 8: 26673.72}, {1:
 
 
 def trace_file(path: Path, precision: str = "bf16"):
-    from partc.compile import meta_inputs
+    from partc.compile_traces import meta_inputs
     from partc.model_file import build_on_meta, load_model_file
     from partc.passes.trace import trace
 

@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from partc.parallel import AXES_BY_NAME
+from partc.mesh_axes import AXES_BY_NAME
 
 _GROUPS: dict[str, dist.ProcessGroup | None] = {}
 
 
 def set_groups(groups: Mapping[str, dist.ProcessGroup | None]) -> None:
-    """The process group of each axis (`partc.parallel.AXES`), replacing the whole table: an axis left out has
+    """The process group of each axis (`partc.mesh_axes.AXES`), replacing the whole table: an axis left out has
     none, and ``set_groups({})`` forgets every group."""
     unknown = sorted(set(groups) - set(AXES_BY_NAME))
     assert not unknown, f"not axes of the mesh: {unknown}"

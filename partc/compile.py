@@ -3,7 +3,10 @@
     load model file -> trace on meta -> layer graph -> search (TP solve, stage split, cost model) -> plan
 
 Each step is a function over typed data; `--dump-dir` writes the intermediate results (`graph.txt`,
-`costs.json`) and `--from-plan` replaces the search by a plan read back from disk.
+`costs.json`) and `--from-plan` replaces the search by a plan read back from disk. The plan of the chosen candidate
+(and a plan read back, checked and predicted again) is `partc.compile_plan`'s; the model's further traces (its loss,
+its graph at s/cp tokens) are `partc.compile_traces`'. Here: the steps, the check of a sequence-parallel plan
+against the program that runs it, and the program.
 """
 
 from __future__ import annotations
@@ -12,37 +15,32 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.fx import GraphModule
 
 from partc import output, report
-from partc._torch import tree_unflatten
 from partc.cluster import Cluster, load_cluster
 from partc.deferred_init import record
 from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
-from partc.precision import cast_floating, compute_dtype
-from partc.plan import Plan, Stage, read_plan
+from partc.plan import Plan, read_plan
 from partc.passes import assemble, cost
 from partc.model_file import ModelSpec, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
-from partc.passes.tp import evaluate_tp
 from partc.passes.codegen import GeneratedProgram, generate
-from partc.passes.context import ContextSplit, analyze as analyze_context, local_inputs
-from partc.passes.experts import token_wise_nodes
+from partc.passes.context import local_inputs
 from partc.passes.export import CHECKPOINT_CALLS, export_on_meta
 from partc.passes.rebatch import rebatch
 from partc.value_sized import EXPECTED_SIZES, expected_sizes
-from partc.passes.assign import assign
 from partc.passes.trace import Traced, trace
 from partc import vocab_loss
+from partc.compile_plan import dump, make_plan, no_fit_message, replan
+from partc.compile_traces import context_graph, find_vocab_loss, meta_inputs
 from partc.compile_notes import (batch_norm_note, batch_norms, checkpoint_note, expected_sizes_note,
                                   init_warnings, refuse_single_value_norms, tp_unsplit_note, written_buffers,
                                   written_buffers_note)
@@ -68,13 +66,6 @@ class CompileResult:
     """Seconds: trace (export + measure on meta), passes (graph build), solve (search), total."""
     warnings: list[str] = field(default_factory=list)
     """What a run of the program needs to know, one line each (the CLI prints ``warning: LINE``)."""
-
-
-def meta_inputs(spec: ModelSpec, batch_size: int, precision: str) -> tuple[tuple, dict]:
-    """The model's example inputs on meta, floating-point ones in the compute dtype (as the runtime feeds them)."""
-    with torch.device("meta"):
-        args, kwargs = spec.inputs(batch_size)
-    return cast_floating((args, kwargs), compute_dtype(precision))
 
 
 PHASES = ("loading the model", "tracing", "searching plans", "writing the plan and the program")
@@ -181,7 +172,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                 result = search(graph, clus, gpus, global_batch_size=gbs, pins=pins)
                 cp_refused = str(e)
         if result.best is None:
-            raise PartcError(_no_fit_message(clus, result))
+            raise PartcError(no_fit_message(clus, result))
         if result.best.parallel.sequence_parallel and pins.sequence_parallel is None:
             # The search chose sequence parallelism, priced with its edges (the embeddings' sum scattered, the
             # final norm's output gathered for the output layer) as the program runs them. Where the program does
@@ -195,7 +186,7 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
         best = result.best
     else:
         result = None
-        best = _replan(graph, clus, gpus, plan_in, global_batch_size)
+        best = replan(graph, clus, gpus, plan_in, global_batch_size)
         if best.parallel.micro_batch_size == 1 and norms.single:
             refuse_single_value_norms(norms)
     t_solve = time.perf_counter()
@@ -266,38 +257,6 @@ def compile_model(path: str, *, gpus: int, entry: str = "model", cluster: str | 
                          timings=timings, warnings=warnings)
 
 
-def find_vocab_loss(spec: ModelSpec, model: torch.nn.Module, traced: Traced) -> tuple[dict, str]:
-    """(`ModelGraph.vocab_loss`, why not): the model output that is an output layer's logits (the layer's linear,
-    then at most casts and views that keep its last dimension), with the loss traced on meta and proven to be the
-    mean cross-entropy of those logits (`partc.vocab_loss.match`)."""
-    ep, graph = traced.exported, traced.graph
-    readers = {e.src for e in graph.edges if e.src != e.dst}
-    heads = {f for f, layer in graph.layers.items() if layer.kind == "linear" and f not in readers}
-    node_layer = assign(ep, model).node_layer
-    outs = list(ep.graph.output_node().args[0])
-    found = []
-    for i, o in enumerate(outs):
-        x = o
-        while isinstance(x, torch.fx.Node) and x.target in vocab_loss.SAME | vocab_loss.VIEWS and \
-                x.args[0].meta["val"].shape[-1:] == x.meta["val"].shape[-1:]:
-            x = x.args[0]
-        fqn = node_layer.get(x) if isinstance(x, torch.fx.Node) else None
-        if fqn in heads and x.target is torch.ops.aten.linear.default and \
-                o.meta["val"].shape[-1] == graph.layers[fqn].out_features:
-            found.append((i, fqn))
-    if len(found) != 1:
-        return {}, "no model output is one output layer's logits" if not found else \
-            "several model outputs are output layers' logits"
-    (i, fqn), = found
-    gm = model_loss(spec, traced)
-    if isinstance(gm, str):  # a loss partc cannot trace is gathered as before
-        return {}, gm
-    m = vocab_loss.match(gm, len(outs), i, graph.layers[fqn].out_features, 1)
-    if isinstance(m, str):
-        return {}, m
-    return {"head": fqn, "output": i, "rows": m.rows_per_sample}, ""
-
-
 def sequence_fallbacks(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: Plan, *, path: str,
                        entry: str) -> tuple[list[str], GeneratedProgram | None]:
     """Where the program of a sequence-parallel `plan` does not keep the activations split along the sequence
@@ -334,7 +293,7 @@ def settle_sequence_parallel(graph: ModelGraph, clus: Cluster, gpus: int, global
         return dataclasses.replace(result, best=priced, alternatives=[c for c in [without.best, *without.alternatives]
                                                                       if c is not None]), program
     if without.best is None:
-        raise PartcError(_no_fit_message(clus, without))
+        raise PartcError(no_fit_message(clus, without))
     return without, None
 
 
@@ -400,199 +359,3 @@ def make_program(spec: ModelSpec, model: torch.nn.Module, traced: Traced, plan: 
         return generate(ep, model, plan, model_path=spec.path, entry=entry, layers=traced.graph.layers,
                         vocab_loss=vocab, context=split,
                         seq_len=traced.graph.seq_len // cp if traced.graph.seq_len else None)
-
-
-def context_graph(spec: ModelSpec, model: torch.nn.Module, traced: Traced, cp: int, *, path: str,
-                  precision: str) -> tuple[torch.export.ExportedProgram, ContextSplit]:
-    """The model exported at one sample of s/cp tokens, and the proof that it computes per position but for the
-    ops `partc.passes.context` rewrites (PartcError naming the first op that mixes positions otherwise)."""
-    seq_len = traced.graph.seq_len
-    if not seq_len:
-        raise PartcError(f"--cp {cp}: partc found no sequence in the model's inputs")
-    args, kwargs = local_inputs(*meta_inputs(spec, 1, precision), seq_len, cp)
-    with torch.device("meta"):
-        targets = spec.targets(1)
-    for t in torch.utils._pytree.tree_leaves(targets):
-        if isinstance(t, torch.Tensor) and [d for d in range(1, t.dim()) if t.shape[d] == seq_len] == []:
-            raise PartcError(f"--cp {cp}: a target of shape {list(t.shape)} has no dim of {seq_len} tokens; context "
-                             f"parallelism needs a loss over the tokens (the mean over every token of the batch)")
-    gm = model_loss(spec, traced)
-    kind = gm if isinstance(gm, str) else vocab_loss.reduction(gm)
-    if kind not in (vocab_loss.TOKENS, vocab_loss.ELEMENTS):
-        raise PartcError(f"context parallelism (--cp {cp}) is not proven for this loss: {kind}; each cp rank's "
-                         f"loss must be a mean over its tokens (a cross-entropy, whose counted tokens partc "
-                         f"weighs) or over as many elements as every other rank's")
-    moved = vocab_loss.moved_positions(gm)
-    if moved:
-        raise PartcError(f"context parallelism (--cp {cp}) is not proven for this loss: it moves positions "
-                         f"({moved}: a shift of the targets or outputs along the sequence, as Hugging Face's "
-                         f"causal-LM loss shifts its labels), and each cp rank holds only chunks of the sequence; "
-                         f"give targets already aligned with the positions (examples/llama.py's loss_fn)")
-    local = export_on_meta(model, args, kwargs, path=path, precision=precision)
-    experts = token_wise_nodes(local, assign(local, model).node_layer, traced.graph.layers)
-    return local, analyze_context(traced.exported, local, cp, seq_len, token_wise=experts)
-
-
-def model_loss(spec: ModelSpec, traced: Traced) -> GraphModule | str:
-    """The model file's loss traced to ATen ops on meta tensors shaped like the traced model's outputs at one sample
-    (`partc.vocab_loss.trace_loss`); or why it could not be traced (a phrase)."""
-    ep = traced.exported
-    outs = list(ep.graph.output_node().args[0])
-    flat = [torch.empty(o.meta["val"].shape, dtype=torch.float32 if o.meta["val"].is_floating_point()
-                        else o.meta["val"].dtype, device="meta") for o in outs]
-    try:
-        with torch.device("meta"):
-            targets = spec.targets(1)
-        gm, _ = vocab_loss.trace_loss(spec.loss_fn, lambda f: tree_unflatten(f, ep.call_spec.out_spec), flat, targets)
-    except Exception as e:  # noqa: BLE001 - the model file's code
-        return f"the loss could not be traced on meta tensors ({type(e).__name__})"
-    return gm
-
-
-def _no_fit_message(clus: Cluster, result: SearchResult) -> str:
-    usable = clus.usable_memory_bytes
-    gib = 1024**3
-    if result.least_memory is None:
-        return f"no plan fits in {usable / gib:.1f} GiB per GPU on {clus.name}"
-    c = result.least_memory_candidate
-    p = c.parallel
-    return (f"the model fits no plan: the least memory any plan needs is {result.least_memory / gib:.1f} GiB per "
-            f"GPU ({p.summary()}), but a {clus.gpu} has {usable / gib:.1f} GiB usable "
-            f"({clus.memory_bytes / gib:.1f} GiB less its reserves); "
-            f"use more GPUs or a larger GPU")
-
-
-def _replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batch_size: int | None) -> Candidate:
-    """Validate a plan from disk against the model and cluster, and predict it again."""
-    par = plan.parallel
-    if par.world_size != gpus:
-        raise PartcError(f"the plan is for {par.world_text()} GPUs, but --gpus is {gpus}")
-    if global_batch_size is not None and global_batch_size != par.global_batch_size:
-        raise PartcError(f"the plan's global batch is {par.global_batch_size}, but --global-batch-size is "
-                         f"{global_batch_size}")
-    if plan.cluster.get("name") not in (None, clus.name):
-        raise PartcError(f"the plan was made for cluster {plan.cluster.get('name')!r}; pass --cluster "
-                         f"{plan.cluster.get('name')} (or the same cluster file)")
-    if par.tp > clus.gpus_per_node:
-        raise PartcError(f"tp {par.tp} exceeds the {clus.gpus_per_node} GPUs of a node")
-    want = par.num_stages
-    if len(plan.stages) != want:
-        raise PartcError(f"the plan has {len(plan.stages)} stages; pp x virtual_stages = {want}")
-    index = {u.fqn: i for i, u in enumerate(graph.units)}
-    bounds, pos = [], 0
-    for s in plan.stages:
-        for m in s.modules:
-            if m not in index:
-                raise PartcError(f"stage {s.index} names {m!r}, which is not a unit of the model (units: "
-                                 f"{', '.join(u.fqn for u in graph.units[:6])}, ...)")
-        ids = [index[m] for m in s.modules]
-        if ids != list(range(pos, pos + len(ids))):
-            raise PartcError(f"stage {s.index} must hold the next units in execution order, starting at "
-                             f"{graph.units[pos].fqn if pos < len(graph.units) else '(none left)'}")
-        bounds.append((pos, pos + len(ids)))
-        pos += len(ids)
-    if pos != len(graph.units):
-        raise PartcError(f"the stages cover {pos} of the model's {len(graph.units)} units; missing "
-                         f"{graph.units[pos].fqn} and after")
-    for k, (_, end) in enumerate(bounds[:-1]):
-        if graph.cut_ok and not graph.cut_ok[end - 1]:
-            why = "a tensor whose size depends on values (a routing's selected tokens) would cross it" \
-                if graph.cut_value_sized and graph.cut_value_sized[end - 1] else \
-                "an op before that boundary reads one after it"
-            raise PartcError(f"stage {k} cannot end at {graph.units[end - 1].fqn}: {why}; move the boundary")
-    unknown = sorted(set(plan.tp) - set(graph.layers))
-    if unknown:
-        raise PartcError(f"the plan's tp map names {unknown[0]!r}, which is not a layer of the model")
-    missing = [f for f in graph.layers if f not in plan.tp]
-    if missing:
-        raise PartcError(f"the plan's tp map has no style for layer {missing[0]!r} ({len(missing)} missing)")
-    tp = evaluate_tp(graph, par.tp, plan.tp, clus, par.micro_batch_size)
-    pred = assemble.predict(graph, clus, par, tp, bounds)
-    if not cost.fits(clus, pred.memory_per_gpu):
-        gib = 1024**3
-        raise PartcError(f"the plan needs {pred.memory_per_gpu.total / gib:.1f} GiB per GPU but a {clus.gpu} has "
-                         f"{clus.usable_memory_bytes / gib:.1f} GiB usable")
-    return Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)
-
-
-def expert_routing(imbalance: float) -> str:
-    """The plan's ``predicted.expert_routing`` under ep: the routing its numbers assume, and whose they are."""
-    if imbalance == 1.0:
-        return "uniform: every expert gets an equal share of every rank's (token, expert) pairs"
-    return (f"skewed: the busiest rank of each ep group receives {imbalance:g} times the mean (token, expert) rows, "
-            f"every rank sending it {imbalance:g}/ep of its own; predicted.ranks[] are that rank's: its experts' "
-            f"compute and activations {imbalance:g} times the mean rows', its all-to-alls as long as its share takes "
-            f"to arrive, and comm_bytes.ep the bytes that leave it, as the runtime counts them")
-
-
-def _predicted(pred: cost.Prediction, global_batch_size: int, imbalance: float = 1.0) -> dict:
-    return {
-        "step_time_s": pred.step_time_s, "tokens_per_s": pred.tokens_per_s,
-        "samples_per_s": global_batch_size / pred.step_time_s,
-        "model_tflops_per_gpu": pred.model_tflops_per_gpu, "mfu": pred.mfu,
-        "bubble_fraction": pred.bubble_fraction, "memory_per_gpu": pred.memory_per_gpu.to_dict(),
-        "breakdown_s": {"compute": pred.compute_s, "tp_comm": pred.tp_comm_s, "pp_comm": pred.pp_comm_s,
-                        "bubble": pred.bubble_s, "dp_comm": pred.dp_comm_s, "optimizer": pred.optimizer_s},
-        # One entry per pipeline rank, in rank order: what one GPU of it needs and moves in a step (the runtime
-        # measures the same: partc.runtime.comm, `--log-jsonl`).
-        "ranks": [{"time_s": r.time_s, "memory_bytes": r.memory.to_dict(),
-                   "comm_bytes": {axis: int(round(nbytes)) for axis, nbytes in r.comm_bytes.items()},  # axes in use
-                   "timeline_s": r.timeline_s}  # what the step's walk takes (`partc.timeline`, report.html)
-                  for r in pred.ranks],
-        # Under ep, the routing the all-to-alls and the experts' GEMMs are priced at (docs/expert-parallel.md).
-        **({"expert_routing": expert_routing(imbalance)}
-           if any("ep" in r.comm_bytes for r in pred.ranks) else {}),
-    }
-
-
-def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchResult | None, *, path: str,
-              entry: str, tokens: bool = True) -> Plan:
-    """`tokens`: the model takes token inputs (its throughput is in tokens/s; else in samples/s)."""
-    par, pred = best.parallel, best.prediction
-    stages = []
-    for k, (lo, hi) in enumerate(best.bounds):
-        rank = pred.ranks[k % par.pp]
-        stages.append(Stage(index=k, rank=k % par.pp, modules=[u.fqn for u in graph.units[lo:hi]],
-                            predicted={"time_s": rank.time_s, "memory_bytes": int(round(rank.memory.total))}))
-    model = {"name": graph.name, "path": path, "entry": entry, "num_params": graph.num_params,
-             "num_units": len(graph.units), **{k: v for k, v in graph.info.items() if v is not None},
-             "throughput_unit": "tokens" if tokens else "samples"}
-    alternatives = []
-    for c in (result.alternatives[:5] if result else []):
-        alternatives.append({"parallel": c.parallel.to_dict(), "step_time_s": c.step_time_s,
-                             "memory_bytes": int(round(c.prediction.memory_per_gpu.total)),
-                             "mfu": c.prediction.mfu})
-    return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
-                predicted=_predicted(pred, par.global_batch_size, par.imbalance), alternatives=alternatives,
-                tp_why=dict(best.tp.why), tp_loss=cost.tp_loss(graph, par, best.tp))
-
-
-def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path) -> None:
-    """`graph.txt` (units, layers, edges) and `costs.json` (per-unit costs under the chosen plan)."""
-    out = Path(dump_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {graph.name}: {graph.num_params:,} parameters, {len(graph.units)} units, "
-             f"{len(graph.layers)} layers, seq_len {graph.seq_len} (per sample, unsharded)"]
-    for u in graph.units:
-        lines.append(f"unit {u.fqn} [{u.kind}] params={u.num_params:,} fwd_flops={u.fwd_flops:.4g} "
-                     f"saved={u.saved_bytes:,}B core={u.saved_bytes_core:,}B input={u.input_bytes:,}B")
-        for m in u.layers:
-            layer = graph.layers[m]
-            lines.append(f"  layer {m} {layer.type} ({layer.kind}) in={layer.in_features} out={layer.out_features} "
-                         f"col_groups={layer.col_groups} row_groups={layer.row_groups} fused={layer.fused} "
-                         f"params={layer.num_params:,} fwd_flops={layer.fwd_flops:.4g} tp={best.tp.styles.get(m)}")
-    for e in graph.edges:
-        lines.append(f"edge {e.src} -> {e.dst} bytes={e.bytes:,} shard_ok={e.shard_ok}")
-    (out / "graph.txt").write_text("\n".join(lines) + "\n")
-    par = best.parallel
-    parts = cost.unit_time_parts(graph, clus, par, best.tp)
-    params = cost.unit_param_counts(graph, par, best.tp)
-    acts = cost.unit_activation_bytes(graph, par, best.tp)
-    units = [{"unit": u.fqn, "compute_s": parts[i].compute_s, "tp_comm_s": parts[i].tp_comm_s,
-              "params_per_gpu": params[i], "activation_bytes_per_microbatch": acts[i],
-              "collectives": [{"kind": c.kind, "phase": c.phase, "bytes_per_sample": c.nbytes, "reason": c.reason}
-                              for c in best.tp.collectives.get(u.fqn, [])]}
-             for i, u in enumerate(graph.units)]
-    data = {"parallel": par.to_dict(), "units": units, "prediction": best.prediction.to_dict(),
-            "cut_bytes_per_sample": graph.cut_bytes, "cut_fixed_bytes_per_micro_batch": graph.cut_fixed_bytes}
-    (out / "costs.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

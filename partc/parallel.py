@@ -3,14 +3,9 @@
 Everything else is derived from `Parallel`: the plan's ``parallel`` section (`Parallel.to_dict` /
 `Parallel.from_dict`), the one-line summary people read (`Parallel.summary`), the search's pins (`Pins`, one
 optional field per choice of `Parallel`) and the CLI options that set them, the cache keys of the cost model
-(`Reads`: every field but those a quantity declares it ignores), where each mesh axis's groups sit on the nodes
-(`Parallel.spans_nodes`, `Parallel.ranks_per_node`) and the runtime's device mesh (`MESH`, `Parallel.degrees`,
-`Parallel.coords`).
-
-The mesh is torchtitan's: axes `MESH` = (``pp``, ``dp``, ``cp``, ``tp``), outermost first. ``tp`` is innermost
-(neighbouring ranks, the same node: the most traffic), ``pp`` outermost (point-to-point only):
-
-    global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+(`partc.reads.Reads`: every field but those a quantity declares it ignores), where each mesh axis's groups sit on
+the nodes (`Parallel.spans_nodes`, `Parallel.ranks_per_node`) and the runtime's device mesh (`Parallel.degrees`,
+`Parallel.coords` over the axes of `partc.mesh_axes`).
 
 A new dimension (say, context parallelism ``cp``) is a field here, with its `MeshAxis` in `MESH` if it has one;
 the cost model, the search space and the runtime's ``apply_*`` for it read the field
@@ -22,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from partc.errors import PartcError
+from partc.mesh_axes import MESH, MESH_AXES, MESH_BY_NAME, SUB_AXES_BY_NAME, group_spans_nodes
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
@@ -36,93 +31,6 @@ TP_STYLES = ("colwise", "rowwise", "replicate", "inner")
 """Tensor-parallel styles of a layer (`partc.passes.tp`): Megatron-LM's colwise and rowwise splits of a Linear or an
 Embedding, whole, and ``inner``: a layer split inside as Megatron splits an MLP, its first products colwise and its
 last rowwise, its output a partial sum (a mixture of experts' packed weights, `partc.passes.experts`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class MeshAxis:
-    """One axis of the device mesh. Its `name` is the one word every layer uses for it: the `Parallel` field of its
-    degree, the plan's key (``parallel.<name>``, ``predicted.ranks[].comm_bytes.<name>``), the runtime mesh's
-    dimension and process group (``world.groups[<name>]``), a rank's coordinate (``<name>_rank`` in `partc run`'s
-    and `partc check`'s per-rank records) and the CLI pin (``--<name>``, made from the field like every pin).
-
-    How it divides the world: the degrees of the axes of `MESH` multiply to the world size, and the axes nest in
-    `MESH` order, outermost first (`Parallel.coords`): the members of one of its groups are the product of the
-    degrees inside it apart (`Parallel.spans_nodes`). A sub-axis (`within`) divides another axis instead."""
-
-    name: str
-    within: str | None = None
-    """None: a dimension of the device mesh (in `MESH`). Otherwise the mesh axis it is a sub-axis of (``ep`` of
-    ``dp``, as torchtitan and Megatron-Core carve expert parallelism from data parallelism), not a dimension of the
-    mesh: its degree divides that axis's, each group of that axis splits into groups of this many neighbours on it
-    (`coordinate`), and the world size does not count it. Its groups exist, and plans and per-rank traffic carry
-    it, only where its degree is above 1 (`in_use`): plans without it read as before it existed."""
-    across: tuple[str, ...] = ()
-    """Mesh axes besides `within` over which the ranks at one coordinate of this sub-axis hold the same parameters
-    and get partial gradients of them: the group across the sub-axis (`across_degree` ranks) spans them too.
-    ``ep``: ``cp``, since each context-parallel rank routes other tokens of the same samples to the same experts,
-    so the experts' gradients are reduced (and ZeRO shards them) over the ``dp / ep`` x ``cp`` ranks holding
-    them, as the other parameters' over ``dp`` x ``cp``."""
-
-    @property
-    def position(self) -> int:
-        """Its index in the mesh, outermost first (an axis of `MESH`)."""
-        return MESH_AXES.index(self.name)
-
-    @property
-    def pin(self) -> str:
-        """The CLI option that fixes its degree."""
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def rank_key(self) -> str:
-        """The coordinate's key in per-rank records (``dp_rank``)."""
-        return f"{self.name}_rank"
-
-    def degree(self, par: Parallel) -> int:
-        """How it divides the world: its degree in `par`."""
-        return getattr(par, self.name)
-
-    def in_use(self, par: Parallel) -> bool:
-        """Whether `par` has this axis's groups and its traffic: every mesh axis; a sub-axis of degree above 1."""
-        return self.within is None or self.degree(par) > 1
-
-    def coordinate(self, coords: dict[str, int], par: Parallel) -> int:
-        """This axis's coordinate of the rank at mesh coordinates `coords` (`Parallel.coords`): a sub-axis's is the
-        place in its block of neighbours on `within` (``dp_rank % ep``)."""
-        return coords[self.name] if self.within is None else coords[self.within] % self.degree(par)
-
-    def across_degree(self, par: Parallel) -> int:
-        """A sub-axis's ranks holding the same parameters of it: ``within / degree`` of its axis times the degrees
-        of `across` (``ep``: ``dp / ep`` x ``cp``, `Parallel.expert_shard`)."""
-        return getattr(par, self.within) // self.degree(par) * math.prod(getattr(par, a) for a in self.across)
-
-
-MESH = (MeshAxis("pp"), MeshAxis("dp"), MeshAxis("cp"), MeshAxis("tp"))
-"""The device mesh, outermost first: torchtitan's order. ``pp`` outermost: activations and their gradients between
-neighbouring stages (point-to-point) and the sums of weights two stages share; ``dp``: gradients reduced and, with
-ZeRO, parameters gathered (over ``dp`` x ``cp`` together: each context-parallel rank sees other tokens of the
-same samples, torchtitan's ``dp_shard_cp``); ``cp``: each attention layer's keys and values all-gathered in forward
-and their gradients reduce-scattered in backward (docs/context-parallel.md); ``tp`` innermost (neighbouring ranks, one node: the most traffic): the collectives
-inside split layers and the gathers of pipeline boundaries sent 1/t a rank. A new axis is one more record here and
-a `Parallel` field of the same name (docs/adding-a-dimension.md)."""
-
-MESH_AXES = tuple(axis.name for axis in MESH)
-"""The names of `MESH`, outermost first."""
-
-MESH_BY_NAME = {axis.name: axis for axis in MESH}
-
-SUB_AXES = (MeshAxis("ep", within="dp", across=("cp",)),)
-"""The axes that divide an axis of `MESH` rather than the world (`MeshAxis.within`): ``ep``, the data-parallel
-ranks among which the routed experts are divided (`Parallel.ep`), the experts' gradients reduced over the ``dp /
-ep`` x ``cp`` ranks holding the same ones (`MeshAxis.across`)."""
-
-SUB_AXES_BY_NAME = {axis.name: axis for axis in SUB_AXES}
-
-AXES = (*MESH, *SUB_AXES)
-"""Every axis with process groups of its own: the mesh's, then the sub-axes. The runtime's groups, the plan's and
-the runtime's traffic per axis and `partc check`'s rows read them."""
-
-AXES_BY_NAME = {axis.name: axis for axis in AXES}
 
 MAX_GPUS = 2**20
 """The most GPUs partc plans for (1,048,576), and the bound of each degree: several times the largest GPU clusters
@@ -386,52 +294,6 @@ class Parallel:
         return text + (f" {self.precision}" if self.precision != "bf16" else "")
 
 
-@dataclass(frozen=True, slots=True)
-class Reads:
-    """What a cached quantity reads of a `Parallel`, and so its cache key: the values of every field except the
-    ones it declares it `ignores`. A field added to `Parallel` is therefore part of every key until a quantity
-    declares itself independent of it (no key lists the fields it reads, so none can leave a new one out).
-
-    A quantity that reads a function of ignored fields (whether the pipeline has more than one rank, the
-    micro-batch count) passes that value to `key` as `derived`. `key_of` reads the fields through a getter (the
-    search keys configurations before it builds their `Parallel`)."""
-
-    name: str
-    """The key's first element: keeps the quantities in one cache apart."""
-    ignores: frozenset[str]
-    """Fields of `Parallel` the quantity does not depend on (given as any iterable)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ignores", frozenset(self.ignores))
-        unknown = self.ignores - {f.name for f in fields(Parallel)}
-        assert not unknown, f"{self.name}: not fields of Parallel: {sorted(unknown)}"
-
-    def key(self, par: Parallel, *derived: Any) -> tuple:
-        return (self.name, *_read_getter(type(par), self.ignores)(par), *derived)
-
-    def key_of(self, get, *derived: Any, cls: type | None = None) -> tuple:
-        """`key` of the configuration whose field `f` is ``get(f)``."""
-        return (self.name, *map(get, _read_fields(cls or Parallel, self.ignores)), *derived)
-
-
-@functools.cache
-def _read_fields(cls: type, ignores: frozenset[str]) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls) if f.name not in ignores)
-
-
-@functools.cache
-def _read_getter(cls: type, ignores: frozenset[str]):
-    """The values of `_read_fields` as a tuple, read at once (the search keys thousands of configurations)."""
-    names = _read_fields(cls, ignores)
-    if len(names) > 1:
-        return operator.attrgetter(*names)
-    return lambda par: tuple(getattr(par, name) for name in names)
-
-
-def group_spans_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
-    """Whether a group of `size` ranks `stride` apart, placed on nodes of `gpus_per_node` in rank order, crosses
-    nodes (``tp``: stride 1; ``dp``: stride tp; ``pp``: stride dp·tp)."""
-    return size > 1 and size * stride > gpus_per_node
 
 
 @functools.cache
@@ -455,19 +317,14 @@ def _check_value(f: dataclasses.Field, value: Any, where: str) -> None:
     if (type(value) is typ and (choices is None or value in choices) and (lo is None or lo <= value)
             and (hi is None or value <= hi)):
         return  # the common case: every test passes
-    if typ is float:  # a number (an integer in JSON is one too), finite, in range
+    if typ is float:  # a number (an integer in JSON is one too), finite; then in range, as every field
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise PartcError(f"{where}.{f.name} must be a finite number, got {value!r}")
-        if lo is not None and value < lo:
-            raise PartcError(f"{where}.{f.name} must be >= {lo}, got {value}")
-        if hi is not None and value > hi:
-            raise PartcError(f"{where}.{f.name} must be <= {hi:,}, got {value:,}")
-        return
-    if typ is int and (not isinstance(value, int) or isinstance(value, bool)):
+    elif typ is int and (not isinstance(value, int) or isinstance(value, bool)):
         raise PartcError(f"{where}.{f.name} must be an integer, got {value!r}")
-    if typ is bool and not isinstance(value, bool):
+    elif typ is bool and not isinstance(value, bool):
         raise PartcError(f"{where}.{f.name} must be true or false, got {value!r}")
-    if typ is str and not isinstance(value, str):
+    elif typ is str and not isinstance(value, str):
         raise PartcError(f"{where}.{f.name} must be a string, got {value!r}")
     if choices is not None and value not in choices:
         raise PartcError(f"{where}.{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")

@@ -263,7 +263,7 @@ def moved_positions(gm: GraphModule) -> str:
     as Hugging Face's causal-LM loss pads its labels and drops the first, a slice, a roll), named; empty when every
     op keeps each position where it is (views, casts, elementwise ops, a softmax over the classes, the loss op).
     Under context parallelism each rank holds chunks of the sequence: a loss that moves positions would read its
-    neighbours' tokens from its own chunk, so it is refused (`partc.compile.context_graph`)."""
+    neighbours' tokens from its own chunk, so it is refused (`partc.compile_traces.context_graph`)."""
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue

@@ -1,7 +1,7 @@
 """A plan's step, assembled from the cost model's terms (`passes.cost`): per pipeline rank its units' time, memory
 by category and collective payload by mesh axis, then the pipeline's step time (`predict`), and whether a split
 fits (`fits_memory`). The search calls these once per candidate with a memo of the per-chunk terms, keyed by what
-each reads of the configuration (`partc.parallel.Reads`).
+each reads of the configuration (`partc.reads.Reads`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Sequence
 from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
-from partc.parallel import AXES, Parallel, Reads
+from partc.mesh_axes import AXES
+from partc.parallel import Parallel
+from partc.reads import Reads
 from partc import timeline
 from partc.passes.cost import cp_bytes, cp_time, tokens
 from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes,

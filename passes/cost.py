@@ -10,7 +10,7 @@ per layer, section 4); Rajbhandari et al. 2020, "ZeRO" (model states, Figure 1; 
 from `passes.hw`. The IR is per sample and unsharded: here it is multiplied by the micro-batch size b and divided
 by the TP degree t. Symbols as in the papers: b, s, h, a, t, p, m, v, Ψ, N_d.
 
-The mesh is `partc.parallel.MESH` (torchtitan's ("pp", "dp", "cp", "tp"), tp innermost): a TP group crosses nodes
+The mesh is `partc.mesh_axes.MESH` (torchtitan's ("pp", "dp", "cp", "tp"), tp innermost): a TP group crosses nodes
 when t > gpus_per_node, a DP group when dp·t > gpus_per_node, a pipeline hop when the world exceeds one node
 (`Parallel.spans_nodes`). A group crossing nodes uses the InfiniBand adapters of all its members in a node
 (`Parallel.ranks_per_node`, `hw.link`); a pipeline hop sends 1/t of the boundary from each TP rank and all-gathers
@@ -30,7 +30,8 @@ from typing import Sequence
 
 from partc.cluster import Cluster
 from partc.ir import ModelGraph, Unit
-from partc.parallel import TP_STYLES, Parallel, Reads
+from partc.parallel import TP_STYLES, Parallel
+from partc.reads import Reads
 from partc.precision import compute_bytes
 from partc.sharding import GEMM_SPLIT
 from partc.passes.cost_types import (VOCAB_LOSS_REASON, Memory, TPPlan, UnitTime, _unit_list, is_split, mesh_spans,
@@ -53,7 +54,7 @@ ADAM_STEP_BYTES = 28
 
 # `predict`'s per-chunk terms and `unit_time_floor`'s per-unit ones, kept in the caller's memo (one graph, its TP
 # solution a function of (tp, micro-batch size)): each key is every field of `Parallel` but those the term ignores
-# (`partc.parallel.Reads`), then the derived values it reads (the rank's chunks, its parameters, ...).
+# (`partc.reads.Reads`), then the derived values it reads (the rank's chunks, its parameters, ...).
 _PER_MICRO_BATCH = ("dp", "pp", "zero", "global_batch_size", "schedule", "virtual_stages")
 FORWARD_FLOOR = Reads("forward_floor", (*_PER_MICRO_BATCH, "recompute", "precision"))  # + the unit's signature
 

@@ -10,7 +10,8 @@ from typing import Sequence
 
 from partc.cluster import Cluster
 from partc.ir import ModelGraph
-from partc.parallel import Parallel, group_spans_nodes
+from partc.mesh_axes import group_spans_nodes
+from partc.parallel import Parallel
 from partc.precision import compute_bytes
 from partc.passes.cost_types import Memory, TPPlan, recompute_mode, style_of, tokens
 

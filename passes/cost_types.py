@@ -13,7 +13,8 @@ from typing import Protocol, Sequence
 
 from partc.cluster import Cluster
 from partc.ir import ModelGraph, Unit
-from partc.parallel import MESH_AXES, TP_STYLES, Parallel
+from partc.mesh_axes import MESH_AXES
+from partc.parallel import TP_STYLES, Parallel
 
 
 class TPPlan(Protocol):

@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from partc.cluster import Cluster
 from partc.errors import PartcError, article
 from partc.ir import Layer, ModelGraph
-from partc.parallel import TP_STYLES, group_spans_nodes
+from partc.mesh_axes import group_spans_nodes
+from partc.parallel import TP_STYLES
 from partc.sharding import GEMM_SPLIT
 from partc.passes.cost_types import VOCAB_LOSS_REASON
 

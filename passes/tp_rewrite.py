@@ -1,8 +1,7 @@
 """Rewrite an exported graph for tensor parallelism: local weight shards, local shapes, explicit collectives.
 
-Every value is in one of three states on a TP rank: R (whole, the same on every rank), S(d) (split along dim d,
-each rank its part; stored as the int d), or P (partial sums, rowwise outputs only, reduced at once). The plan's `tp` map fixes each
-layer's style (Megatron-LM, Shoeybi et al. 2019):
+Every value is R (whole), S(d) (split along dim d) or P (partial sums) on a TP rank (`passes.tp_local`, with the
+conversions between them). The plan's `tp` map fixes each layer's style (Megatron-LM, Shoeybi et al. 2019):
 
     colwise   Linear weight [out, in] split on out (HF Conv1D [in, out] on out); input R through `copy_to_tp`
               (identity forward, all-reduce backward); output S(last). A fused projection (GPT-2's c_attn) is split
@@ -12,22 +11,11 @@ layer's style (Megatron-LM, Shoeybi et al. 2019):
     rowwise   weight split on in; input S(last); output P, then `reduce_from_tp` (all-reduce forward, identity
               backward) and the bias added once.
     Embedding rowwise: vocabulary rows split, masked lookup then `reduce_from_tp`; colwise: embedding dim split.
+    inner     a mixture of experts split inside (`partc.passes.experts`): its ops' states from that analysis.
     replicate whole weights, R inputs and outputs.
 
-Sequence parallelism (Korthikanti et al. 2022, Megatron-Core's): a rowwise output (Linear or vocabulary-split
-Embedding) is reduce-scattered along its sequence dim (`reduce_scatter_to_sp`: S(seq)) instead of all-reduced; the
-glue after it (residual adds, dropout, norms: `_generic` on the local part, where `shard_rule` proves each op
-per-position) keeps that split; a colwise layer whose input is split so all-gathers it (`gather_from_sp`, its
-backward a reduce-scatter) instead of `copy_to_tp`. A parameter applied to the local part of the sequence (a norm's
-weight, a rowwise bias added after the reduce-scatter) has a partial gradient on each rank: it is read through
-`copy_to_tp`, whose backward all-reduces it. A whole operand spanning the sequence (learned positions) is sliced
-to the local part. An op that cannot be proven per-position gathers its input (`gather_from_tp`), as today.
-A mixture of experts split inside runs as Megatron-Core's: its router on the local part (`_routers`), the experts'
-inputs all-gathered (`_gather_sequence`), their partial output reduce-scattered (`_partial_to_sequence`). A stream
-that enters whole (a vision transformer's patches) is scattered at the first norm (`_enter_sequence`); a pooled
-head's norm output is gathered (`_pools`). The sum of colwise embeddings (GPT's token and learned positions) is
-added on the feature shards and enters the sequence split once (`_embedding_sum`); a rowwise output layer whose
-output is the model's reads the final norm's output gathered and all-reduces its logits (`_heads`).
+Sequence parallelism (activations between the tensor-parallel layers split along the sequence) is
+`passes.tp_sequence`'s: this rewrite calls it where a layer's input or output meets the sequence split.
 
 Between layers each op keeps a split when `passes.shard.shard_rule` proves it per-shard (elementwise, views that
 split features into heads, transposes, attention over heads, softmax over another dim): its size arguments are
@@ -41,7 +29,6 @@ held as B pieces, as a fused projection's output is held as 3.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -53,11 +40,12 @@ from partc.errors import PartcError
 from partc import collectives as C
 from partc.ir import Layer
 from partc.passes.experts import inner_split
-from partc.passes.shard import BATCHED_OPS, VIEW_OPS, shard_rule, slice_piece, view_split
+from partc.passes.shard import BATCHED_OPS, VIEW_OPS, shard_rule, view_split
+from partc.passes.tp_local import P, R, Multi, local_shape
+from partc.passes.tp_sequence import SequenceRewriter
 from partc.sharding import Shard, param_shard, weight_names
 
 aten = torch.ops.aten
-R, P = "R", "P"
 _NORMS = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default}
 """Norms of the last dims, per position: under sequence parallelism they run on this rank's part of the sequence."""
 
@@ -79,24 +67,10 @@ class Rewrite:
     sequence-parallel: the search takes sequence parallelism only where this stays empty."""
 
 
-def _local_shape(shape, dim: int, t: int, what: str) -> list[int]:
-    shape = list(shape)
-    if shape[dim] % t:
-        raise PartcError(f"tensor parallelism: {what} has size {shape[dim]} along the split dimension, not "
-                         f"divisible by tp={t}")
-    shape[dim] //= t
-    return shape
+class _Rewriter(SequenceRewriter):
+    """The pass over the graph in order: each layer by its style (`_split_layer`, `_inner_node`), the ops between
+    layers by what `shard_rule` proves (`_generic`)."""
 
-
-def _norm(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
-class _Multi(tuple):
-    """Per-output split dims of a multi-output op (split, native_dropout)."""
-
-
-class _Rewriter:
     def __init__(self, ep: torch.export.ExportedProgram, node_layer: dict[Node, str], layers: dict[str, Layer],
                  styles: dict[str, str], t: int, aliases: dict[str, list[str]], sequence_parallel: bool = False,
                  keep_split: int | None = None, seq_len: int | None = None, regather: bool = False):
@@ -146,195 +120,6 @@ class _Rewriter:
         a colwise token embedding): their input is the stream all-gathered, their output all-reduced, as Megatron-LM
         all-gathers the final norm's output before its output layer (`_split_layer`)."""
 
-    # ------------------------------------------------------------------ helpers
-    def _insert(self, after: Node, fn, args: tuple, why: str, anchor: Node, local: torch.Tensor, state) -> Node:
-        with self.graph.inserting_after(after):
-            node = self.graph.call_function(fn, args)
-        node.meta = {k: anchor.meta[k] for k in ("nn_module_stack", "stack_trace") if k in anchor.meta}
-        node.meta["val"] = local
-        node.meta["partc_why"] = why
-        self.val[node] = local
-        self.state[node] = state
-        if C.is_collective(fn):
-            self.result.collectives.append((fn.__name__, why))
-        return node
-
-    def _where(self, x: Node) -> str:
-        layer = self.node_layer.get(x)
-        return layer or x.name
-
-    def need(self, x: Node, want, user: Node) -> Node:
-        """`x` converted to state `want` (R or a split dim), inserted once per (value, state)."""
-        have = self.state.get(x, R)
-        if not isinstance(self.val.get(x), torch.Tensor):
-            return x
-        if have == want and (want == R or self.pieces.get(x, 1) == 1):  # a reader of a split takes one piece
-            return x
-        key = (x, want)
-        if key in self.memo:
-            return self.memo[key]
-        v = self.val[x]
-        if want == R and isinstance(have, int):
-            d = have
-            if x in self.seq and not self._pools(x, user) and not self._heads(x, user):
-                self.result.sequence_gathers.append(
-                    f"{user.target} ({user.name}, in {self._where(user)}) takes {x.name} whole (a whole layer, or "
-                    f"an op not proven per-position): all-gathered over the sequence")
-            local = torch.empty([s * (self.t if i == d else 1) for i, s in enumerate(v.shape)], dtype=v.dtype,
-                                device="meta")
-            node = self._insert(x, C.gather_from_tp, (x, d),
-                                f"{user.name} ({self._where(user)}) needs {x.name} whole: all-gather its split dim {d}",
-                                user, local, R)
-            node = self._in_order(node, x, d, user)
-        elif isinstance(want, int) and have == R:
-            d = want
-            local = torch.empty(_local_shape(v.shape, d, self.t, x.name), dtype=v.dtype, device="meta")
-            node = self._insert(x, C.scatter_to_tp, (x, d),
-                                f"{self._where(user)} works on a split along dim {d}: keep this rank's part of "
-                                f"{x.name}", user, local, want)
-        elif isinstance(want, int) and isinstance(have, int):  # another dim, or from several pieces to one
-            gathered = self.need(x, R, user)
-            return self.need(gathered, want, user)
-        else:
-            raise AssertionError((have, want))
-        self.memo[key] = node
-        return node
-
-    def _in_order(self, node: Node, x: Node, d: int, user: Node) -> Node:
-        """`node`, the ranks' parts of `x` gathered along `d`, with the pieces of a split held in several
-        (`pieces`) put back in order: ranks' parts [r0: p0 p1 p2, r1: p0 p1 p2] -> pieces [p0: r0 r1, p1: r0 r1,
-        ...]."""
-        pieces = self.pieces.get(x, 1)
-        if pieces == 1:
-            return node
-        local = self.val[node]
-        shape = list(local.shape)
-        parts = shape[:d] + [self.t, pieces, shape[d] // (self.t * pieces)] + shape[d + 1:]
-        why = f"put the {pieces} pieces of {x.name} back in order after the gather"
-        node = self._insert(node, aten.view.default, (node, parts), why, user, local.view(parts), R)
-        node = self._insert(node, aten.transpose.int, (node, d, d + 1), why, user,
-                            self.val[node].transpose(d, d + 1), R)
-        return self._insert(node, aten.reshape.default, (node, shape), why, user, local, R)
-
-    def _gather_sequence(self, x: Node, user: Node, what: str) -> Node:
-        """`x`, split along the sequence, all-gathered whole before `user` (its first reader that needs it whole:
-        a colwise layer, a layer split inside; in its unit and pipeline stage), once per value: a floating value
-        through `gather_from_sp` (its gradient, a partial sum on each rank, reduce-scattered back), an integer one
-        (a router's choice of experts) through `gather_from_tp`. A local part held in k pieces (the tokens of k
-        samples flattened, [b*s/t, h] of Hugging Face's Conv1D: `view_split`) is viewed as [k, n/k] along its split
-        dim, gathered on the second and viewed back: every sample gets its whole sequence, in order."""
-        key = (x, "gather_sp")
-        if key in self.memo:
-            return self.memo[key]
-        v, d, k = self.val[x], self.state[x], self.pieces.get(x, 1)
-        fn = C.gather_from_sp if v.is_floating_point() else C.gather_from_tp
-        why = (f"{what}: all-gather the sequence forward, reduce-scatter its gradient backward"
-               if fn is C.gather_from_sp else f"{what}: all-gather the sequence forward")
-        meta = {k_: user.meta[k_] for k_ in ("nn_module_stack", "stack_trace") if k_ in user.meta}
-
-        def add(fn, args, local):
-            with self.graph.inserting_before(user):
-                n = self.graph.call_function(fn, args)
-            n.meta = dict(meta, val=local, partc_why=why)
-            self.val[n], self.state[n] = local, R
-            return n
-
-        shape = list(v.shape)
-        src, dim = x, d
-        if k > 1:
-            parts = shape[:d] + [k, shape[d] // k] + shape[d + 1:]
-            src, dim = add(aten.reshape.default, (x, parts), torch.empty(parts, dtype=v.dtype, device="meta")), d + 1
-        have = list(self.val[src].shape)
-        whole = [n * (self.t if i == dim else 1) for i, n in enumerate(have)]
-        g = add(fn, (src, dim), torch.empty(whole, dtype=v.dtype, device="meta"))
-        self.result.collectives.append((fn.__name__, why))
-        if k > 1:
-            out = shape[:d] + [shape[d] * self.t] + shape[d + 1:]
-            g = add(aten.reshape.default, (g, out), torch.empty(out, dtype=v.dtype, device="meta"))
-        self.memo[key] = g
-        return g
-
-    def _partial_to_sequence(self, x: Node, what: str) -> Node | None:
-        """The partial sums `x` (a layer split inside) reduce-scattered along the sequence: along its sequence dim,
-        or, for tokens flattened in front ([b·s, ...], a mixture of experts' rows), viewed as [b, s, ...] for the
-        reduce-scatter and flattened again (this rank's part of each sample's sequence: b pieces). None when `x`
-        holds no sequence."""
-        d = self.seq_dim(x)
-        if d is not None:
-            return self._to_sequence(x, d, what)
-        v, s = self.val[x], self.seq_len
-        if s is None or v.dim() < 2 or v.shape[0] % s:
-            return None
-        b = v.shape[0] // s
-        why = f"the partial outputs of {what} as [samples, sequence, ...] for the reduce-scatter"
-        shape = [b, s, *v.shape[1:]]
-        view = self._insert(x, aten.view.default, (x, shape), why, x, v.view(shape), P)
-        if s % self.t:
-            raise PartcError(f"sequence parallelism: the sequence ({s} tokens) does not divide over tp={self.t}; "
-                             f"compile with --no-sequence-parallel or another --tp")
-        part = self._to_sequence(view, 1, what)
-        flat = [b * s // self.t, *v.shape[1:]]
-        out = self._insert(part, aten.view.default, (part, flat), f"this rank's part of {what}'s output, its tokens "
-                           f"flattened again", x, self.val[part].reshape(flat), 0)
-        self.seq.add(out)
-        if b > 1:
-            self.pieces[out] = b
-        return out
-
-    def seq_dim(self, node: Node) -> int | None:
-        """The sequence dim of `node`'s whole value under sequence parallelism: the one dim between the batch (0)
-        and the features (last) of the model's sequence length; None when there is none. PartcError when the
-        sequence does not divide by t."""
-        val = node.meta.get("val")
-        if not self.sp or self.seq_len is None or not isinstance(val, torch.Tensor):
-            return None
-        dims = [i for i in range(1, val.dim() - 1) if val.shape[i] == self.seq_len]
-        if len(dims) == 1 and self.seq_len % self.t:
-            raise PartcError(f"sequence parallelism: the sequence ({self.seq_len} tokens) does not divide over "
-                             f"tp={self.t}; compile with --no-sequence-parallel or another --tp")
-        return dims[0] if len(dims) == 1 else None
-
-    def _to_sequence(self, x: Node, d: int, what: str) -> Node:
-        """The partial sums `x` reduce-scattered along the sequence dim `d` (instead of all-reduced)."""
-        return self._split_sequence(x, C.reduce_scatter_to_sp, d,
-                                    f"sum the partial outputs of {what}, each rank keeping 1/{self.t} of the sequence "
-                                    f"(reduce-scatter forward, all-gather backward)", x)
-
-    def _split_sequence(self, x: Node, fn, d: int, why: str, anchor: Node) -> Node:
-        """`fn(x, d)` inserted after `x`, a collective that leaves each rank 1/t of `x` along its sequence dim `d`
-        (`reduce_scatter_to_sp`, `scatter_to_tp`), with its local shape; its output is split along the sequence."""
-        v = self.val[x]
-        local = torch.empty(_local_shape(v.shape, d, self.t, x.name), dtype=v.dtype, device="meta")
-        out = self._insert(x, fn, (x, d), why, anchor, local, d)
-        self.seq.add(out)
-        return out
-
-    def grad_sum(self, p: Node, user: Node) -> Node:
-        """Parameter `p` read on the local part of the sequence: through `copy_to_tp`, whose backward all-reduces
-        the ranks' partial gradients (inserted before its first such reader)."""
-        key = (p, "grad_sum")
-        if key not in self.memo:
-            with self.graph.inserting_before(user):
-                node = self.graph.call_function(C.copy_to_tp, (p,))
-            node.meta = {k: user.meta[k] for k in ("nn_module_stack", "stack_trace") if k in user.meta}
-            node.meta["val"] = self.val[p]
-            why = f"{self.param_of[p]} is applied to 1/{self.t} of the sequence: all-reduce its gradient backward"
-            node.meta["partc_why"] = why
-            self.val[node], self.state[node] = self.val[p], R
-            self.result.collectives.append((C.copy_to_tp.__name__, why))
-            self.memo[key] = node
-        return self.memo[key]
-
-    def copy_to_tp(self, x: Node, user: Node, style: str = "colwise") -> Node:
-        key = (x, "copy")
-        if key not in self.memo:
-            self.memo[key] = self._insert(
-                x, C.copy_to_tp, (x,),
-                f"input of {style} {self._where(user)}: identity forward, all-reduce of its gradient backward",
-                user, self.val[x], R)
-        return self.memo[key]
-
-    # ------------------------------------------------------------------ the pass
     def run(self) -> Rewrite:
         for node in list(self.graph.nodes):
             if node.op == "placeholder":
@@ -358,49 +143,6 @@ class _Rewriter:
         self.result.split = {n for n, st in self.state.items() if st is not R}
         self.result.sequence = set(self.seq)
         return self.result
-
-    def _fuse_regathers(self) -> None:
-        """`sp_regather`: each all-gather before colwise Linears (`gather_from_sp`) and the Linears reading it
-        become one `linears_from_sp`, which keeps this rank's part of the input for backward and gathers it again
-        there; its outputs replace the Linears'. A gather read otherwise (an addmm, a layer that is not a Linear)
-        stays as it is and is listed in `sequence_gathers`: the plan prices every one gathered again."""
-        order = {n: i for i, n in enumerate(self.graph.nodes)}
-        for key, g in list(self.memo.items()):
-            if key[1] != "gather_sp":
-                continue
-            x, d = g.args
-            users = sorted(g.users, key=order.__getitem__)
-            if not users or not all(u.target is aten.linear.default and u.args[0] is g and not u.kwargs
-                                    and all(a is None or (isinstance(a, Node) and a.op == "placeholder")
-                                            for a in u.args[1:]) for u in users):
-                self.result.sequence_gathers.append(
-                    f"the gathered input {g.name} of colwise {self._where(users[0]) if users else '?'} is not read "
-                    f"by Linears only: kept whole for backward, not gathered again (sp_regather)")
-                continue
-            params = [a for u in users for a in (u.args[1], u.args[2] if len(u.args) > 2 else None)]
-            why = (f"input of colwise {', '.join(self._where(u) for u in users)}: all-gather the sequence forward and "
-                   f"again in backward (this rank's part kept), reduce-scatter of its gradient")
-            with self.graph.inserting_before(users[0]):
-                fused = self.graph.call_function(C.linears_from_sp, (x, d, *params))
-            fused.meta = {k: users[0].meta[k] for k in ("nn_module_stack", "stack_trace") if k in users[0].meta}
-            fused.meta["val"] = tuple(self.val[u] for u in users)
-            fused.meta["partc_why"] = why
-            i = self.result.collectives.index((C.gather_from_sp.__name__, g.meta["partc_why"]))
-            self.result.collectives[i] = (C.linears_from_sp.__name__, why)
-            last = fused
-            for j, u in enumerate(users):
-                with self.graph.inserting_after(last):
-                    out = self.graph.call_function(operator.getitem, (fused, j))
-                out.meta = {k: u.meta[k] for k in ("nn_module_stack", "stack_trace") if k in u.meta}
-                out.meta["val"] = self.val[out] = self.val[u]
-                self.state[out] = self.state.pop(u)
-                if u in self.pieces:
-                    self.pieces[out] = self.pieces.pop(u)
-                u.replace_all_uses_with(out)
-                self.graph.erase_node(u)
-                last = out
-            self.graph.erase_node(g)
-            del self.memo[key]
 
     def _placeholder(self, node: Node) -> None:
         val = node.meta.get("val")
@@ -428,7 +170,7 @@ class _Rewriter:
         if shard.fused > 1 and val.shape[shard.dim] % (shard.fused * self.t):
             raise PartcError(f"tensor parallelism: {fqn} has {val.shape[shard.dim]} rows in {shard.fused} fused "
                              f"pieces, not divisible by tp={self.t}")
-        self.val[node] = torch.empty(_local_shape(val.shape, shard.dim, self.t, fqn), dtype=val.dtype,
+        self.val[node] = torch.empty(local_shape(val.shape, shard.dim, self.t, fqn), dtype=val.dtype,
                                      device="meta")
 
     def _weight_op(self, node: Node, layer: Layer) -> str | None:
@@ -490,70 +232,6 @@ class _Rewriter:
             out.update(split.states)
         return out
 
-    def _enter_sequence(self, node: Node) -> None:
-        """Under sequence parallelism, an op of a norm reading the stream whole from outside its layer (a vision
-        transformer's patches and class token, where no token embedding splits it; not a model input): the stream
-        is scattered along the sequence first, each rank keeping its part (backward: the gradient all-gathered),
-        once for every reader (the residual add reads the same part)."""
-        for a in node.all_input_nodes:
-            v = self.val.get(a)
-            if a.op == "placeholder" or self.state.get(a, R) != R or not isinstance(v, torch.Tensor) or \
-                    not v.is_floating_point() or self.node_layer.get(a) == self.node_layer.get(node):
-                continue
-            d = self.seq_dim(a)
-            if d is not None:
-                part = self.need(a, d, node)
-                self.seq.add(part)
-                node.replace_input_with(a, part)
-
-    def _pools(self, x: Node, user: Node) -> bool:
-        """Whether gathering `x` (split along the sequence) for `user` is a classifier head's: the output of a norm
-        read by an op outside the layers that is not per-position (the class token taken, the tokens averaged).
-        The plan charges it (`passes.cost.unit_collectives`): an all-gather forward, nothing backward (the head is
-        whole, its gradient the same on every rank)."""
-        src = self.layers.get(self.node_layer.get(x, ""))
-        return src is not None and src.kind == "norm" and self.node_layer.get(user) is None
-
-    def _heads(self, x: Node, user: Node) -> bool:
-        """Whether gathering `x` (split along the sequence) for `user` is the edge of a rowwise output layer
-        (`heads`): the output of a norm (the final norm) read by it. The plan charges it
-        (`passes.cost.unit_collectives`): an all-gather forward, nothing backward."""
-        src = self.layers.get(self.node_layer.get(x, ""))
-        return user in self.heads and src is not None and src.kind == "norm"
-
-    def _routers(self) -> set[str]:
-        """The replicated layers (not norms) whose outputs a layer split inside reads: a mixture of experts' router.
-        Under sequence parallelism it runs on this rank's part of the sequence, as Megatron-Core's router does, its
-        parameters read through `copy_to_tp` (their gradients, partial sums, all-reduced over tp); the experts then
-        all-gather the tokens, the routing weights and the chosen experts (`_inner_node`)."""
-        out = set()
-        for n in self.graph.nodes:
-            fqn = self.node_layer.get(n)
-            if n.op != "call_function" or self.styles.get(fqn) != "inner":
-                continue
-            for a in n.all_input_nodes:
-                src = self.node_layer.get(a)
-                if src and src != fqn and src in self.layers and self.layers[src].kind != "norm" and \
-                        self.styles.get(src, "replicate") == "replicate":
-                    out.add(src)
-        return out
-
-    def _router_op(self, node: Node, d: int):
-        """(out dim, why-not) of an op of a router (`_routers`) on a tensor split along the sequence dim `d`: its
-        product with the whole weight (a linear of the features) and the choice of the top experts of each token are
-        per position."""
-        x = node.args[0].meta["val"]
-        if not isinstance(d, int):
-            return None, "unsupported input"
-        if node.target is aten.linear.default and d < x.dim() - 1 and \
-                not any(self.state.get(a, R) != R for a in node.args[1:] if isinstance(a, Node)):
-            return d, ""
-        if node.target is aten.topk.default:
-            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
-            if _norm(dim, x.dim()) != d:
-                return _Multi((d, d)), ""
-        return None, "op not known to be per-position"
-
     def _inner_node(self, node: Node, layer: Layer) -> None:
         """One op of a layer split inside (`partc.passes.experts`): its inputs from outside the layer whole, the
         floating ones through `copy_to_tp` (their gradients are partial sums); split ops on local shapes; a partial
@@ -575,14 +253,14 @@ class _Rewriter:
             self._run_local(node, state)
         elif isinstance(state, tuple):
             self._rewrite_sizes(node, None)
-            self._run_local(node, _Multi(state))
+            self._run_local(node, Multi(state))
         else:
             self._rewrite_sizes(node, state)
             self._run_local(node, state)
         glob, local = node.meta.get("val"), self.val[node]
         if isinstance(glob, torch.Tensor):
             want = list(glob.shape) if state in (R, P) else \
-                _local_shape(glob.shape, state, self.t, f"{node.name} ({layer.fqn})")
+                local_shape(glob.shape, state, self.t, f"{node.name} ({layer.fqn})")
             if list(local.shape) != want:
                 raise PartcError(f"tensor parallelism: {node.target} ({node.name}, in {layer.fqn}) gives local "
                                  f"shape {list(local.shape)}, expected {want}; set tp[{layer.fqn!r}] to 'replicate'")
@@ -600,35 +278,8 @@ class _Rewriter:
                 u.replace_input_with(node, out)
         return None
 
-    def _replace_inputs(self, node: Node, mapping: dict[Node, Node]) -> None:
-        for old, new in mapping.items():
-            if old is not new:
-                node.replace_input_with(old, new)
-
-    def _run_local(self, node: Node, state) -> None:
-        """Execute the op on meta tensors with local shapes to get (and check) its local output."""
-        def conv(a):
-            if isinstance(a, Node):
-                return self.val.get(a, a.meta.get("val"))
-            if isinstance(a, (list, tuple)):
-                return type(a)(conv(x) for x in a)
-            return a
-        args, kwargs = conv(node.args), {k: conv(v) for k, v in node.kwargs.items()}
-        if node.target is operator.getitem:
-            out = args[0][args[1]]
-        else:
-            try:
-                with torch.device("meta"):
-                    out = node.target(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - any failure means the local program would be wrong
-                raise PartcError(f"tensor parallelism: {node.target} ({node.name}, in "
-                                 f"{self._where(node)}) fails on local shards: {type(e).__name__}: "
-                                 f"{str(e).splitlines()[0][:200]}") from None
-        self.val[node] = out
-        self.state[node] = state
-
     def _generic(self, node: Node) -> None:
-        ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (int, _Multi))]
+        ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (int, Multi))]
         if not ins:
             return self._run_local(node, R)
         if (node.target in VIEW_OPS or node.target is aten.unflatten.int) and isinstance(self.state[ins[0]], int):
@@ -676,31 +327,12 @@ class _Rewriter:
             self.pieces[node] = pieces.pop()
         if isinstance(out_dim, tuple):  # split / native_dropout: one split dim per output; getitem picks one
             self._rewrite_sizes(node, None)
-            return self._run_local(node, _Multi(out_dim))
+            return self._run_local(node, Multi(out_dim))
         self._rewrite_sizes(node, out_dim)
         self._run_local(node, out_dim)
         self._check_local(node, out_dim)
         if node in self.sums:
             self._to_stream(node, "the sum of colwise embeddings")
-
-    def _norm_of_positions(self, node: Node, d: int):
-        """(out dim, why-not) of a layer norm (or RMS norm) of a tensor split along the sequence dim `d`: per
-        position when it normalizes only dims after `d`."""
-        x = node.args[0].meta["val"]
-        if not isinstance(d, int) or d >= x.dim() - len(node.args[1]):
-            return None, "norm over the split dimension"
-        if node.target is aten.native_layer_norm.default:
-            return _Multi((d, d, d)), ""
-        return d, ""
-
-    def _check_local(self, node: Node, out_dim: int) -> None:
-        glob = node.meta.get("val")
-        if isinstance(glob, torch.Tensor):
-            want = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
-            if list(self.val[node].shape) != want:
-                raise PartcError(f"tensor parallelism: {node.target} ({node.name}, in {self._where(node)}) gives "
-                                 f"local shape {list(self.val[node].shape)}, expected {want}; the rewrite cannot "
-                                 f"prove it correct, so set the layers feeding it to 'replicate'")
 
     def _view(self, node: Node, x: Node) -> None:
         """A view (or unflatten) of a split tensor: the split lands where `view_split` proves it on every rank's
@@ -719,101 +351,6 @@ class _Rewriter:
         self._rewrite_sizes(node, out_dim)
         self._run_local(node, out_dim)
         self._check_local(node, out_dim)
-
-    def _rewrite_sizes(self, node: Node, out_dim) -> None:
-        glob = node.meta.get("val")
-        t = node.target
-        if t in VIEW_OPS or t is aten.expand.default:
-            sizes = list(node.args[1])
-            local = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
-            new = [-1 if s == -1 else local[i] for i, s in enumerate(sizes)]
-            node.args = (node.args[0], new, *node.args[2:])
-        elif t is aten.unflatten.int:  # unflatten(x, d, sizes): the sizes are the output's dims d, d+1, ...
-            sizes = list(node.args[2])
-            local = _local_shape(glob.shape, out_dim, self.t, f"{node.name} ({self._where(node)})")
-            d = _norm(node.args[1], node.args[0].meta["val"].dim())
-            new = [-1 if s == -1 else local[d + i] for i, s in enumerate(sizes)]
-            node.args = (*node.args[:2], new, *node.args[3:])
-        elif t in (aten.slice.Tensor, aten.narrow.default) and \
-                (node.args[1] if len(node.args) > 1 else 0) % glob.dim() == out_dim:
-            # One of equal pieces, and the source split in as many (checked in `_generic`): the same piece of the
-            # local part.
-            piece = slice_piece(node, node.args[0].meta["val"].shape[out_dim])
-            if piece is None:  # the whole dim (x[..., :] with bounds that are not plain ints): nothing to rewrite
-                return
-            start, length = piece
-            if t is aten.narrow.default:
-                node.args = (*node.args[:2], start // self.t, length // self.t)
-            else:
-                node.args = (*node.args[:2], start // self.t, (start + length) // self.t, *node.args[4:])
-        elif t in (aten.split.Tensor, aten.split_with_sizes.default):
-            x = node.args[0]
-            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-            dim = dim + x.meta["val"].dim() if dim < 0 else dim
-            if dim == self.state[x]:
-                size = node.args[1]
-                div = (lambda s: s // self.t) if isinstance(size, int) else None
-                new = div(size) if div else [s // self.t for s in size]
-                node.args = (x, new, *node.args[2:])
-
-    def _colwise_embedding_to_sequence(self, node: Node, layer: Layer) -> None:
-        """Under sequence parallelism, a colwise Embedding's output (its features split) enters the stream split
-        along the sequence instead: all-gathered over its features (backward: this rank's part), then this rank's
-        part of the sequence kept (backward: the gradient all-gathered over the sequence). Added only to other
-        colwise embeddings' outputs (GPT's token and learned position embeddings), it stays split over the
-        features and their sum enters the sequence split (`_embedding_sum`)."""
-        add = self._embedding_sum(node)
-        if add is not None:
-            self.sums.add(add)
-            return
-        self._to_stream(node, f"colwise {layer.fqn}'s output")
-
-    def _to_stream(self, node: Node, what: str) -> None:
-        """`node`, split over its features, all-gathered over them and split along the sequence for its readers
-        (one line in `sequence_gathers` where it has no sequence dim: then it is gathered whole)."""
-        d = self.seq_dim(node)
-        if d is None:
-            self.result.sequence_gathers.append(
-                f"{what} has no sequence dim: gathered whole (tensor parallelism)")
-            return
-        users = list(node.users)
-        out = self._split_sequence(self.need(node, R, node), C.scatter_to_tp, d,
-                                   f"{what} gathered, each rank keeping 1/{self.t} of the "
-                                   f"sequence (all-gather of its gradient backward)", node)
-        for u in users:
-            u.replace_input_with(node, out)
-
-    def _embedding_sum(self, node: Node) -> Node | None:
-        """The add that is the only reader of `node`, a colwise embedding's output, where every operand of it is
-        a colwise embedding's output (`ModelGraph.sums`: the TP solver converts such a sum once, charged to its
-        last member): under sequence parallelism it runs on the feature shards and its output enters the
-        sequence split once, as Megatron-LM scatters the embeddings' sum. None otherwise."""
-        users = list(node.users)
-        if len(users) != 1 or users[0].target is not aten.add.Tensor:
-            return None
-        add = users[0]
-        for a in add.all_input_nodes:
-            fqn = self.node_layer.get(a)
-            layer = self.layers.get(fqn) if fqn else None
-            if layer is None or layer.kind != "embedding" or self.styles.get(fqn) != "colwise" or \
-                    a.target is not aten.embedding.default or len(a.users) != 1:
-                return None
-        return add if len(add.all_input_nodes) > 1 else None
-
-    def _view_to_sequence(self, node: Node) -> tuple[Node, int] | None:
-        """(view, its sequence dim) where a rowwise output without a sequence dim (Hugging Face's Conv1D: the
-        `addmm` of the flattened tokens, [b*s, h]) is read only by a view to a shape with one that keeps the last
-        dim ([b, s, h]): the partial sums are summed after that view instead (a view of the ranks' partial sums is
-        the partial sums of the view, and the bias, broadcast over the last dim, adds alike on either shape)."""
-        users = list(node.users)
-        if len(users) != 1 or users[0].target not in VIEW_OPS or users[0].args[0] is not node:
-            return None
-        view = users[0]
-        glob, out = node.meta.get("val"), view.meta.get("val")
-        if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[-1] != glob.shape[-1]:
-            return None
-        d = self.seq_dim(view)
-        return None if d is None else (view, d)
 
     def _split_layer(self, node: Node, layer: Layer, style: str, kind: str) -> None:
         t = self.t

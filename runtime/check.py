@@ -57,7 +57,8 @@ from partc.cluster import Cluster
 from partc.collectives import set_groups
 from partc.value_sized import expected_sizes
 from partc.errors import PartcError
-from partc.parallel import AXES_BY_NAME, MESH_AXES, SHOWN_AXES, SUB_AXES, Parallel
+from partc.mesh_axes import AXES_BY_NAME, MESH_AXES, SUB_AXES
+from partc.parallel import SHOWN_AXES, Parallel
 from partc.runtime.api import Program, build, meta_model
 from partc.runtime.mesh import init_world, rank_record
 from partc.runtime.optim import OptimizerConfig

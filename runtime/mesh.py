@@ -1,4 +1,4 @@
-"""Process group and device mesh: `partc.parallel.MESH` (``pp``, ``dp``, ``tp``) over the torchrun world.
+"""Process group and device mesh: `partc.mesh_axes.MESH` (``pp``, ``dp``, ``tp``) over the torchrun world.
 
 torchtitan's `ParallelDims`: the degrees must multiply to the world size, and the mesh names its axes so every
 later step asks for ``mesh["dp"]`` rather than computing rank arithmetic. The plan's `Parallel` owns the degrees, the
@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partc._torch import set_pg_timeout
 from partc.errors import PartcError
-from partc.parallel import AXES, MESH, SUB_AXES, MeshAxis, Parallel
+from partc.mesh_axes import AXES, MESH, SUB_AXES, MeshAxis
+from partc.parallel import Parallel
 
 
 def check_world_size(par: Parallel, world_size: int) -> None:
@@ -49,7 +50,7 @@ class World:
     device: torch.device
     rank: int
     coords: dict[str, int]
-    """Axis (`partc.parallel.AXES`: every mesh axis, and a sub-axis where `MeshAxis.in_use`) -> this rank's
+    """Axis (`partc.mesh_axes.AXES`: every mesh axis, and a sub-axis where `MeshAxis.in_use`) -> this rank's
     coordinate on it (`Parallel.coords`, `MeshAxis.coordinate`); also as ``world.<axis>_rank`` (0 on a sub-axis not
     in use)."""
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
@@ -60,7 +61,7 @@ class World:
     zero_mesh: DeviceMesh | None = None
     """The mesh FSDP shards over (`zero_mesh`)."""
     across: dict[str, DeviceMesh] = field(default_factory=dict)
-    """Sub-axis in use (`partc.parallel.SUB_AXES`) -> the 1-D mesh of the ranks at this rank's coordinate of it in
+    """Sub-axis in use (`partc.mesh_axes.SUB_AXES`) -> the 1-D mesh of the ranks at this rank's coordinate of it in
     its ``within`` x ``across`` group (`sub_axis_groups`, `MeshAxis.across_degree` ranks): those holding the same
     parameters of the sub-axis. ``ep``: the ``dp / ep`` x ``cp`` ranks holding the same experts (torchtitan's
     ``dp_shard_mod_ep``, with cp), their gradients reduced over it and, under ZeRO 1-3, FSDP sharding them."""

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from partc.errors import PartcError
-from partc.parallel import MESH, MESH_AXES
+from partc.mesh_axes import MESH, MESH_AXES
 from partc.runtime.optim import OPTIMIZERS, SCHEDULES
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0

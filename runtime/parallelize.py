@@ -60,7 +60,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from partc._torch import storage_key
-from partc.parallel import MESH_AXES, Parallel
+from partc.mesh_axes import MESH_AXES
+from partc.parallel import Parallel
 from partc.precision import MASTER_DTYPE, compute_dtype
 from partc.runtime.mesh import World
 from partc.runtime.stage import StageModule

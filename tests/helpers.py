@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from partc.model_file import build_on_meta, load_model_file
-from partc.parallel import AXES, MESH_AXES
+from partc.mesh_axes import AXES, MESH_AXES
 from partc.passes.tp import MEGATRON_VOCAB, megatron_style  # noqa: F401 (re-exported)
 from partc.passes.trace import trace
 from zygote import Zygote
@@ -134,7 +134,8 @@ def compile_program(model: str | Path, out: Path, *, global_batch_size: int | No
     `CompileResult` (the program is in `out`). `cluster`: a preset name or a `Cluster`; `vocab_parallel_loss`: as
     `compile_model`'s (False: a colwise head's logits are gathered)."""
     from partc.compile import compile_model
-    from partc.parallel import MESH_AXES, Pins
+    from partc.mesh_axes import MESH_AXES
+    from partc.parallel import Pins
 
     path = str(model) if Path(str(model)).suffix == ".py" else str(EXAMPLES / f"{model}.py")
     out = Path(out)
@@ -361,7 +362,7 @@ def assert_comm_matches_plan(out: Path, comm: list[list[dict]], rtol: float = 0.
                              axes: tuple[str, ...] | None = None) -> int:
     """Every rank's measured collective payload of every step (`partc.runtime.testing`'s ``comm``) equals the
     plan's ``predicted.ranks[pp_rank].comm_bytes`` within `rtol`, axis by axis (`axes`: every axis the plan has, a
-    sub-axis in use too, `partc.parallel.AXES`); returns how many bytes were checked (so a caller can assert there
+    sub-axis in use too, `partc.mesh_axes.AXES`); returns how many bytes were checked (so a caller can assert there
     was traffic)."""
     plan = json.loads((Path(out) / "plan.json").read_text())
     par, ranks = plan["parallel"], plan["predicted"]["ranks"]

@@ -9,7 +9,7 @@ from pathlib import Path
 from helpers import ROOT
 
 PACKAGES = {"partc": "partc", "partc.passes": "passes", "partc.runtime": "runtime", "partc.cli": "cli"}
-ENTRY = {"partc.compile", "partc.compile_notes"}
+ENTRY = {"partc.compile", "partc.compile_notes", "partc.compile_plan", "partc.compile_traces"}
 """Core modules that run the compiler's pipeline (the public API `compile_model`): the core may reach the passes
 only through these."""
 

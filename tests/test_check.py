@@ -18,7 +18,8 @@ from helpers import EXAMPLES, run_jobs, write_hf_model
 from partc._torch import FSDPRefType
 from partc.cli.main import _rank_list, main
 from partc.compile import compile_model
-from partc.parallel import MESH_AXES, Pins
+from partc.mesh_axes import MESH_AXES
+from partc.parallel import Pins
 from partc.plan import read_plan
 from partc.runtime.check import (SLACK_BYTES, TOLERANCE, Row, _failure, categories, check_program,
                                  representatives)

@@ -197,7 +197,7 @@ def test_the_search_s_sequence_parallel_program_is_the_one_written(tmp_path, mon
     """When the search takes sequence parallelism (forced here at tp 2) and its program keeps the split everywhere
     (its gathers cleared here), the program generated to find out is the one written: the model is rewritten once."""
     import partc.compile as compile_module
-    import partc.passes.search as search_module
+    import partc.passes.search_space as search_space
     made, real = [], compile_module.make_program
 
     def counted(*args, **kwargs):
@@ -207,7 +207,7 @@ def test_the_search_s_sequence_parallel_program_is_the_one_written(tmp_path, mon
         return program
 
     monkeypatch.setattr(compile_module, "make_program", counted)
-    monkeypatch.setattr(search_module, "sequence_parallel_choices",
+    monkeypatch.setattr(search_space, "sequence_parallel_choices",
                         lambda graph, tp, pins, cp=1: (pins.sequence_parallel,) if pins.sequence_parallel is not None
                         else (tp > 1,))
     out = tmp_path / "gpt"

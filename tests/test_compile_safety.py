@@ -370,7 +370,7 @@ def test_absurd_counts_are_refused_at_once(tmp_path, args, pattern):
 
 
 def test_divisors_take_square_root_time():
-    from partc.passes.search import divisors
+    from partc.passes.search_space import divisors
 
     for n in range(1, 2000):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]

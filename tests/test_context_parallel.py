@@ -140,7 +140,7 @@ def test_search_tries_cp_for_long_causal_sequences():
     import dataclasses
 
     from helpers import trace_file
-    from partc.passes.search import MIN_CP_CHUNK, cp_degrees
+    from partc.passes.search_space import MIN_CP_CHUNK, cp_degrees
 
     _, traced = trace_file(EXAMPLES / "llama.py")
     graph = traced.graph
@@ -193,7 +193,7 @@ def test_sequence_parallel_needs_each_cp_ranks_tokens_to_divide_over_tp():
     import dataclasses
 
     from helpers import trace_file
-    from partc.passes.search import sequence_parallel_choices
+    from partc.passes.search_space import sequence_parallel_choices
 
     _, traced = trace_file(EXAMPLES / "llama.py")
     graph = traced.graph  # 64 tokens

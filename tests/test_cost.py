@@ -603,7 +603,7 @@ def test_scatter_gather_bytes():
 
 def test_interleaved_bubble_and_microbatches():
     from partc.parallel import Pins
-    from partc.passes.search import _configs
+    from partc.passes.search_space import _configs
 
     p, m = 4, 8
     for v in (2, 4):

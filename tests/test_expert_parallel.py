@@ -739,7 +739,7 @@ def test_plain_experts_are_followed(model_files, model):
     from helpers import trace_file
     from partc.model_file import load_model_file
     from partc.passes.experts import routed_splits
-    from partc.passes.search import _expert_counts
+    from partc.passes.search_space import _expert_counts
 
     torch.manual_seed(0)
     _, traced = trace_file(model_files[model])
@@ -806,7 +806,7 @@ def test_search_tries_ep_where_the_experts_divide(model_files):
     that one; a model without packed experts only ep 1."""
     from helpers import trace_file
     from partc.parallel import Pins
-    from partc.passes.search import _ep_degrees, _expert_counts
+    from partc.passes.search_space import _ep_degrees, _expert_counts
 
     graph = trace_file(model_files["mixtral"], seq_len=S)[1].graph
     assert _expert_counts(graph) == [4, 4]
@@ -815,7 +815,7 @@ def test_search_tries_ep_where_the_experts_divide(model_files):
     assert _ep_degrees(Pins(), 8, []) == [1]
     # with context parallelism: ep carved from dp at each cp coordinate, the two chosen together
     from partc.cluster import load_cluster
-    from partc.passes.search import _config_values
+    from partc.passes.search_space import _config_values
 
     pairs = {(v["dp"], v["cp"], v["ep"]) for v in _config_values(graph, load_cluster("a100-80g"), 8, 8,
                                                                    Pins(cp=2, tp=1, pp=1))}
@@ -829,7 +829,7 @@ def test_cp_takes_followed_experts_as_per_token(model_files):
     refuses the model at the experts' sort. The router's ``topk`` over the experts (its dim left to the default)
     keeps the sequence where it is."""
     from partc.cluster import load_cluster
-    from partc.compile import context_graph
+    from partc.compile_traces import context_graph
     from partc.errors import PartcError
     from partc.model_file import build_on_meta, load_model_file
     from partc.passes.assign import assign
@@ -865,7 +865,8 @@ def test_ep_groups_under_cp(monkeypatch):
 
     import torch.distributed as dist
 
-    from partc.parallel import SUB_AXES_BY_NAME, Parallel
+    from partc.mesh_axes import SUB_AXES_BY_NAME
+    from partc.parallel import Parallel
     from partc.runtime.mesh import sub_axis_groups
 
     par = Parallel(pp=2, dp=4, cp=2, tp=2, ep=2, zero=1, micro_batch_size=1, global_batch_size=4)

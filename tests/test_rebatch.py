@@ -8,7 +8,8 @@ import torch
 
 from helpers import EXAMPLES
 from partc import compile as compile_mod
-from partc.compile import compile_model, meta_inputs
+from partc.compile import compile_model
+from partc.compile_traces import meta_inputs
 from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import Pins
 from partc.passes.export import export_on_meta

@@ -25,9 +25,12 @@ from helpers import EXAMPLES, GiB
 from partc.cluster import PRESETS, Cluster
 from partc.passes import assemble, cost
 from partc.model_file import build_on_meta, load_model_file
-from partc.parallel import TP_STYLES, Parallel, Pins, Reads
-from partc.passes import search as search_module
-from partc.passes.search import _configs, _Costs, search
+from partc.parallel import TP_STYLES, Parallel, Pins
+from partc.reads import Reads
+from partc.passes import search_costs, search_space
+from partc.passes.search import search
+from partc.passes.search_costs import _Costs
+from partc.passes.search_space import _configs
 from partc.passes.tp import allowed_styles, style_error
 from partc.passes.tp_solve import solve_tp
 from partc.passes.trace import trace
@@ -211,9 +214,9 @@ def test_search_weighs_sequence_parallelism():
         {(2, True), (4, True)}
     assert {p.sequence_parallel for p in _configs(graph, A100, 4, 16, Pins(sequence_parallel=False))} == {False}
     odd = SimpleNamespace(seq_len=6)
-    assert search_module.sequence_parallel_choices(odd, 4, Pins()) == (False,)
-    assert search_module.sequence_parallel_choices(odd, 2, Pins()) == (False, True)
-    assert search_module.sequence_parallel_choices(odd, 1, Pins(sequence_parallel=True)) == ()
+    assert search_space.sequence_parallel_choices(odd, 4, Pins()) == (False,)
+    assert search_space.sequence_parallel_choices(odd, 2, Pins()) == (False, True)
+    assert search_space.sequence_parallel_choices(odd, 1, Pins(sequence_parallel=True)) == ()
 
     case = CASES["long-4-tight"]
     best = pruned_case("long-4-tight").best
@@ -334,7 +337,7 @@ def test_cache_keys_see_a_new_field():
     every key a search leaves in its caches is one of those (none written by hand)."""
     wide = dataclasses.make_dataclass("Wide", [("xp", int, dataclasses.field(default=1))], bases=(Parallel,),
                                       kw_only=True, slots=True, frozen=True)
-    reads = [r for module in (search_module, cost, assemble) for r in vars(module).values() if isinstance(r, Reads)]
+    reads = [r for module in (search_costs, cost, assemble) for r in vars(module).values() if isinstance(r, Reads)]
     assert len({r.name for r in reads}) == len(reads) > 20
     base = dict(dp=2, tp=2, pp=2, zero=1, micro_batch_size=1, global_batch_size=8)
     one, two = wide(xp=1, **base), wide(xp=2, **base)

@@ -525,7 +525,7 @@ def test_search_keeps_sequence_parallelism_only_where_the_program_does(tmp_path,
     faster than every plan (a stand-in for the pricing), it is kept, and the plan names the places. Where the
     program keeps the split (Megatron's map), `sequence_fallbacks` is empty."""
     import partc.compile as compile_module
-    import partc.passes.search as search_module
+    import partc.passes.search_space as search_space
     found, priced = [], []
 
     def spy(*args, **kwargs):
@@ -541,7 +541,7 @@ def test_search_keeps_sequence_parallelism_only_where_the_program_does(tmp_path,
     real, real_price = compile_module.sequence_fallbacks, compile_module.price_sequence_fallbacks
     monkeypatch.setattr(compile_module, "sequence_fallbacks", spy)
     monkeypatch.setattr(compile_module, "price_sequence_fallbacks", price)
-    monkeypatch.setattr(search_module, "sequence_parallel_choices",
+    monkeypatch.setattr(search_space, "sequence_parallel_choices",
                         lambda graph, tp, pins, cp=1: (pins.sequence_parallel,) if pins.sequence_parallel is not None
                         else (tp > 1,))
     path, out = str(EXAMPLES / "gpt.py"), tmp_path / "gpt"
@@ -665,7 +665,7 @@ def test_vision_transformer_tokens_come_from_the_trace(tmp_path):
     """A vision transformer's tokens appear after the patch embedding (its input is an image): sequence
     parallelism splits the graph's tokens (16 patches and the class token in the bundled ViT), not the image's
     channels. 17 do not divide over tp 2: the search does not weigh it, and a pin is refused in one line."""
-    from partc.passes.search import sequence_parallel_choices
+    from partc.passes.search_space import sequence_parallel_choices
     path = str(EXAMPLES / "vit.py")
     graph = trace_file(path)[1].graph
     assert graph.seq_len == 17 and sequence_parallel_choices(graph, 2, Pins()) == (False,)

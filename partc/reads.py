@@ -1,0 +1,57 @@
+"""Cache keys derived from what a cached quantity reads of a `Parallel` (`Reads`), never listed by hand.
+
+The search (`partc.passes.search_costs`) and the cost model (`partc.passes.cost`, `partc.passes.assemble`) cache
+each quantity of a configuration under `Reads.key`: every field of `Parallel` but those the quantity declares it
+ignores, so configurations that differ only in those share it, and a field added to `Parallel` is in every key.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass, fields
+from typing import Any
+
+from partc.parallel import Parallel
+
+
+@dataclass(frozen=True, slots=True)
+class Reads:
+    """What a cached quantity reads of a `Parallel`, and so its cache key: the values of every field except the
+    ones it declares it `ignores`. A field added to `Parallel` is therefore part of every key until a quantity
+    declares itself independent of it (no key lists the fields it reads, so none can leave a new one out).
+
+    A quantity that reads a function of ignored fields (whether the pipeline has more than one rank, the
+    micro-batch count) passes that value to `key` as `derived`. `key_of` reads the fields through a getter (the
+    search keys configurations before it builds their `Parallel`)."""
+
+    name: str
+    """The key's first element: keeps the quantities in one cache apart."""
+    ignores: frozenset[str]
+    """Fields of `Parallel` the quantity does not depend on (given as any iterable)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ignores", frozenset(self.ignores))
+        unknown = self.ignores - {f.name for f in fields(Parallel)}
+        assert not unknown, f"{self.name}: not fields of Parallel: {sorted(unknown)}"
+
+    def key(self, par: Parallel, *derived: Any) -> tuple:
+        return (self.name, *_read_getter(type(par), self.ignores)(par), *derived)
+
+    def key_of(self, get, *derived: Any, cls: type | None = None) -> tuple:
+        """`key` of the configuration whose field `f` is ``get(f)``."""
+        return (self.name, *map(get, _read_fields(cls or Parallel, self.ignores)), *derived)
+
+
+@functools.cache
+def _read_fields(cls: type, ignores: frozenset[str]) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.name not in ignores)
+
+
+@functools.cache
+def _read_getter(cls: type, ignores: frozenset[str]):
+    """The values of `_read_fields` as a tuple, read at once (the search keys thousands of configurations)."""
+    names = _read_fields(cls, ignores)
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    return lambda par: tuple(getattr(par, name) for name in names)
