@@ -184,7 +184,7 @@ def unit_collectives(graph: ModelGraph, par: Parallel, tp: TPPlan | None, unit: 
             params += sum(math.prod(shape) for shape in layer.params.values())
         elif c.kind == "all_gather" and c.phase == "fwd" and layer is not None and layer.kind == "embedding":
             # a colwise embedding's output gathered, then each rank's part of the sequence kept: the backward
-            # all-gathers the gradient over the sequence (`tp_rewrite._colwise_embedding_to_sequence`)
+            # all-gathers the gradient over the sequence (`tp_sequence._colwise_embedding_to_sequence`)
             out += [("all_gather", "fwd", n), ("all_gather", "bwd", n)]
         elif c.kind == "all_reduce" and c.phase == "bwd" and layer is not None and routes(graph, tp, c.src):
             # a router's output (the routing weights) read by experts split inside, and the experts they chose
