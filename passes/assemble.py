@@ -25,6 +25,7 @@ from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_
                                tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_collectives,
                                unit_local_shapes, unit_param_shards, unit_time_parts)
 from partc.passes.cost_axes import packed_expert_keys, packed_padding_bytes
+from partc.passes.memory import expert_groups
 from partc.passes.cost_types import Prediction, RankPrediction, TPPlan, UnitTime
 
 from . import hw, schedule, zero
@@ -38,10 +39,13 @@ PADDED = Reads("padded", ("pp", "zero", "global_batch_size", "schedule", "virtua
 EXPERTS = Reads("experts", (*_PER_MICRO_BATCH, "recompute"))  # packed expert parameters on one GPU: (tp, ep)
 EXPERT_PADDED = Reads("expert_padded", PADDED.ignores)  # FSDP's padded packed experts on one GPU: (tp, dp, ep)
 PACKED_PADDED = Reads("packed_padded", PADDED.ignores)  # packed experts at ep 1, unpadded and padded: (tp, dp)
+EXPERT_GROUPS = Reads("expert_groups", ("pp", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # each
+# unit's packed experts in FSDP groups of their own (`expert_groups`): (tp, dp, ep, zero)
 EP_TIME = Reads("ep_time", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages"))
 REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp, b, recompute)
 BACKWARD = Reads("backward", (*_PER_MICRO_BATCH, "recompute"))  # what a unit's backward holds: (tp, b)
-EXTRA = Reads("extra", ("dp", "pp", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks
+EXTRA = Reads("extra", ("dp", "pp", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks, and the
+# ranks sharding the packed experts under ep (dp / ep x cp: their groups' reductions)
 TIME = Reads("time", _PER_MICRO_BATCH)  # + the chunks
 FWD_TIME = Reads("fwd_time", _PER_MICRO_BATCH)  # the forward's share of TIME, for the timeline: + the chunks
 TP_BYTES = Reads("tp_bytes", _PER_MICRO_BATCH)  # + the micro-batch count and the chunks
@@ -140,6 +144,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
           sum(zero.padded_numel(x, par.dp_shard) for k, x in shapes.items() if k in packed))
          for s, shapes in zip(shards, local_shapes)), lambda a, b: (a[0] + b[0], a[1] + b[1]))])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+    groups = keep(EXPERT_GROUPS.key(par), lambda: [expert_groups(graph, par, s) for s in local_shapes])
     backward = backward_of(graph, par, tp, keep.store)
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
@@ -171,9 +176,10 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             mem.params, mem.grads, mem.optimizer = (mem.params + pad.params, mem.grads + pad.grads,
                                                     mem.optimizer + pad.optimizer)
         def extra(last: bool = True) -> float:
-            return keep(EXTRA.key(par, tuple(chunks), last),
+            return keep(EXTRA.key(par, tuple(chunks), last, par.expert_shard if par.ep > 1 else 1),
                         lambda: _extra_bytes(graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx],
-                                             idx[-1] == len(graph.units) - 1, [backward[i] for i in idx], last))
+                                             idx[-1] == len(graph.units) - 1, [backward[i] for i in idx], last,
+                                             [groups[i] for i in idx]))
 
         mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra()
         if v == 1 and par.zero < 2 and in_flight(par, r) > 1:
@@ -188,15 +194,18 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             held_j = _held_bytes(graph, par, chunks, acts)
             at = schedule.held_at_reductions(p, v, par.num_microbatches, r, held_j)
             b = tokens(par)
-            own_extra = [keep(EXTRA.key(par, ((lo, hi),), False), lambda lo=lo, hi=hi: _extra_bytes(
-                graph, par, tp, rebuilt[lo:hi], units.counts[lo:hi], hi == len(graph.units), backward[lo:hi], False))
+            shard = par.expert_shard if par.ep > 1 else 1
+            own_extra = [keep(EXTRA.key(par, ((lo, hi),), False, shard), lambda lo=lo, hi=hi: _extra_bytes(
+                graph, par, tp, rebuilt[lo:hi], units.counts[lo:hi], hi == len(graph.units), backward[lo:hi], False,
+                groups[lo:hi]))
                 for lo, hi in chunks]
             mem.activations = schedule.peak_bytes(p, v, par.num_microbatches, r, held_j, [
                 graph.boundary_grad_bytes(hi - 1, b, par.cp) / par.tp + e for (lo, hi), e in zip(chunks, own_extra)])
             for j, (lo, hi) in enumerate(chunks):
                 own = units.counts[lo:hi]
-                mem.activations = max(mem.activations, at[j] + own_extra[j] + zero.working_bytes(par, own)
-                                      - zero.working_bytes(par, own, last=False))
+                mem.activations = max(mem.activations, at[j] + own_extra[j]
+                                      + zero.working_bytes(par, own, experts=groups[lo:hi])
+                                      - zero.working_bytes(par, own, last=False, experts=groups[lo:hi]))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem, (held, held_padded)
 
