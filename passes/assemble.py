@@ -144,7 +144,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
           sum(zero.padded_numel(x, par.dp_shard) for k, x in shapes.items() if k in packed))
          for s, shapes in zip(shards, local_shapes)), lambda a, b: (a[0] + b[0], a[1] + b[1]))])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
-    groups = keep(EXPERT_GROUPS.key(par), lambda: [expert_groups(graph, par, s) for s in local_shapes])
+    grouped = keep(EXPERT_GROUPS.key(par), lambda: [expert_groups(graph, par, s) for s in local_shapes])
     backward = backward_of(graph, par, tp, keep.store)
     for r in range(p):
         chunks = [tuple(bounds[r + j * p]) for j in range(v)]
@@ -179,7 +179,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             return keep(EXTRA.key(par, tuple(chunks), last, par.expert_shard if par.ep > 1 else 1),
                         lambda: _extra_bytes(graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx],
                                              idx[-1] == len(graph.units) - 1, [backward[i] for i in idx], last,
-                                             [groups[i] for i in idx]))
+                                             [grouped[i] for i in idx]))
 
         mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra()
         if v == 1 and par.zero < 2 and in_flight(par, r) > 1:
@@ -197,15 +197,16 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             shard = par.expert_shard if par.ep > 1 else 1
             own_extra = [keep(EXTRA.key(par, ((lo, hi),), False, shard), lambda lo=lo, hi=hi: _extra_bytes(
                 graph, par, tp, rebuilt[lo:hi], units.counts[lo:hi], hi == len(graph.units), backward[lo:hi], False,
-                groups[lo:hi]))
+                grouped[lo:hi]))
                 for lo, hi in chunks]
             mem.activations = schedule.peak_bytes(p, v, par.num_microbatches, r, held_j, [
                 graph.boundary_grad_bytes(hi - 1, b, par.cp) / par.tp + e for (lo, hi), e in zip(chunks, own_extra)])
             for j, (lo, hi) in enumerate(chunks):
                 own = units.counts[lo:hi]
                 mem.activations = max(mem.activations, at[j] + own_extra[j]
-                                      + zero.working_bytes(par, own, experts=groups[lo:hi])
-                                      - zero.working_bytes(par, own, last=False, experts=groups[lo:hi]))
+                                      + zero.working_bytes(par, own, experts=grouped[lo:hi])
+                                      - zero.working_bytes(par, own, last=False, experts=grouped[lo:hi]))
+        mem.activations = max(mem.activations, zero.reduction_bytes(par, [grouped[i] for i in idx]))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem, (held, held_padded)
 

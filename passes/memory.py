@@ -310,9 +310,11 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
              for u in units]
     last_unit = graph.units[-1]
     backward = unit_backward_bytes(graph, par, tp) if backward is None else backward
-    return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
-                        any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last,
-                        [expert_groups(graph, par, _param_local_shapes(graph, par, tp, u)) for u in units])
+    experts = [expert_groups(graph, par, _param_local_shapes(graph, par, tp, u)) for u in units]
+    extra = _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
+                         any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last,
+                         experts)
+    return max(extra, zero.reduction_bytes(par, experts)) if last else extra  # the experts' reduction, alone
 
 
 def vocab_loss_bytes(precision: str) -> int:

@@ -114,10 +114,20 @@ def working_bytes(par: Parallel, unit_params: Iterable[float], *, last: bool = T
         return max(max(grad * a, c * s, r) for a, s, r in zip(own, sizes, reduced))
     if not last:
         return c * max(sizes)
-    # after the last micro-batch's backward, the fp32 accumulation of a group of experts copied into the input of
-    # its reduction (whose output is the new sharded gradient, the plan's ``grads``)
-    return max(max(max(c, MASTER_BYTES) * a, c * s, MASTER_BYTES * g.largest_padded)
-               for a, s, g in zip(own, sizes, groups))
+    return max(max(max(c, MASTER_BYTES) * a, c * s) for a, s in zip(own, sizes))  # experts: `reduction_bytes`
+
+
+def reduction_bytes(par: Parallel, experts: Iterable[ExpertGroups]) -> float:
+    """Below ZeRO-2, the transient memory of the largest reduction of a group of packed experts (`ExpertGroups`),
+    a moment of its own: the step's one reduction runs after the last micro-batch's backward, when nothing else
+    transient is held (torch's pipeline schedule reduces every FSDP group then), and a group of experts alone is
+    as large as a unit. Its fp32 accumulation copied into the reduce-scatter's input, then the output (1/n of it):
+    FSDP frees the accumulation as it is copied, but its loop over the gradients (``foreach_reduce``) holds the
+    group's last one until it returns, and the output stays working memory beside it. 0 from ZeRO-2 on
+    (`working_bytes` prices each micro-batch's reduction)."""
+    if par.zero >= 2:
+        return 0.0
+    return max([0.0, *(MASTER_BYTES * (1 + 1 / max(1, par.expert_shard)) * g.largest_padded for g in experts)])
 
 
 def padded_numel(shape: tuple[int, ...], n: int) -> int:

@@ -560,7 +560,7 @@ class _Tracker(FSDPMemTracker):
 
         def allocated(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
-            self._making_gradient = calls[0] == 2 and all(ref() is None for ref in folded[:-1])
+            self._making_gradient = calls[0] == 2 and all(ref() is None for ref in folded)
             try:
                 return allocate(*args, **kwargs)
             finally:
