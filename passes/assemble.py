@@ -206,7 +206,10 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
                 mem.activations = max(mem.activations, at[j] + own_extra[j]
                                       + zero.working_bytes(par, own, experts=grouped[lo:hi])
                                       - zero.working_bytes(par, own, last=False, experts=grouped[lo:hi]))
-        mem.activations = max(mem.activations, zero.reduction_bytes(par, [grouped[i] for i in idx]))
+        reduced = zero.reduction_bytes(par, [units.counts[i] for i in idx], [grouped[i] for i in idx])
+        if reduced:  # a group of experts reduced: in a micro-batch's backward (ZeRO 2, 3), or after the last one
+            mem.activations = max(mem.activations, reduced + (
+                _in_flight_bytes(graph, par, r, chunks, acts) if par.zero >= 2 else 0.0))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem, (held, held_padded)
 

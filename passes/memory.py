@@ -314,7 +314,7 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     extra = _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
                          any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last,
                          experts)
-    return max(extra, zero.reduction_bytes(par, experts)) if last else extra  # the experts' reduction, alone
+    return max(extra, zero.reduction_bytes(par, sizes, experts))  # the experts' reduction: a moment of its own
 
 
 def vocab_loss_bytes(precision: str) -> int:

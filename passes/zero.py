@@ -100,34 +100,43 @@ def working_bytes(par: Parallel, unit_params: Iterable[float], *, last: bool = T
     c = compute_bytes(par.precision)
     grad = c + (MASTER_BYTES if c != MASTER_BYTES else 0)
     sizes = list(unit_params) or [0.0]
-    groups = list(experts) if experts is not None else []
-    groups += [ExpertGroups()] * (len(sizes) - len(groups))
+    groups = _per_unit(sizes, experts)
     own = [s - g.held for s, g in zip(sizes, groups)]  # the unit's own group
-    out = 1 + 1 / max(1, par.expert_shard)  # a reduce-scatter's fp32 input and output, per padded element
-    reduced = [c * (s - g.largest) + MASTER_BYTES * out * g.largest_padded if g.held else 0.0
-               for s, g in zip(sizes, groups)]  # while a unit's largest group of experts is reduced
     if par.zero == 3:
         gathered = [c * (g.padded + s) if g.held else 0.0 for s, g in zip(sizes, groups)]  # experts and gradients
-        return c * sum(sorted(own, reverse=True)[:2]) + max(
-            max(grad * a, x, r) for a, x, r in zip(own, gathered, reduced))
+        return c * sum(sorted(own, reverse=True)[:2]) + max(max(grad * a, x) for a, x in zip(own, gathered))
     if par.zero == 2:
-        return max(max(grad * a, c * s, r) for a, s, r in zip(own, sizes, reduced))
+        return max(max(grad * a, c * s) for a, s in zip(own, sizes))
     if not last:
         return c * max(sizes)
-    return max(max(max(c, MASTER_BYTES) * a, c * s) for a, s in zip(own, sizes))  # experts: `reduction_bytes`
+    return max(max(max(c, MASTER_BYTES) * a, c * s) for a, s in zip(own, sizes))
 
 
-def reduction_bytes(par: Parallel, experts: Iterable[ExpertGroups]) -> float:
-    """Below ZeRO-2, the transient memory of the largest reduction of a group of packed experts (`ExpertGroups`),
-    a moment of its own: the step's one reduction runs after the last micro-batch's backward, when nothing else
-    transient is held (torch's pipeline schedule reduces every FSDP group then), and a group of experts alone is
-    as large as a unit. Its fp32 accumulation copied into the reduce-scatter's input, then the output (1/n of it):
-    FSDP frees the accumulation as it is copied, but its loop over the gradients (``foreach_reduce``) holds the
-    group's last one until it returns, and the output stays working memory beside it. 0 from ZeRO-2 on
-    (`working_bytes` prices each micro-batch's reduction)."""
-    if par.zero >= 2:
+def reduction_bytes(par: Parallel, unit_params: Iterable[float], experts: Iterable[ExpertGroups] | None) -> float:
+    """The transient memory of ZeRO while the largest group of packed experts (`ExpertGroups`) is reduced, a moment
+    of its own: its fp32 gradient copied into the reduce-scatter's input, then the output (1/n of it; FSDP frees
+    the gradients as it copies them, but its loop over them, ``foreach_reduce``, holds the group's last one until
+    it returns, and the output stays working memory beside it). From ZeRO-2 on, each micro-batch's: when the
+    backward of the unit reading them is done (its recomputed activations and its gradients inside freed), beside
+    the compute-dtype gradients of the rest of the unit and under ZeRO-3 the two units gathered; the caller adds
+    the activations in flight. Below ZeRO-2, the step's one reduction after the last micro-batch's backward
+    (torch's pipeline schedule reduces every FSDP group then), when nothing else transient is held. 0 without such
+    groups."""
+    c = compute_bytes(par.precision)
+    sizes = list(unit_params) or [0.0]
+    groups = _per_unit(sizes, experts)
+    out = MASTER_BYTES * (1 + 1 / max(1, par.expert_shard))  # per padded element: the input and the output
+    moments = [out * g.largest_padded + (c * (s - g.largest) if par.zero >= 2 else 0.0)
+               for s, g in zip(sizes, groups) if g.held]
+    if par.zero == 0 or not moments:
         return 0.0
-    return max([0.0, *(MASTER_BYTES * (1 + 1 / max(1, par.expert_shard)) * g.largest_padded for g in experts)])
+    own = sorted((s - g.held for s, g in zip(sizes, groups)), reverse=True)
+    return (c * sum(own[:2]) if par.zero == 3 else 0.0) + max(moments)
+
+
+def _per_unit(sizes: list[float], experts: Iterable[ExpertGroups] | None) -> list[ExpertGroups]:
+    groups = list(experts) if experts is not None else []
+    return groups + [ExpertGroups()] * (len(sizes) - len(groups))
 
 
 def padded_numel(shape: tuple[int, ...], n: int) -> int:
