@@ -24,14 +24,14 @@
   `partc.runtime.schedule` overrides, so the pipeline holds the memory and traffic the plan charges; with the stage's
   ``fwd_cache``, `use_counts` (``Tensor._use_count``, ``torch._C._storage_Use_Count``: whether anything else holds a
   pipeline boundary's data before `partc.runtime.schedule` frees it).
-- Used where they are, named here: ``Adam._init_group`` (`partc check` makes AdamW's states without an update on
-  fake tensors), ``record_function.run_callbacks_on_exit`` (the check skips profiler labels under its fake mode),
-  and in the test driver `partc.runtime.testing`, c10d's ``_world.pg_map`` and DTensor's
-  ``_clear_sharding_prop_cache`` / ``clear_redistribute_planner_cache`` (a launch frees each job's groups).
-
 - `fsdp_post_backward`: the runtime runs the FSDP post-backward of the packed experts' group when the backward of
   the unit that read their tensors is done (`partc.runtime.parallelize.shard_experts`: the stage code does not call
   their module, whose forward would have registered it).
+- Used where they are, named here: ``ShardingPropagator._propagate_tensor_meta_non_cached`` (`partc check` does not
+  track the fake tensors DTensor's sharding propagation makes), ``Adam._init_group`` (`partc check` makes AdamW's
+  states without an update on fake tensors), ``record_function.run_callbacks_on_exit`` (the check skips profiler
+  labels under its fake mode), and in the test driver `partc.runtime.testing`, c10d's ``_world.pg_map`` and DTensor's
+  ``_clear_sharding_prop_cache`` / ``clear_redistribute_planner_cache`` (a launch frees each job's groups).
 
 FSDP2, the pipelining schedules otherwise, ZeroRedundancyOptimizer and torch.distributed.checkpoint are used through
 their public APIs only.
@@ -50,7 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["LazyGraphModule", "TorchDispatchMode", "fsdp_post_backward", "mod_tracker_module", "reorder_kwargs",
-           "set_pg_timeout", "storage_key", "tree_flatten", "tree_map", "tree_unflatten", "use_counts"]  # and _LAZY's names
+           "set_pg_timeout", "storage_key", "tree_flatten", "tree_map", "tree_unflatten",
+           "use_counts"]  # and _LAZY's names
 
 
 def storage_key(t: Tensor) -> int:

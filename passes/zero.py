@@ -91,12 +91,11 @@ def working_bytes(par: Parallel, unit_params: Iterable[float], *, last: bool = T
     group's post-backward runs when the unit's backward is done, before the unit's own group's: it releases the
     gathered experts (ZeRO-3) and copies their gradients into the fp32 input of their reduce-scatter, whose output
     (1/n of it, n the ranks sharding them) is as large as a unit's gradient where n is small (``dp / ep``). So a
-    unit with experts holds, at its largest, either its gradients in the compute dtype beside the gathered experts
-    (ZeRO-3), or the reduction of its largest group of experts (fp32 input and output) beside the compute-dtype
-    gradients of the rest of the unit. Measured by ``partc check`` on a Mixtral of 4 layers (hidden 256, 2
-    experts a rank of 1,024 intermediate, dp 4 pp 2 ep 2): priced as one group with the unit (the gathered experts
-    counted twice under ZeRO-3, the reduction's output not at all), the plan was 61% above the measured working
-    memory under ZeRO-3 and 15% below under ZeRO-1."""
+    unit with experts holds its gradients in the compute dtype beside the gathered experts (ZeRO-3); the reduction
+    of its largest group of experts (fp32 input and output) beside the compute-dtype gradients of the rest of the
+    unit is a moment of its own (`reduction_bytes`). Priced as part of the unit's group,
+    the gathered experts counted twice under ZeRO-3 and their reduction's output not at all (docs/expert-parallel.md,
+    "Large experts")."""
     c = compute_bytes(par.precision)
     grad = c + (MASTER_BYTES if c != MASTER_BYTES else 0)
     sizes = list(unit_params) or [0.0]

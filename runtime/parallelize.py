@@ -119,8 +119,7 @@ def shard_experts(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision:
     reduce-scatter their gradients and ZeRO-3 releases them there, ZeRO 0 and 1 add the compute-dtype gradient to
     the fp32 one. Left to FSDP's end-of-backward callback (which still runs it where no input of the unit needs a
     gradient), every unit's gathered experts and their compute-dtype gradients stayed to the end of the stage's
-    backward: under ZeRO-3 at Mixtral-8x7B's dims (2 experts a rank, 0.66 GiB a layer in bf16) `partc check`
-    measured 3.9 GiB more working memory on a 2-layer stage than the plan, which charges one unit's at a time.
+    backward (measured by `partc check` under ZeRO-3; docs/expert-parallel.md, "Large experts").
     Each rank's expert gradient sums the tokens of its ep group: FSDP averages it over
     the ``dp / ep`` x ``cp`` holders, and `GradSync` divides it by ``ep`` (``dp`` x ``cp`` in all, as FSDP's average
     of the others: the mean loss's gradient; a divide factor of FSDP's own would need PREMUL_SUM, which gloo
