@@ -24,9 +24,13 @@
   `partc.runtime.schedule` overrides, so the pipeline holds the memory and traffic the plan charges; with the stage's
   ``fwd_cache``, `use_counts` (``Tensor._use_count``, ``torch._C._storage_Use_Count``: whether anything else holds a
   pipeline boundary's data before `partc.runtime.schedule` frees it).
-- Used where they are, named here: ``Adam._init_group`` (`partc check` makes AdamW's states without an update on
-  fake tensors), ``record_function.run_callbacks_on_exit`` (the check skips profiler labels under its fake mode),
-  and in the test driver `partc.runtime.testing`, c10d's ``_world.pg_map`` and DTensor's
+- `fsdp_post_backward`: the runtime runs the FSDP post-backward of the packed experts' group when the backward of
+  the unit that read their tensors is done (`partc.runtime.parallelize.shard_experts`: the stage code does not call
+  their module, whose forward would have registered it).
+- Used where they are, named here: ``ShardingPropagator._propagate_tensor_meta_non_cached`` (`partc check` does not
+  track the fake tensors DTensor's sharding propagation makes), ``Adam._init_group`` (`partc check` makes AdamW's
+  states without an update on fake tensors), ``record_function.run_callbacks_on_exit`` (the check skips profiler
+  labels under its fake mode), and in the test driver `partc.runtime.testing`, c10d's ``_world.pg_map`` and DTensor's
   ``_clear_sharding_prop_cache`` / ``clear_redistribute_planner_cache`` (a launch frees each job's groups).
 
 FSDP2, the pipelining schedules otherwise, ZeroRedundancyOptimizer and torch.distributed.checkpoint are used through
@@ -45,8 +49,9 @@ from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["LazyGraphModule", "TorchDispatchMode", "mod_tracker_module", "reorder_kwargs", "set_pg_timeout",
-           "storage_key", "tree_flatten", "tree_map", "tree_unflatten", "use_counts"]  # and _LAZY's names
+__all__ = ["LazyGraphModule", "TorchDispatchMode", "fsdp_post_backward", "mod_tracker_module", "reorder_kwargs",
+           "set_pg_timeout", "storage_key", "tree_flatten", "tree_map", "tree_unflatten",
+           "use_counts"]  # and _LAZY's names
 
 
 def storage_key(t: Tensor) -> int:
@@ -59,6 +64,13 @@ def use_counts(t: Tensor) -> tuple[int, int]:
     """References to `t`'s tensor (its Python object's, an autograd node's that saved it, a leaf's gradient
     accumulator's) and to its storage (each tensor's viewing it, and the storage object this call makes)."""
     return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def fsdp_post_backward(module) -> None:
+    """FSDP2's post-backward of `module`'s parameter group (an ``FSDPModule``): reduce-scatter (or accumulate) its
+    gradients and reshard it, as when the gradients of a forward's inputs arrive. Looked up when called: `partc
+    check`'s tracker replaces it on the group."""
+    module._get_fsdp_state()._fsdp_param_group.post_backward()
 
 
 # `partc check`'s and the pipeline's names, imported when first asked for (torch.distributed._tools alone takes seconds to import).

@@ -26,6 +26,7 @@ from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_
                                stage_param_count,
                                tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_collectives,
                                unit_local_shapes, unit_param_shards, unit_time_parts)
+from partc.passes.memory import expert_groups
 from partc.passes.cost_types import Prediction, RankPrediction, TPPlan, UnitTime
 
 from . import hw, schedule, zero
@@ -38,10 +39,13 @@ UNITS = Reads("units", (*_PER_MICRO_BATCH, "recompute"))  # parameters a unit ho
 PADDED = Reads("padded", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # + dp
 EXPERTS = Reads("experts", (*_PER_MICRO_BATCH, "recompute"))  # packed expert parameters on one GPU: (tp, ep)
 EXPERT_PADDED = Reads("expert_padded", PADDED.ignores)  # FSDP's padded packed experts on one GPU: (tp, dp, ep)
+EXPERT_GROUPS = Reads("expert_groups", ("pp", "global_batch_size", "schedule", "virtual_stages", "recompute"))  # each
+# unit's packed experts in FSDP groups of their own (`expert_groups`): (tp, dp, ep, zero)
 EP_TIME = Reads("ep_time", ("pp", "zero", "global_batch_size", "schedule", "virtual_stages"))
 REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp, b, recompute)
 BACKWARD = Reads("backward", (*_PER_MICRO_BATCH, "recompute"))  # what a unit's backward holds: (tp, b)
 EXTRA = Reads("extra", ("dp", "pp", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks, FSDP's dp
+# and the ranks sharding the packed experts under ep (dp / ep x cp: their groups' reductions)
 TIME = Reads("time", _PER_MICRO_BATCH)  # + the chunks
 FWD_TIME = Reads("fwd_time", _PER_MICRO_BATCH)  # the forward's share of TIME, for the timeline: + the chunks
 TP_BYTES = Reads("tp_bytes", _PER_MICRO_BATCH)  # + the micro-batch count and the chunks
@@ -135,13 +139,15 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
         sum(zero.padded_numel(x, par.expert_shard) for k, x in shapes.items() if k in experts)
         for shapes in local_shapes)])
     rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+    grouped = keep(EXPERT_GROUPS.key(par), lambda: [expert_groups(graph, par, s) for s in local_shapes])
     backward = backward_of(graph, par, tp, keep.store)
     fsdp = par.dp_shard if par.zero else 1  # what FSDP pads over: the working memory's key besides the chunks
+    shard = par.expert_shard if par.ep > 1 else 1  # and what it shards the packed experts' own groups over
 
     def unit_padded(lo: int, hi: int) -> list[float]:
         # Each unit's elements as its FSDP group pads them (`zero.working_bytes`). The packed experts under ep are
-        # in groups of their own, which the two gathered units do not model: unpadded, as `partc check` measured
-        # them (a 2-layer Mixtral at dp 8 ep 2, ZeRO-3: activations within 3%, 16% fewer than priced padded).
+        # in groups of their own (`expert_groups`, padded over their ranks there): unpadded here, where
+        # `zero.working_bytes` takes them out of the unit's own group.
         return [padded_sums[i + 1] - padded_sums[i] + expert_sums[i + 1] - expert_sums[i] for i in range(lo, hi)]
 
     for r in range(p):
@@ -171,10 +177,11 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             mem.params, mem.grads, mem.optimizer = (mem.params + own.params, mem.grads + own.grads,
                                                     mem.optimizer + own.optimizer)
         def extra(last: bool = True) -> float:
-            return keep(EXTRA.key(par, tuple(chunks), last, fsdp),
+            return keep(EXTRA.key(par, tuple(chunks), last, fsdp, shard),
                         lambda: _extra_bytes(graph, par, tp, [rebuilt[i] for i in idx], [units.counts[i] for i in idx],
                                              idx[-1] == len(graph.units) - 1, [backward[i] for i in idx], last,
-                                             [n for lo, hi in chunks for n in unit_padded(lo, hi)]))
+                                             [n for lo, hi in chunks for n in unit_padded(lo, hi)],
+                                             [grouped[i] for i in idx]))
 
         mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra()
         if v == 1 and par.zero < 2 and in_flight(par, r) > 1:
@@ -189,16 +196,21 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
             held_j = _held_bytes(graph, par, chunks, acts)
             at = schedule.held_at_reductions(p, v, par.num_microbatches, r, held_j)
             b = tokens(par)
-            own_extra = [keep(EXTRA.key(par, ((lo, hi),), False, fsdp), lambda lo=lo, hi=hi: _extra_bytes(
+            own_extra = [keep(EXTRA.key(par, ((lo, hi),), False, fsdp, shard), lambda lo=lo, hi=hi: _extra_bytes(
                 graph, par, tp, rebuilt[lo:hi], units.counts[lo:hi], hi == len(graph.units), backward[lo:hi], False,
-                unit_padded(lo, hi))) for lo, hi in chunks]
+                unit_padded(lo, hi), grouped[lo:hi])) for lo, hi in chunks]
             mem.activations = schedule.peak_bytes(p, v, par.num_microbatches, r, held_j, [
                 graph.boundary_grad_bytes(hi - 1, b, par.cp) / par.tp + e for (lo, hi), e in zip(chunks, own_extra)])
             for j, (lo, hi) in enumerate(chunks):
-                own, own_padded = units.counts[lo:hi], unit_padded(lo, hi)
+                own, own_padded, groups = units.counts[lo:hi], unit_padded(lo, hi), grouped[lo:hi]
                 mem.activations = max(mem.activations, at[j] + own_extra[j]
-                                      + zero.working_bytes(par, own, padded=own_padded)
-                                      - zero.working_bytes(par, own, last=False, padded=own_padded))
+                                      + zero.working_bytes(par, own, padded=own_padded, experts=groups)
+                                      - zero.working_bytes(par, own, last=False, padded=own_padded, experts=groups))
+        reduced = zero.reduction_bytes(par, [units.counts[i] for i in idx], [grouped[i] for i in idx],
+                                       [n for lo, hi in chunks for n in unit_padded(lo, hi)])
+        if reduced:  # a group of experts reduced: in a micro-batch's backward (ZeRO 2, 3), or after the last one
+            mem.activations = max(mem.activations, reduced + (
+                _in_flight_bytes(graph, par, r, chunks, acts) if par.zero >= 2 else 0.0))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem, (held, held_padded)
 

@@ -93,6 +93,26 @@ def _param_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, uni
     return out
 
 
+def expert_groups(graph: ModelGraph, par: Parallel, shapes: dict[str, tuple]) -> zero.ExpertGroups:
+    """The packed experts among one unit's parameters (`_param_local_shapes`) in FSDP groups of their own, one per
+    module holding them (ep under ZeRO 1-3, `partc.runtime.parallelize.shard_experts`); none elsewhere (under
+    ZeRO-0, or where each rank holds its experts alone, FSDP leaves them alone)."""
+    if par.zero == 0 or par.expert_shard == 1:
+        return zero.ExpertGroups()
+    keys = expert_keys(graph, par)
+    groups: dict[str, list[float]] = {}
+    for name, shape in shapes.items():
+        if name in keys:
+            g = groups.setdefault(name.rsplit(".", 1)[0], [0.0, 0.0])
+            g[0] += math.prod(shape)
+            g[1] += zero.padded_numel(shape, par.expert_shard)
+    if not groups:
+        return zero.ExpertGroups()
+    largest = max(groups.values(), key=lambda g: g[1])
+    return zero.ExpertGroups(held=sum(g[0] for g in groups.values()), padded=sum(g[1] for g in groups.values()),
+                             largest=largest[0], largest_padded=largest[1])
+
+
 def unit_local_shapes(graph: ModelGraph, par: Parallel, tp: TPPlan | None) -> list[dict[str, tuple]]:
     """`_param_local_shapes` of every unit, in order (what `predict` and the search reuse across calls)."""
     return [_param_local_shapes(graph, par, tp, u) for u in graph.units]
@@ -293,8 +313,11 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
              for u in units]
     last_unit = graph.units[-1]
     backward = unit_backward_bytes(graph, par, tp) if backward is None else backward
-    return _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
-                        any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last)
+    experts = [expert_groups(graph, par, _param_local_shapes(graph, par, tp, u)) for u in units]
+    extra = _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
+                         any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last,
+                         experts=experts)
+    return max(extra, zero.reduction_bytes(par, sizes, experts))  # the experts' reduction: a moment of its own
 
 
 def vocab_loss_bytes(precision: str) -> int:
@@ -391,12 +414,14 @@ def _combine_backward_bytes(layer, c: int) -> float:
 
 def _extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
                  sizes: Sequence[float], holds_last: bool, backward: Sequence[float], last: bool = True,
-                 padded: Sequence[float] | None = None) -> float:
-    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU and hold
-    `backward` in their backward (`unit_backward_bytes`), the last unit of the model among them if `holds_last`;
-    `last` False: in a micro-batch's backward before the last; `padded`: the units' elements as FSDP pads them
+                 padded: Sequence[float] | None = None, experts: Sequence[zero.ExpertGroups] | None = None) -> float:
+    """`stage_extra_bytes` of a stage whose units rebuild `rebuilt`, hold `sizes` parameters on one GPU (`experts`
+    of them packed experts in groups of their own, `expert_groups`) and hold `backward` in their backward
+    (`unit_backward_bytes`), the last unit of the model among them if `holds_last`; `last` False: in a
+    micro-batch's backward before the last; `padded`: the units' elements as FSDP pads them
     (`zero.working_bytes`)."""
-    extra = max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last, padded=padded) + max([0.0, *backward])
+    extra = (max([0.0, *rebuilt]) + zero.working_bytes(par, sizes, last=last, padded=padded, experts=experts)
+             + max([0.0, *backward]))
     last_unit = graph.units[-1]
     if not (holds_last and last_unit.layers):
         return extra

@@ -37,7 +37,7 @@ multiple of N (Ψ' below, `padded_numel`):
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from partc.parallel import Parallel
 from partc.precision import compute_bytes
@@ -71,8 +71,22 @@ def model_state_bytes(num_params: float, par: Parallel, shards: int | None = Non
     return shard * MASTER_BYTES, shard * MASTER_BYTES, shard * ADAM_BYTES
 
 
+class ExpertGroups(NamedTuple):
+    """A unit's packed experts in FSDP groups of their own (ep under ZeRO 1-3, `partc.runtime.parallelize.
+    shard_experts`: one group per module holding them, sharded over ``dp / ep`` x ``cp`` ranks), on one GPU."""
+
+    held: float = 0.0
+    """Their parameters (this rank's E/ep experts, in every group of the unit)."""
+    padded: float = 0.0
+    """Their elements as FSDP pads them over the ranks sharding them (`padded_numel`): what it gathers."""
+    largest: float = 0.0
+    """Parameters of the largest group."""
+    largest_padded: float = 0.0
+    """Padded elements of the largest group: what its reduce-scatter's input holds."""
+
+
 def working_bytes(par: Parallel, unit_params: Iterable[float], *, last: bool = True,
-                  padded: Iterable[float] | None = None) -> float:
+                  padded: Iterable[float] | None = None, experts: Iterable[ExpertGroups] | None = None) -> float:
     """Transient memory of ZeRO on top of the model states, by the sizes (parameters on this GPU) of the FSDP units
     the rank runs: ZeRO-3 gathers two units at a time (the current and the prefetched one) and reduces one unit's
     gradient (compute-dtype, then fp32 for the reduce-scatter); ZeRO 2 reduces one unit's gradient each
@@ -81,26 +95,71 @@ def working_bytes(par: Parallel, unit_params: Iterable[float], *, last: bool = T
     accumulation into the fp32 input of its reduction (the larger of the two: measured by ``partc check``, 2 bytes a
     parameter of the largest unit more than the bf16 gradient alone, on the last stage of the 1T GPT at tp 8, where
     one block is 1G parameters). `last` False: below ZeRO-2, a micro-batch's backward before the last (the fold
-    only). `padded`: each unit's elements as FSDP pads them (`padded_numel`, `unit_params` unless given): under
-    ZeRO 1-3 the gathered copy (the all-gather's output) and the reduction's fp32 input are padded tensors, the
-    compute-dtype gradient and the accumulation are the unsharded parameters' own (unpadded). ZeRO-3 reshards a
-    unit before it reduces it (FSDP2's ``post_backward``), so there the reduction's input is charged unpadded
-    beside the two padded gathered units: on a 2-layer Mixtral of 4 experts at dp 8 (the experts padded to 8 rows)
-    ``partc check`` measured the plan's activations within 4% so, and 18% fewer with the input padded too; ZeRO-2
-    within 6% with it padded, where it measured 34% more than the plan unpadded (ZeRO-1: 22% more, and 51%)."""
-    sizes = [float(n) for n in unit_params]
-    pads = sizes if padded is None or par.zero == 0 else [float(n) for n in padded]
-    assert len(pads) == len(sizes), (len(pads), len(sizes))
+    only). `padded`: each unit's elements as FSDP pads them (`padded_numel`, `unit_params` unless given; the
+    packed experts of `experts` in it unpadded): under ZeRO 1-3 the gathered copy (the all-gather's output) and the
+    reduction's fp32 input are padded tensors, the compute-dtype gradient and the accumulation are the unsharded
+    parameters' own (unpadded). ZeRO-3 reshards a unit before it reduces it (FSDP2's ``post_backward``), so there
+    the reduction's input is charged unpadded beside the two padded gathered units: on a 2-layer Mixtral of 4
+    experts at dp 8 (the experts padded to 8 rows) ``partc check`` measured the plan's activations within 4% so,
+    and 18% fewer with the input padded too; ZeRO-2 within 6% with it padded, where it measured 34% more than the
+    plan unpadded (ZeRO-1: 22% more, and 51%).
+
+    `experts` (per unit, as `unit_params`, whose counts include them): the packed experts in FSDP groups of their
+    own. FSDP does not prefetch them (the unit gathers them as its forward and its backward begin), and each
+    group's post-backward runs when the unit's backward is done, before the unit's own group's: it releases the
+    gathered experts (ZeRO-3) and copies their gradients into the fp32 input of their reduce-scatter, whose output
+    (1/n of it, n the ranks sharding them) is as large as a unit's gradient where n is small (``dp / ep``). So a
+    unit with experts holds its gradients in the compute dtype beside the gathered experts (ZeRO-3, padded over
+    their n ranks); the reduction of its largest group of experts (fp32 input and output) beside the compute-dtype
+    gradients of the rest of the unit is a moment of its own (`reduction_bytes`). Priced as part of the unit's
+    group, the gathered experts counted twice under ZeRO-3 and their reduction's output not at all
+    (docs/expert-parallel.md, "Large experts")."""
     c = compute_bytes(par.precision)
-    if par.zero == 3:  # two padded units gathered, one unit's compute-dtype gradient and fp32 reduction input
-        return c * sum(sorted(pads, reverse=True)[:2]) + (c + (MASTER_BYTES if c != MASTER_BYTES else 0)) * max(
-            sizes, default=0.0)
+    sizes, groups, own, own_padded = _own_groups(par, unit_params, padded, experts)
+    fp32 = MASTER_BYTES if c != MASTER_BYTES else 0  # the reduction's fp32 input, beside a compute-dtype gradient
+    if par.zero == 3:  # two padded units gathered, one unit's compute-dtype gradient and (unpadded) fp32 input
+        gathered = [c * (g.padded + s) if g.held else 0.0 for s, g in zip(sizes, groups)]  # experts and gradients
+        return c * sum(sorted(own_padded, reverse=True)[:2]) + max(
+            max((c + fp32) * a, x) for a, x in zip(own, gathered))
     if par.zero == 2:  # one unit's compute-dtype gradient and the padded fp32 input of its reduce-scatter
-        return max((c * n + (MASTER_BYTES * p if c != MASTER_BYTES else 0) for n, p in zip(sizes, pads)),
-                   default=0.0)
+        return max(max(c * a + fp32 * q, c * s) for a, q, s in zip(own, own_padded, sizes))
     if not last:
-        return c * max(sizes, default=0.0)
-    return max((max(c * n, MASTER_BYTES * p) for n, p in zip(sizes, pads)), default=0.0)
+        return c * max(sizes)
+    return max(max(c * a, MASTER_BYTES * q, c * s) for a, q, s in zip(own, own_padded, sizes))
+
+
+def reduction_bytes(par: Parallel, unit_params: Iterable[float], experts: Iterable[ExpertGroups] | None,
+                    padded: Iterable[float] | None = None) -> float:
+    """The transient memory of ZeRO while the largest group of packed experts (`ExpertGroups`) is reduced, a moment
+    of its own: its fp32 gradient copied into the reduce-scatter's input, then the output (1/n of it; FSDP frees
+    the gradients as it copies them, but its loop over them, ``foreach_reduce``, holds the group's last one until
+    it returns, and the output stays working memory beside it). From ZeRO-2 on, each micro-batch's: when the
+    backward of the unit reading them is done (its recomputed activations and its gradients inside freed), beside
+    the compute-dtype gradients of the rest of the unit and under ZeRO-3 the two units gathered (padded, as
+    `working_bytes`'s `padded`); the caller adds the activations in flight. Below ZeRO-2, the step's one reduction
+    after the last micro-batch's backward (torch's pipeline schedule reduces every FSDP group then), when nothing
+    else transient is held. 0 without such groups."""
+    c = compute_bytes(par.precision)
+    sizes, groups, _, own_padded = _own_groups(par, unit_params, padded, experts)
+    out = MASTER_BYTES * (1 + 1 / max(1, par.expert_shard))  # per padded element: the input and the output
+    moments = [out * g.largest_padded + (c * (s - g.largest) if par.zero >= 2 else 0.0)
+               for s, g in zip(sizes, groups) if g.held]
+    if par.zero == 0 or not moments:
+        return 0.0
+    return (c * sum(sorted(own_padded, reverse=True)[:2]) if par.zero == 3 else 0.0) + max(moments)
+
+
+def _own_groups(par: Parallel, unit_params: Iterable[float], padded: Iterable[float] | None,
+                experts: Iterable[ExpertGroups] | None
+                ) -> tuple[list[float], list[ExpertGroups], list[float], list[float]]:
+    """(each unit's parameters, its `ExpertGroups`, its own group's parameters and padded elements)."""
+    sizes = [float(n) for n in unit_params] or [0.0]
+    pads = sizes if padded is None or par.zero == 0 else [float(n) for n in padded] or [0.0]
+    assert len(pads) == len(sizes), (len(pads), len(sizes))
+    groups = list(experts) if experts is not None else []
+    groups += [ExpertGroups()] * (len(sizes) - len(groups))
+    return (sizes, groups, [s - g.held for s, g in zip(sizes, groups)],
+            [q - g.held for q, g in zip(pads, groups)])
 
 
 def padded_numel(shape: tuple[int, ...], n: int) -> int:

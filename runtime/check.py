@@ -283,7 +283,7 @@ def check_rank(files: ProgramFiles, rank: int, *, optimizer: str = "adamw",
             _create_optimizer_states(prog)
             (args, kwargs), targets = prog.batch(0)
             tracker = _Tracker(prog, categories(par.zero))
-            with tracker, _tracker_hooks_released(prog):
+            with tracker, _tracker_hooks_released(prog), tracker.sharding_propagation_untracked():
                 prog.runner.forward_backward(args, kwargs, targets)
                 reshard(prog.runner.modules)
                 for opt in prog.optimizers:
@@ -508,7 +508,7 @@ class _Tracker(FSDPMemTracker):
                 # without calling their module, whose forward the torch tracker would have recorded
                 self.memory_tracking[fsdp_mod] = FSDPModMemStats(self._mod_tracker.get_known_fqn(fsdp_mod) or "")
             group = fsdp_mod._get_fsdp_state()._fsdp_param_group
-            with self._reduction_output_as_gradient(group):
+            with self._reduction_output_as_gradient(group), self._accumulation_as_gradient(group):
                 inner(*args, **kwargs)
             for fsdp_param in group.fsdp_params if group is not None else ():
                 grad = fsdp_param.unsharded_accumulated_grad
@@ -516,6 +516,30 @@ class _Tracker(FSDPMemTracker):
                     self._update_and_maybe_create_winfos(grad, FSDPRefType.SHARDED_GRAD)
 
         return post_backward
+
+    @contextlib.contextmanager
+    def _accumulation_as_gradient(self, group: Any) -> Iterator[None]:
+        """While `group`'s post-backward runs: ZeRO 0 and 1 start each parameter's fp32 accumulation from its first
+        micro-batch's compute-dtype gradient (FSDP's ``to_accumulated_grad_if_needed``: the copy made, then the
+        gradient dropped). The copy is the plan's gradient (``grads``) from the moment it is allocated, not a
+        temporary until the post-backward returns (beside the compute-dtype gradients of the rest of the group,
+        one parameter's fp32 gradient in the transient memory: a layer's gate and up projections of its packed
+        experts, where they are a group of their own)."""
+        params = list(group.fsdp_params) if group is not None else []
+        for p in params:
+            def to_accumulated(*args: Any, _orig: Any = p.to_accumulated_grad_if_needed, **kwargs: Any) -> Any:
+                self._making_gradient = True
+                try:
+                    return _orig(*args, **kwargs)
+                finally:
+                    self._making_gradient = False
+
+            p.to_accumulated_grad_if_needed = to_accumulated
+        try:
+            yield
+        finally:
+            for p in params:
+                del p.to_accumulated_grad_if_needed  # the class's method again
 
     @contextlib.contextmanager
     def _reduction_output_as_gradient(self, group: Any) -> Iterator[None]:
@@ -553,8 +577,36 @@ class _Tracker(FSDPMemTracker):
                 comm.allocate = own
 
     _making_gradient = False
+    _propagating = 0
+
+    @contextlib.contextmanager
+    def sharding_propagation_untracked(self) -> Iterator[None]:
+        """DTensor's sharding propagation (the sharded parameters' ops in the optimizer step, on a cache miss: every
+        op of the check's one step) runs the op on fake tensors of the global shapes, made under the fake mode it
+        finds active, else a new one (``ShardingPropagator._propagate_tensor_meta_non_cached``). On a GPU none is
+        active: they hold no memory. Here the check's is, and the tracker took them for transient memory: at
+        Mixtral-8x7B's dims under ZeRO-1, the fp32 arguments of an AdamW op on a layer's experts (2.6 GiB, three of
+        0.88) measured as activations beyond the plan's. They are not tracked."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def untracked(*args: Any, **kwargs: Any) -> Any:
+            self._propagating += 1
+            try:
+                return propagate(*args, **kwargs)
+            finally:
+                self._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+        try:
+            yield
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = propagate
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        if self._propagating:
+            return
         super()._track(FSDPRefType.SHARDED_GRAD if self._making_gradient else reftype, t)
 
     def _update_snap(self, *args: Any, **kwargs: Any) -> None:

@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from partc._torch import storage_key
+from partc._torch import fsdp_post_backward, storage_key
 from partc.mesh_axes import MESH_AXES
 from partc.parallel import Parallel
 from partc.precision import MASTER_DTYPE, compute_dtype
@@ -114,9 +114,14 @@ def shard_experts(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision:
     are sharded over that group as the other parameters are over ``dp`` x ``cp`` (torchtitan's
     ``dp_shard_mod_ep``). Before `apply_zero`, which then leaves them to these groups.
 
-    The stage code reads the experts' tensors without calling their module, so the unit holding them gathers them
-    before its forward (`FSDPModule.unshard`); FSDP's end-of-backward callback reduce-scatters the gradients of
-    every group left gathered. Each rank's expert gradient sums the tokens of its ep group: FSDP averages it over
+    The stage code reads the experts' tensors without calling their module, so the unit holding them does what
+    FSDP does around a module it calls: it gathers them before its forward (`FSDPModule.unshard`), and runs their
+    group's post-backward when its own backward is done (`_PostBackward`), as the unit's own group does: ZeRO 2 and 3
+    reduce-scatter their gradients and ZeRO-3 releases them there, ZeRO 0 and 1 add the compute-dtype gradient to
+    the fp32 one. Left to FSDP's end-of-backward callback (which still runs it where no input of the unit needs a
+    gradient), every unit's gathered experts and their compute-dtype gradients stayed to the end of the stage's
+    backward (measured by `partc check` under ZeRO-3; docs/expert-parallel.md, "Large experts").
+    Each rank's expert gradient sums the tokens of its ep group: FSDP averages it over
     the ``dp / ep`` x ``cp`` holders, and `GradSync` divides it by ``ep`` (``dp`` x ``cp`` in all, as FSDP's average
     of the others: the mean loss's gradient; a divide factor of FSDP's own would need PREMUL_SUM, which gloo
     lacks)."""
@@ -128,8 +133,39 @@ def shard_experts(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision:
         assert all(f"{path}.{n}" in experts for n, _ in owner.named_parameters()), path
         fully_shard(owner, mesh=mesh, mp_policy=mixed_precision(precision), reshard_after_forward=zero == 3)
         unit = next((u for fqn, u in stage.units.items() if path.startswith(fqn + ".")), stage)
-        unit.register_forward_pre_hook(lambda *_, owner=owner: owner.unshard())
+        unit.register_forward_pre_hook(partial(_gather_for_forward, owner=owner))
         unit.register_forward_hook(partial(_regather_in_backward, owner=owner, reshard=zero == 3))
+
+
+def _gather_for_forward(module: nn.Module, inputs: tuple, *, owner: FSDPModule) -> tuple:
+    """Before the forward of a unit holding packed experts: gather them, and pass the unit's inputs that need a
+    gradient through `_PostBackward`, so that the experts' post-backward runs once the unit's backward has given
+    their gradients (FSDP's ``RegisterPostBackwardFunction`` for the modules it calls)."""
+    owner.unshard()
+    if not torch.is_grad_enabled():
+        return inputs
+    at = [i for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.requires_grad]
+    if not at:
+        return inputs
+    out = list(inputs)
+    for i, t in zip(at, _PostBackward.apply(owner, *(inputs[i] for i in at))):
+        out[i] = t
+    return tuple(out)
+
+
+class _PostBackward(torch.autograd.Function):
+    """The identity on a unit's inputs; its backward, reached when the unit's backward is done, runs the FSDP
+    post-backward of the packed experts the unit read (`fsdp_post_backward`)."""
+
+    @staticmethod
+    def forward(ctx, owner: FSDPModule, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.owner = owner
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple:
+        fsdp_post_backward(ctx.owner)
+        return (None, *grads)
 
 
 def _regather_in_backward(module: nn.Module, inputs: tuple, outputs: tuple, *, owner: FSDPModule,
