@@ -125,7 +125,7 @@ def working_bytes(par: Parallel, unit_params: Iterable[float], *, last: bool = T
         return max(max(c * a + fp32 * q, c * s) for a, q, s in zip(own, own_padded, sizes))
     if not last:
         return c * max(sizes)
-    return max(max(c * a, MASTER_BYTES * q, c * s) for a, q, s in zip(own, own_padded, sizes))
+    return max(max(MASTER_BYTES * q, c * s) for q, s in zip(own_padded, sizes))  # the fp32 input, or the fold
 
 
 def reduction_bytes(par: Parallel, unit_params: Iterable[float], experts: Iterable[ExpertGroups] | None,
