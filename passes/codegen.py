@@ -171,7 +171,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     if plan.parallel.sequence_parallel:
         # The plan prices each boundary as the ranks' parts of the sequence, but for the values that need no
         # gradient (rotary tables, masks, token ids): every TP rank holds those whole, each sends its 1/t part and
-        # the next stage all-gathers them, as without sequence parallelism (`partc.passes.cost.gather_bytes`).
+        # the next stage all-gathers them, as without sequence parallelism (`partc.passes.cost_step.gather_bytes`).
         grad = _needs_grad(ep, io)
         rw.sequence_gathers += [f"{names[x]} crosses a pipeline boundary whole: scattered and gathered again"
                                 for st in sends[:-1] for x in st if split(x) and x in grad]
@@ -224,7 +224,7 @@ TP_TRAFFIC = {
     "reduce_scatter_to_tp": (("reduce_scatter", "fwd", "in"), ("all_gather", "bwd", "in")),
     "reduce_scatter_to_sp": (("reduce_scatter", "fwd", "in"), ("all_gather", "bwd", "in")),
     "gather_from_sp": (("all_gather", "fwd", "out"), ("reduce_scatter", "bwd", "out")),
-    # `sp_regather`: the gather, again in backward (`passes.cost.REGATHER`), and the input gradient's reduce-scatter
+    # `sp_regather`: the gather, again in backward (`passes.cost_tp.REGATHER`), and the input gradient's reduce-scatter
     "linears_from_sp": (("all_gather", "fwd", "gathered"), ("all_gather", "bwd-regather", "gathered"),
                         ("reduce_scatter", "bwd", "gathered")),
 }
@@ -263,7 +263,7 @@ def _whole_boundaries(traffic: dict[str, list[tuple[str, str, float]]], stages: 
     """Add to `traffic` (`_tp_traffic`) the scatter/gather of the values that need a gradient and cross a stage
     boundary whole under sequence parallelism (a fallback to tensor parallelism, listed in `sequence_gathers`):
     the receiving stage all-gathers each forward (charged to its first unit), the sending stage the gradient
-    backward (charged to its last unit). `partc.passes.cost.gather_bytes` counts only the values that need no
+    backward (charged to its last unit). `partc.passes.cost_step.gather_bytes` counts only the values that need no
     gradient under sequence parallelism, so these are priced as the program's (`partc.compile.
     price_sequence_fallbacks`)."""
     from partc.passes.cuts import val_bytes
@@ -283,7 +283,7 @@ def _whole_boundaries(traffic: dict[str, list[tuple[str, str, float]]], stages: 
 def _scatter_gather(t: int, rw: tp_rewrite.Rewrite):
     """Which values crossing a stage boundary go as each TP rank's 1/t part (`partc.collectives.
     scatter_to_next_stage`): with tp > 1, a tensor every TP rank holds whole whose size divides by t. The cost model
-    charges every boundary so (`partc.passes.cost.pp_bytes`)."""
+    charges every boundary so (`partc.passes.cost_step.pp_bytes`)."""
     def split(x: torch.fx.Node) -> bool:
         val = x.meta.get("val")
         return t > 1 and x not in rw.split and isinstance(val, torch.Tensor) and val.numel() % t == 0

@@ -17,7 +17,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 from helpers import HF_EXPERT_MODELS, launch
 from partc.collectives import expert_parallel
-from partc.passes.cost import ep_alltoall_bytes
+from partc.passes.cost_axes import ep_alltoall_bytes
 from partc.passes.experts import expert_split, local_experts, param_placeholders
 from partc.passes.export import export_on_meta
 
@@ -521,7 +521,7 @@ def test_plain_experts_train_like_one_process(runs, model_files, model, name):
 @pytest.mark.slow  # uses the runs above
 def test_uniform_routing_sends_the_planned_bytes(runs):
     """With every expert getting the same share of every rank's tokens, each rank's measured all-to-all bytes in
-    every step equal the plan's ``predicted.ranks[].comm_bytes.ep`` (`passes.cost.ep_bytes`): per MoE layer and
+    every step equal the plan's ``predicted.ranks[].comm_bytes.ep`` (`passes.cost_axes.ep_bytes`): per MoE layer and
     micro-batch, half of the 16 x 2 (token, expert) rows of 64 fp32 leave, there and back, forward and backward, and
     half of the 4 split counts."""
     plan = json.loads((runs / "uniform_ep2" / "plan.json").read_text())
@@ -659,7 +659,7 @@ def test_check_agrees_on_experts_padded_by_fsdp(tmp_path, model_files):
     """dp 8, ep 2: each rank's 2 of Mixtral's 4 experts are sharded over the 4 ranks holding them, and FSDP cuts
     dim 0 (the experts), padded to 4 rows: each rank holds a whole expert of the padded tensor (half its experts,
     not a quarter), and under ZeRO 1 and 2 gathers the 4 padded rows. The plan prices the padded tensor
-    (`cost.expert_state_bytes`); `partc check` measures the same model states (it measured 62% more optimizer
+    (`cost_axes.expert_state_bytes`); `partc check` measures the same model states (it measured 62% more optimizer
     states than the plan priced unpadded). At ep 1 the 4 experts are in the ordinary dp groups, padded to 8 rows:
     each rank holds a whole expert (a quarter of them, not an eighth), priced padded as every parameter is
     (`zero.model_state_bytes`; `partc check` measured 62% more weights and optimizer states under ZeRO-3 than the
@@ -760,10 +760,10 @@ def test_plain_experts_are_followed(model_files, model):
 
     from partc.cluster import load_cluster
     from partc.parallel import Parallel
-    from partc.passes import cost
+    from partc.passes import cost, cost_axes, memory
 
     graph = traced.graph
-    assert cost.routed_rows_layers(graph) == {f for f in graph.layers if f.startswith("moe.experts.")} != set()
+    assert cost_axes.routed_rows_layers(graph) == {f for f in graph.layers if f.startswith("moe.experts.")} != set()
     base = Parallel(dp=4, tp=1, pp=1, zero=1, micro_batch_size=1, global_batch_size=8, ep=4, precision="fp32")
     skew = dataclasses.replace(base, expert_imbalance=2.0)
     cluster = load_cluster("a100-80g")
@@ -771,8 +771,8 @@ def test_plain_experts_are_followed(model_files, model):
         fwd = [cost._forward_times(graph, cluster, p, None, u)[0] for p in (base, skew)]
         experts = [f for f in u.layers if f.startswith("moe.experts.")]
         assert (fwd[1] > fwd[0]) == bool(experts), u.fqn
-    acts = [sum(cost.unit_activation_bytes(graph, p, None)) for p in (base, skew)]
-    assert acts[1] - acts[0] == sum(graph.layers[f].saved_bytes for f in cost.routed_rows_layers(graph))
+    acts = [sum(memory.unit_activation_bytes(graph, p, None)) for p in (base, skew)]
+    assert acts[1] - acts[0] == sum(graph.layers[f].saved_bytes for f in cost_axes.routed_rows_layers(graph))
 
 
 def test_plain_routing_it_cannot_follow_is_refused(tmp_path):
@@ -900,7 +900,7 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
 
     from helpers import trace_file
     from partc.parallel import Parallel
-    from partc.passes import cost, hw
+    from partc.passes import cost, cost_axes, hw, memory
     from partc.passes.assemble import predict
     from partc.cluster import load_cluster
 
@@ -914,19 +914,19 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
     assert Parallel.from_dict(skew.to_dict()) == skew and Parallel.from_dict({**skew.to_dict(), "expert_imbalance": 2}) == skew
     rows, layers, m = S * 2, 2, 2  # (token, expert) rows per sample, MoE layers, micro-batches
     counts = 4 * 8 * 3 / 4
-    assert cost.ep_bytes(graph, base, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 2 + counts)
-    assert cost.ep_bytes(graph, skew, units) == layers * m * (rows * (1 - 2 / 4 + 2 * 3 / 4) * 64 * 4 * 2 + counts)
+    assert cost_axes.ep_bytes(graph, base, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 2 + counts)
+    assert cost_axes.ep_bytes(graph, skew, units) == layers * m * (rows * (1 - 2 / 4 + 2 * 3 / 4) * 64 * 4 * 2 + counts)
     full = dataclasses.replace(base, recompute="full")
-    assert cost.ep_bytes(graph, full, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 3 + 2 * counts)
+    assert cost_axes.ep_bytes(graph, full, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 3 + 2 * counts)
     once = lambda f: 2 * hw.collective_time(cluster, "all_to_all", f * rows * 3 / 4 * 64 * 4, 4, spans_nodes=False,
                                             ranks_per_node=4)
-    assert cost.ep_time(graph, cluster, base, units) == pytest.approx((layers * once(1), layers * once(1)))
-    assert cost.ep_time(graph, cluster, skew, units) == pytest.approx((layers * once(2), layers * once(2)))
-    assert cost.ep_time(graph, cluster, full, units) == pytest.approx((layers * once(1), 2 * layers * once(1)))
+    assert cost_axes.ep_time(graph, cluster, base, units) == pytest.approx((layers * once(1), layers * once(1)))
+    assert cost_axes.ep_time(graph, cluster, skew, units) == pytest.approx((layers * once(2), layers * once(2)))
+    assert cost_axes.ep_time(graph, cluster, full, units) == pytest.approx((layers * once(1), 2 * layers * once(1)))
     # the experts' compute: a MoE block's forward grows by its experts layer's own time, and it keeps twice what
     # that layer saves (once more)
     tp = None  # every layer whole
-    acts = {p: cost.unit_activation_bytes(graph, p, tp) for p in (base, skew)}
+    acts = {p: memory.unit_activation_bytes(graph, p, tp) for p in (base, skew)}
     for i, u in enumerate(graph.units):
         experts = [graph.layers[f] for f in u.layers if graph.layers[f].inner]
         own = sum(hw.memory_time(cluster, e.memory_bytes) + sum(hw.gemm_time(cluster, g, micro_batch_size=1)
@@ -941,10 +941,10 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
     # under cp 4 each rank routes its s/4 tokens, inside an ep group of dp ranks 4 apart (cp x tp): 4 of them, on
     # 2 nodes of 8 GPUs, 2 a node (at cp 1 the 4 neighbours share a node)
     cp4 = dataclasses.replace(base, cp=4)
-    assert cost.ep_bytes(graph, cp4, units) == layers * m * (rows / 4 * 2 * 3 / 4 * 64 * 4 * 2 + counts)
+    assert cost_axes.ep_bytes(graph, cp4, units) == layers * m * (rows / 4 * 2 * 3 / 4 * 64 * 4 * 2 + counts)
     spread = 2 * hw.collective_time(cluster, "all_to_all", rows / 4 * 3 / 4 * 64 * 4, 4, spans_nodes=True,
                                     ranks_per_node=2)
-    assert cost.ep_time(graph, cluster, cp4, units) == pytest.approx((layers * spread, layers * spread))
+    assert cost_axes.ep_time(graph, cluster, cp4, units) == pytest.approx((layers * spread, layers * spread))
     assert spread > once(1) / 4
     # the whole plan: slower, more activations, more bytes on the busiest rank
     bounds = [(0, len(graph.units))]
