@@ -180,7 +180,7 @@ def split_cut_bytes(graph: ModelGraph, tp: TPPlan | None, i: int, micro_batch_si
     """Bytes of one micro-batch of the boundary after units[i] that cross split over tp: the outputs of colwise
     layers read only past it (`ModelGraph.cut_layer_outputs`; a token and a position embedding before their sum).
     The program converts such an output where it is read (`passes.assign`: glue goes with its first reader), so
-    each TP rank sends its own part and the next stage gathers nothing (`passes.codegen._scatter_gather`)."""
+    each TP rank sends its own part and the next stage gathers nothing (`passes.codegen_traffic._scatter_gather`)."""
     if tp is None or not graph.cut_layer_outputs or not 0 <= i < len(graph.cut_layer_outputs):
         return 0.0
     return float(graph.boundary_layer_bytes(i, {f for f in graph.cut_layer_outputs[i] if style_of(tp, f) == "colwise"},
