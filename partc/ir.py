@@ -201,7 +201,7 @@ class Edge:
 
 @dataclass(kw_only=True, slots=True)
 class RoutedExperts:
-    """A mixture of experts written in plain PyTorch whose routing partc follows (`partc.passes.experts.
+    """A mixture of experts written in plain PyTorch whose routing partc follows (`partc.passes.experts_routed.
     routed_splits`): an ``nn.ModuleList`` of identical experts, divided among the ep ranks by module."""
 
     fqn: str

@@ -45,7 +45,7 @@ from partc.plan import Plan
 from partc.passes import tp_rewrite
 from partc.passes.context import ContextSplit, rewrite as context_rewrite
 from partc.passes.constants import constant_values, literal
-from partc.passes.experts import EP_ROUTED, rewrite_for_ep
+from partc.passes.experts_ep import EP_ROUTED, rewrite_for_ep
 from partc.passes import fuse
 from partc.passes.emit import py_name
 from partc.passes.same_shapes import SameShapes

@@ -18,7 +18,7 @@ import torch.fx
 
 from partc.frames import innermost, stack_trace_frames
 from partc.plan import Plan
-from partc.passes.experts import EP_LOCAL, EP_ROUTED
+from partc.passes.experts_ep import EP_LOCAL, EP_ROUTED
 from partc.passes.export import GRAD_ENABLED
 from partc.passes import fuse
 from partc.passes.emit import Emitter, comment, doc_text, structure_expr, tuple_expr
@@ -146,7 +146,7 @@ def _region_lines(region: fuse.Region, em: Emitter, names: dict[torch.fx.Node, s
 
 
 def _expert_lines(node: torch.fx.Node, em: Emitter, names: dict[torch.fx.Node, str]) -> list[str]:
-    """A layer of packed experts under ep (`partc.passes.experts.rewrite_for_ep`): its experts' own computation as
+    """A layer of packed experts under ep (`partc.passes.experts_ep.rewrite_for_ep`): its experts' own computation as
     a function of the rows sent to this rank, their offsets and this rank's part of the packed parameters, and the
     call that sends each token's rows to its experts' ranks and brings the results back."""
     local = node.meta[EP_LOCAL]

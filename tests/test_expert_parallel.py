@@ -1,6 +1,6 @@
 """Expert parallelism (issue #25), the layer: Hugging Face's packed experts divided by experts among ep ranks.
 
-`passes.experts.expert_split` finds the experts' own computation and the routing around it (or says why not);
+`passes.experts_ep.expert_split` finds the experts' own computation and the routing around it (or says why not);
 `partc.collectives.expert_parallel` sends each (token, expert) pair to its expert's rank with an uneven
 ``all_to_all_single`` and its result back. On 2 gloo ranks each holding 2 of 4 experts, the layer's output and every
 gradient equal one process's, and with a uniform routing the bytes counted equal the cost model's."""
@@ -18,7 +18,8 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from helpers import HF_EXPERT_MODELS, launch
 from partc.collectives import expert_parallel
 from partc.passes.cost_axes import ep_alltoall_bytes
-from partc.passes.experts import expert_split, local_experts, param_placeholders
+from partc.passes.experts import param_placeholders
+from partc.passes.experts_ep import expert_split, local_experts
 from partc.passes.export import export_on_meta
 
 T, H, I, E, K = 8, 16, 24, 4, 2
@@ -107,7 +108,7 @@ WORKER = """
     from test_expert_parallel import E, H, K, T, config, split_of, routing
     from transformers import MixtralForCausalLM
     from partc.collectives import expert_parallel
-    from partc.passes.experts import local_experts
+    from partc.passes.experts_ep import local_experts
     from partc.runtime.comm import CommCounter
 
     torch.set_num_threads(1)
@@ -289,7 +290,7 @@ UNIFORM = """
             layer.mlp.gate = UniformRouter(64, 4, 2)
         return m
 """
-# Mixtures of experts as plain PyTorch writes them (`passes.experts.routed_splits`): an nn.ModuleList of expert
+# Mixtures of experts as plain PyTorch writes them (`passes.experts_routed.routed_splits`): an nn.ModuleList of expert
 # modules, routed with nonzero(choice == e) and combined with index_add. "user_moe" is tests/user_models.py's (top-1,
 # index_select, index_add); "swiglu_top2" a second layout (SwiGLU experts without biases, top-2 renormalized, the
 # rows gathered by x[tok], the weights by weight[tok, slot], in-place index_add_).
@@ -738,7 +739,7 @@ def test_plain_experts_are_followed(model_files, model):
     ops, run on another expert's parameters, compute that expert."""
     from helpers import trace_file
     from partc.model_file import load_model_file
-    from partc.passes.experts import routed_splits
+    from partc.passes.experts_routed import routed_splits
     from partc.passes.search_space import _expert_counts
 
     torch.manual_seed(0)
@@ -780,7 +781,7 @@ def test_plain_routing_it_cannot_follow_is_refused(tmp_path):
     mixture is refused in one line naming what it reads (and `--ep` says it, `test_ep_is_refused_where_it_cannot_
     apply`)."""
     from helpers import trace_file
-    from partc.passes.experts import routed_splits
+    from partc.passes.experts_routed import routed_splits
 
     path = plain_refused(tmp_path)
     _, traced = trace_file(path)
@@ -825,7 +826,7 @@ def test_search_tries_ep_where_the_experts_divide(model_files):
 def test_cp_takes_followed_experts_as_per_token(model_files):
     """A layer of packed experts sorts, gathers and counts its tokens by expert: ops that mix positions, one by
     one. The split ep follows proves that each token's output reads that token alone, so context parallelism's
-    analysis takes the layer's nodes as per position (`experts.token_wise_nodes`), and only those; without them it
+    analysis takes the layer's nodes as per position (`experts_ep.token_wise_nodes`), and only those; without them it
     refuses the model at the experts' sort. The router's ``topk`` over the experts (its dim left to the default)
     keeps the sequence where it is."""
     from partc.cluster import load_cluster
@@ -834,7 +835,7 @@ def test_cp_takes_followed_experts_as_per_token(model_files):
     from partc.model_file import build_on_meta, load_model_file
     from partc.passes.assign import assign
     from partc.passes.context import analyze
-    from partc.passes.experts import token_wise_nodes
+    from partc.passes.experts_ep import token_wise_nodes
     from partc.passes.trace import trace
 
     path = model_files["mixtral"]
