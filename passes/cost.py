@@ -103,6 +103,13 @@ def regather_hidden_time(graph: ModelGraph, cluster: Cluster, par: Parallel, tp:
                for g in graph.layers[fqn].gemms)
 
 
+def _fwd_bwd_time(fwd: float, core: float, mode: str) -> float:
+    """A unit's GPU seconds from its forward `fwd` (of which `core` in the attention core) under recomputation
+    `mode`: the forward, a backward of twice it, and the forward again in full (``full``) or the core's
+    (``selective``). `unit_time_parts` and its floor `unit_time_floor` both price a unit so."""
+    return 3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
+
+
 def launch_time(cluster: Cluster, unit: Unit, mode: str) -> float:
     """Host seconds to issue the unit's kernels for one micro-batch (`Cluster.kernel_launch_s`): its forward
     kernels, twice as many in backward (a GEMM's or a convolution's input and weight gradients; an elementwise op's
@@ -141,8 +148,8 @@ def unit_time_parts(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPl
             continue
         fwd, core = _forward_times(graph, cluster, par, tp, unit)
         mode = recompute_mode(unit, par)
-        compute = max(3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0)
-                      + _replay_time(cluster, par, tp, unit), launch_time(cluster, unit, mode))
+        compute = max(_fwd_bwd_time(fwd, core, mode) + _replay_time(cluster, par, tp, unit),
+                      launch_time(cluster, unit, mode))
         comm = fwd_comm = regather = 0.0
         for kind, phase, nbytes in collectives:
             once = hw.collective_time(cluster, kind, nbytes, t, spans_nodes=spans_tp, ranks_per_node=per_node)
@@ -181,8 +188,7 @@ def unit_time_floor(graph: ModelGraph, cluster: Cluster, par: Parallel, memo: di
                 memo[floor] = _forward_floor(graph, cluster, t, b, unit)
             fwd, core = memo[floor]
             mode = recompute_mode(unit, par)
-            seen[key] = max(3 * fwd + (fwd if mode == "full" else core if mode == "selective" else 0.0),
-                            launch_time(cluster, unit, mode))
+            seen[key] = max(_fwd_bwd_time(fwd, core, mode), launch_time(cluster, unit, mode))
         out.append(seen[key])
     return out
 

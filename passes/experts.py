@@ -18,7 +18,7 @@ weight of one product, reached through transposes only; the layer's outputs must
 
 The experts divided among ep ranks instead are `passes.experts_ep`'s, the mixtures written in plain PyTorch
 `passes.experts_routed`'s; both read the graph with this module's helpers (`is_product`, `param_placeholders`,
-`_nodes_by_layer`, `_ancestors`).
+`_packed_layers`, `_ancestors`).
 """
 
 from __future__ import annotations
@@ -253,10 +253,7 @@ def mark_inner(graph: torch.fx.Graph, node_layer: dict[Node, str], param_of: dic
     """Set `Layer.inner` (or, where it cannot be split inside, `Layer.split_stop`) of every layer of kind ``other``
     that runs a grouped product, and the `Gemm.inner_split` of its products. `param_of`: parameter placeholder ->
     FQN."""
-    for fqn, nodes in _nodes_by_layer(graph, node_layer).items():
-        layer = layers.get(fqn)
-        if layer is None or layer.kind != "other" or not any(is_product(n) for n in nodes):
-            continue
+    for fqn, layer, nodes in _packed_layers(graph, node_layer, layers):
         params = {ph: p for ph, p in param_of.items() if p in layer.params}
         split = inner_split(nodes, params)
         if isinstance(split, str):
@@ -275,13 +272,16 @@ def param_placeholders(ep: torch.export.ExportedProgram) -> dict[Node, str]:
             if s.kind == InputKind.PARAMETER}
 
 
-def _nodes_by_layer(graph, node_layer: dict[Node, str]) -> dict[str, list[Node]]:
-    """The graph's op nodes grouped by the layer each belongs to, in graph order."""
+def _packed_layers(graph, node_layer: dict[Node, str],
+                   layers: dict[str, Layer]) -> list[tuple[str, Layer, list[Node]]]:
+    """The layers of kind ``other`` that run a grouped product (packed experts), in graph order: (FQN, layer, its
+    op nodes in graph order). `mark_inner`, `passes.experts_ep.rewrite_for_ep` and `token_wise_nodes` read these."""
     by_layer: dict[str, list[Node]] = {}
     for n in graph.nodes:
         if n.op == "call_function" and n in node_layer:
             by_layer.setdefault(node_layer[n], []).append(n)
-    return by_layer
+    return [(fqn, layers[fqn], nodes) for fqn, nodes in by_layer.items()
+            if layers.get(fqn) is not None and layers[fqn].kind == "other" and any(is_product(n) for n in nodes)]
 
 
 def _ancestors(node: Node, within: set[Node]) -> set[Node]:

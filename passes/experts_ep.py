@@ -23,8 +23,8 @@ from torch.fx import Node
 from partc import collectives
 from partc.errors import PartcError
 from partc.ir import Layer
-from partc.passes.experts import (_ZEROS, _ancestors, _nodes_by_layer, _operands, _val, _weight_chain, is_product,
-                                  param_placeholders)
+from partc.passes.experts import (_ZEROS, _ancestors, _operands, _packed_layers, _val, _weight_chain,
+                                  is_product, param_placeholders)
 from partc.passes.experts_routed import RoutedSplit, routed_splits
 
 aten = torch.ops.aten
@@ -165,10 +165,7 @@ def rewrite_for_ep(ep: torch.export.ExportedProgram, node_layer: dict[Node, str]
     not divide by `degree`, or there is none."""
     params = param_placeholders(ep)
     done, routed = {}, {}
-    for fqn, nodes in _nodes_by_layer(ep.graph, node_layer).items():
-        layer = layers.get(fqn)
-        if layer is None or layer.kind != "other" or not any(is_product(n) for n in nodes):
-            continue
+    for fqn, layer, nodes in _packed_layers(ep.graph, node_layer, layers):
         mine = {ph: p for ph, p in params.items() if p in layer.params}
         split = expert_split(nodes, mine)
         if isinstance(split, str):
@@ -213,10 +210,7 @@ def token_wise_nodes(ep: torch.export.ExportedProgram, node_layer: dict[Node, st
     layer as per position, with or without ep."""
     params = param_placeholders(ep)
     out: set[str] = set()
-    for fqn, nodes in _nodes_by_layer(ep.graph, node_layer).items():
-        layer = layers.get(fqn)
-        if layer is None or layer.kind != "other" or not any(is_product(n) for n in nodes):
-            continue
+    for fqn, layer, nodes in _packed_layers(ep.graph, node_layer, layers):
         if isinstance(expert_split(nodes, {ph: p for ph, p in params.items() if p in layer.params}), ExpertSplit):
             out |= {n.name for n in nodes}
     for split in routed_splits(ep.graph, params):
