@@ -29,7 +29,7 @@ from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import MAX_BATCH, MAX_GPUS, Pins, check_gpus
 from partc.plan import Plan, read_plan
-from partc.passes import assemble, cost
+from partc.passes import assemble, cost_step, cost_tp, cost_types
 from partc.model_file import ModelSpec, load_model_file
 from partc.passes.search import Candidate, SearchResult, search
 from partc.passes.codegen import GeneratedProgram, generate
@@ -288,7 +288,7 @@ def settle_sequence_parallel(graph: ModelGraph, clus: Cluster, gpus: int, global
     else:
         without = search(graph, clus, gpus, global_batch_size=global_batch_size,
                          pins=dataclasses.replace(pins, sequence_parallel=False, sp_regather=None))
-    if priced is not None and cost.fits(clus, priced.prediction.memory_per_gpu) and \
+    if priced is not None and cost_step.fits(clus, priced.prediction.memory_per_gpu) and \
             (without.best is None or priced.step_time_s < without.best.step_time_s):
         return dataclasses.replace(result, best=priced, alternatives=[c for c in [without.best, *without.alternatives]
                                                                       if c is not None]), program
@@ -315,14 +315,14 @@ def price_sequence_fallbacks(graph: ModelGraph, clus: Cluster, best: Candidate,
         for kind, phase, nbytes in colls:
             out[kind, phase] = out.get((kind, phase), 0.0) + nbytes
         return {k: round(v) for k, v in out.items() if round(v)}
-    loss = cost.VOCAB_LOSS_REASON
+    loss = cost_types.VOCAB_LOSS_REASON
     differ = {}
     for lo, hi in best.bounds:
         formulas, runs = [], []
         for unit in graph.units[lo:hi]:
-            charged = [(c.kind, c.phase, float(c.nbytes * cost.tokens(par)))
+            charged = [(c.kind, c.phase, float(c.nbytes * cost_types.tokens(par)))
                        for c in tp.collectives.get(unit.fqn, []) if c.reason.startswith(loss)]
-            formula = cost.unit_collectives(graph, par, tp, unit)
+            formula = cost_tp.unit_collectives(graph, par, tp, unit)
             for c in charged:  # the loss runs these, not the stage code
                 formula.remove(c)
             formulas.append(formula)

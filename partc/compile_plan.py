@@ -15,7 +15,7 @@ from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.plan import Plan, Stage
-from partc.passes import assemble, cost
+from partc.passes import assemble, cost, cost_step, cost_types, memory
 from partc.passes.search import Candidate, SearchResult
 from partc.passes.tp import evaluate_tp
 
@@ -79,7 +79,7 @@ def replan(graph: ModelGraph, clus: Cluster, gpus: int, plan: Plan, global_batch
         raise PartcError(f"the plan's tp map has no style for layer {missing[0]!r} ({len(missing)} missing)")
     tp = evaluate_tp(graph, par.tp, plan.tp, clus, par.micro_batch_size)
     pred = assemble.predict(graph, clus, par, tp, bounds)
-    if not cost.fits(clus, pred.memory_per_gpu):
+    if not cost_step.fits(clus, pred.memory_per_gpu):
         gib = 1024**3
         raise PartcError(f"the plan needs {pred.memory_per_gpu.total / gib:.1f} GiB per GPU but a {clus.gpu} has "
                          f"{clus.usable_memory_bytes / gib:.1f} GiB usable")
@@ -96,7 +96,7 @@ def expert_routing(imbalance: float) -> str:
             f"to arrive, and comm_bytes.ep the bytes that leave it, as the runtime counts them")
 
 
-def _predicted(pred: cost.Prediction, global_batch_size: int, imbalance: float = 1.0) -> dict:
+def _predicted(pred: cost_types.Prediction, global_batch_size: int, imbalance: float = 1.0) -> dict:
     return {
         "step_time_s": pred.step_time_s, "tokens_per_s": pred.tokens_per_s,
         "samples_per_s": global_batch_size / pred.step_time_s,
@@ -135,7 +135,7 @@ def make_plan(graph: ModelGraph, clus: Cluster, best: Candidate, result: SearchR
                              "mfu": c.prediction.mfu})
     return Plan(model=model, cluster=clus.to_dict(), parallel=par, tp=dict(best.tp.styles), stages=stages,
                 predicted=_predicted(pred, par.global_batch_size, par.imbalance), alternatives=alternatives,
-                tp_why=dict(best.tp.why), tp_loss=cost.tp_loss(graph, par, best.tp))
+                tp_why=dict(best.tp.why), tp_loss=memory.tp_loss(graph, par, best.tp))
 
 
 def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path) -> None:
@@ -157,8 +157,8 @@ def dump(graph: ModelGraph, clus: Cluster, best: Candidate, dump_dir: str | Path
     (out / "graph.txt").write_text("\n".join(lines) + "\n")
     par = best.parallel
     parts = cost.unit_time_parts(graph, clus, par, best.tp)
-    params = cost.unit_param_counts(graph, par, best.tp)
-    acts = cost.unit_activation_bytes(graph, par, best.tp)
+    params = memory.unit_param_counts(graph, par, best.tp)
+    acts = memory.unit_activation_bytes(graph, par, best.tp)
     units = [{"unit": u.fqn, "compute_s": parts[i].compute_s, "tp_comm_s": parts[i].tp_comm_s,
               "params_per_gpu": params[i], "activation_bytes_per_microbatch": acts[i],
               "collectives": [{"kind": c.kind, "phase": c.phase, "bytes_per_sample": c.nbytes, "reason": c.reason}

@@ -16,7 +16,7 @@ from partc.model_file import ModelSpec
 from partc.precision import cast_floating, compute_dtype
 from partc.passes.assign import assign
 from partc.passes.context import ContextSplit, analyze as analyze_context, local_inputs
-from partc.passes.experts import token_wise_nodes
+from partc.passes.experts_ep import token_wise_nodes
 from partc.passes.export import export_on_meta
 from partc.passes.trace import Traced
 

@@ -164,7 +164,7 @@ class Unit:
     """(bytes per sample, the layer that made it, bytes per sample as attention takes it) of each key and value of
     the unit's causal attention (whole sequence; the first before grouped-query attention repeats their heads):
     what context parallelism all-gathers over cp, split over tp where that layer is colwise
-    (`partc.passes.cost.cp_bytes`), and what attention then saves for backward."""
+    (`partc.passes.cost_axes.cp_bytes`), and what attention then saves for backward."""
     cp_out: list[tuple[int, str]] = field(default_factory=list)
     """(bytes per sample, the layer that made its queries) of the output of each causal attention of the unit
     (whole sequence): under context parallelism the program keeps it twice (`partc.passes.memory._cp_saved_bytes`),
@@ -201,7 +201,7 @@ class Edge:
 
 @dataclass(kw_only=True, slots=True)
 class RoutedExperts:
-    """A mixture of experts written in plain PyTorch whose routing partc follows (`partc.passes.experts.
+    """A mixture of experts written in plain PyTorch whose routing partc follows (`partc.passes.experts_routed.
     routed_splits`): an ``nn.ModuleList`` of identical experts, divided among the ep ranks by module."""
 
     fqn: str
@@ -265,7 +265,7 @@ class ModelGraph:
     """cut_layer_outputs[i]: layer FQN -> (bytes per sample, per micro-batch, of those along the sequence) of that
     layer's own output among what crosses the boundary after units[i] (`cut_bytes`, `cut_fixed_bytes`,
     `cut_fixed_seq_bytes`): a colwise layer's output crosses as each TP rank's part, not gathered
-    (`passes.cost.gather_bytes`); empty: none."""
+    (`passes.cost_step.gather_bytes`); empty: none."""
     tied: dict[str, str] = field(default_factory=dict)
     """Parameter FQN -> the FQN of the parameter it shares storage with (first in execution order)."""
     first_unit_required: list[str] = field(default_factory=list)
@@ -300,7 +300,7 @@ class ModelGraph:
     def boundary_bytes(self, i: int, micro_batch_size: float, cp: int = 1) -> float:
         """Bytes of one micro-batch across the pipeline boundary after units[i] (0 outside the model: before the
         first unit, after the last). `micro_batch_size` in samples a rank holds (b/cp under context parallelism,
-        `cost.tokens`); a tensor without the batch but along the sequence is cut by `cp` too."""
+        `cost_types.tokens`); a tensor without the batch but along the sequence is cut by `cp` too."""
         if not 0 <= i < len(self.cut_bytes):
             return 0
         return self.cut_bytes[i] * micro_batch_size + _fixed(self.cut_fixed_bytes, self.cut_fixed_seq_bytes, i, cp)

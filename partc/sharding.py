@@ -104,7 +104,7 @@ class TPLayout:
     is along another dim)."""
     routed: dict[str, int] = field(default_factory=dict)
     """Expert modules of a plain-PyTorch mixture of experts (an ``nn.ModuleList``'s elements) -> the ep rank
-    holding it: whole, on that rank only (`partc.passes.experts.routed_splits`)."""
+    holding it: whole, on that rank only (`partc.passes.experts_routed.routed_splits`)."""
 
     @classmethod
     def from_manifest(cls, tp: dict, rank: int, canon: dict[str, str]) -> TPLayout:

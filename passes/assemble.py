@@ -18,16 +18,17 @@ from partc.mesh_axes import AXES
 from partc.parallel import Parallel
 from partc.reads import Reads
 from partc import timeline
-from partc.passes.cost import cp_bytes, cp_time, tokens
-from partc.passes.cost import (_PER_MICRO_BATCH, _extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes,
-                               _tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves, ep_bytes, ep_time, expert_dp_bytes, expert_keys, expert_state_bytes,
-                               dp_comm_time, fits, fsdp_groups, gather_bytes, in_flight, mesh_spans, model_state_bytes,
-                               optimizer_time, p2p_round_trip, pp_bytes, shared_time, shared_weights, split_cut_bytes,
-                               stage_param_count,
-                               tp_bytes, unit_activation_bytes, unit_backward_bytes, unit_collectives,
-                               unit_local_shapes, unit_param_shards, unit_time_parts)
-from partc.passes.memory import expert_groups
-from partc.passes.cost_types import Prediction, RankPrediction, TPPlan, UnitTime
+from partc.passes.cost import _PER_MICRO_BATCH, unit_time_parts
+from partc.passes.cost_tp import unit_collectives
+from partc.passes.cost_step import (_tied_holders, bubble_fraction, communicators, copy_all_reduces, copy_moves,
+                                    dp_comm_time, fits, gather_bytes, optimizer_time, p2p_round_trip, pp_bytes,
+                                    shared_time, shared_weights, split_cut_bytes, tp_bytes)
+from partc.passes.memory import (_extra_bytes, _held_bytes, _in_flight_bytes, _rebuilt_bytes, expert_groups,
+                                 fsdp_groups, in_flight, model_state_bytes, stage_param_count, unit_activation_bytes,
+                                 unit_backward_bytes, unit_local_shapes, unit_param_shards)
+from partc.passes.cost_axes import (cp_bytes, cp_time, ep_bytes, ep_time, expert_dp_bytes, expert_keys,
+                                    expert_state_bytes)
+from partc.passes.cost_types import Prediction, RankPrediction, TPPlan, UnitTime, mesh_spans, tokens
 
 from . import hw, schedule, zero
 

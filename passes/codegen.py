@@ -24,13 +24,15 @@ ZeRO shards and activation checkpointing wrap each unit, as torchtitan wraps eac
 receives exactly what the previous stage sends (the values live across its boundary, each once per micro-batch)
 and sends what later stages need; a unit likewise. ``OUT/program/manifest.json`` ties the files together; the
 runtime (`partc.runtime`) imports and runs them.
+
+This module decides what each stage and unit holds, receives and sends, and writes the manifest; the stage files'
+text is `passes.codegen_source`'s, and what the program's TP collectives and stage boundaries move (the plan's
+promise that `partc check` measures) is `passes.codegen_traffic`'s.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -38,19 +40,18 @@ import torch.fx
 from torch.export.graph_signature import InputKind
 
 from partc.errors import PartcError
-from partc.frames import innermost, stack_trace_frames
 from partc.ir import Layer
 from partc.plan import Plan
 from partc.passes import tp_rewrite
 from partc.passes.context import ContextSplit, rewrite as context_rewrite
 from partc.passes.constants import constant_values, literal
-from partc.passes.experts import EP_LOCAL, EP_ROUTED, rewrite_for_ep
-from partc.passes.export import GRAD_ENABLED
+from partc.passes.experts_ep import EP_ROUTED, rewrite_for_ep
 from partc.passes import fuse
-from partc.passes.emit import Emitter, comment, doc_text, py_name, structure_expr, tuple_expr
-from partc.passes.measure import CORE_OPS, stack_fqns
+from partc.passes.emit import py_name
 from partc.passes.same_shapes import SameShapes
 from partc.passes.assign import Assignment, assign
+from partc.passes.codegen_source import StageCode, UnitCode, _render
+from partc.passes.codegen_traffic import _needs_grad, _scatter_gather, _tp_traffic, _whole_boundaries
 from partc.sharding import param_shard
 
 SKIPPED = {torch.ops.aten._assert_tensor_metadata.default}
@@ -60,34 +61,6 @@ RESERVED = {"p", "device", "run", "call", "forward", "outputs", "flat", "aten", 
             "checkpoint", "importlib", "MODULES", "UNITS", "INPUTS", "OUTPUTS", "PARAMETERS", "BUFFERS"}
 """Names the stage files define or import: no value or unit function takes them."""
 
-
-@dataclass(kw_only=True, slots=True)
-class UnitCode:
-    """One function of a stage file: the nodes of one unit, or of several when their nodes interleave."""
-
-    units: list[str]
-    """Unit FQNs, in order (one, except for units whose ops depend on each other both ways)."""
-    name: str
-    """The Python function's name."""
-    nodes: list[torch.fx.Node]
-    inputs: list[torch.fx.Node] = field(default_factory=list)
-    outputs: list[torch.fx.Node] = field(default_factory=list)
-
-
-@dataclass(kw_only=True, slots=True)
-class StageCode:
-    index: int
-    inputs: list[str]
-    outputs: list[str]
-    parameters: list[str]
-    buffers: list[str]
-    modules: list[str]
-    units: list[UnitCode] = field(default_factory=list)
-    gathered: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Inputs that arrive as this TP rank's part (`scatter_to_next_stage`) -> the whole tensor's shape."""
-    scattered: list[str] = field(default_factory=list)
-    """Outputs this TP rank sends only its part of (Megatron's scatter/gather)."""
-    source: str = ""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -171,7 +144,7 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     if plan.parallel.sequence_parallel:
         # The plan prices each boundary as the ranks' parts of the sequence, but for the values that need no
         # gradient (rotary tables, masks, token ids): every TP rank holds those whole, each sends its 1/t part and
-        # the next stage all-gathers them, as without sequence parallelism (`partc.passes.cost.gather_bytes`).
+        # the next stage all-gathers them, as without sequence parallelism (`partc.passes.cost_step.gather_bytes`).
         grad = _needs_grad(ep, io)
         rw.sequence_gathers += [f"{names[x]} crosses a pipeline boundary whole: scattered and gathered again"
                                 for st in sends[:-1] for x in st if split(x) and x in grad]
@@ -215,102 +188,6 @@ def generate(ep: torch.export.ExportedProgram, model: torch.nn.Module, plan: Pla
     return GeneratedProgram(stages=stages, manifest=manifest, files=files, sequence_gathers=rw.sequence_gathers,
                             tp_traffic=traffic)
 
-
-TP_TRAFFIC = {
-    "copy_to_tp": (("all_reduce", "bwd", "out"),),
-    "reduce_from_tp": (("all_reduce", "fwd", "out"),),
-    "gather_from_tp": (("all_gather", "fwd", "out"),),
-    "scatter_to_tp": (("all_gather", "bwd", "in"),),
-    "reduce_scatter_to_tp": (("reduce_scatter", "fwd", "in"), ("all_gather", "bwd", "in")),
-    "reduce_scatter_to_sp": (("reduce_scatter", "fwd", "in"), ("all_gather", "bwd", "in")),
-    "gather_from_sp": (("all_gather", "fwd", "out"), ("reduce_scatter", "bwd", "out")),
-    # `sp_regather`: the gather, again in backward (`passes.cost.REGATHER`), and the input gradient's reduce-scatter
-    "linears_from_sp": (("all_gather", "fwd", "gathered"), ("all_gather", "bwd-regather", "gathered"),
-                        ("reduce_scatter", "bwd", "gathered")),
-}
-"""`partc.collectives`' TP functions in the stage code -> (kind, phase, whose bytes) of each collective they run:
-an all-gather counted by its output, a reduce-scatter by its input, an all-reduce by its tensor (`partc.runtime.
-comm`); "in": the whole tensor the function takes (a partial sum, or a value every rank holds whole), "out": the
-tensor it gives; "gathered": the whole sequence of the input (t times its local part). A backward one runs only
-for a value that needs a gradient."""
-
-
-def _tp_traffic(stages: list[StageCode], grad: set[torch.fx.Node], t: int) -> dict[str, list[tuple[str, str, float]]]:
-    """`GeneratedProgram.tp_traffic`: each TP collective of the stage code, charged to the first unit of the
-    function that runs it. The rewrite gives every collective's output its local shape (`tp_rewrite`), and its
-    input here is a partial sum or a whole value, whose local shape is the traced one."""
-    from partc import collectives
-    from partc.passes.cuts import val_bytes
-    out: dict[str, list[tuple[str, str, float]]] = {}
-    for st in stages:
-        for uc in st.units:
-            for n in uc.nodes:
-                fn = getattr(n.target, "__name__", None)
-                if not collectives.is_collective(n.target) or fn not in TP_TRAFFIC:
-                    continue
-                for kind, phase, whose in TP_TRAFFIC[fn]:
-                    if phase.startswith("bwd") and n.args[0] not in grad:
-                        continue
-                    nbytes = t * val_bytes(n.args[0]) if whose == "gathered" else val_bytes(
-                        n if whose == "out" else n.args[0])
-                    out.setdefault(uc.units[0], []).append((kind, phase, float(nbytes)))
-    return out
-
-
-def _whole_boundaries(traffic: dict[str, list[tuple[str, str, float]]], stages: list[StageCode],
-                      receives: list[list[torch.fx.Node]], sends: list[list[torch.fx.Node]], split,
-                      grad: set[torch.fx.Node]) -> None:
-    """Add to `traffic` (`_tp_traffic`) the scatter/gather of the values that need a gradient and cross a stage
-    boundary whole under sequence parallelism (a fallback to tensor parallelism, listed in `sequence_gathers`):
-    the receiving stage all-gathers each forward (charged to its first unit), the sending stage the gradient
-    backward (charged to its last unit). `partc.passes.cost.gather_bytes` counts only the values that need no
-    gradient under sequence parallelism, so these are priced as the program's (`partc.compile.
-    price_sequence_fallbacks`)."""
-    from partc.passes.cuts import val_bytes
-    for st in stages:
-        if not st.units:
-            continue
-        if st.index > 0:
-            for x in receives[st.index]:
-                if split(x) and x in grad:
-                    traffic.setdefault(st.units[0].units[0], []).append(("all_gather", "fwd", float(val_bytes(x))))
-        if st.index < len(stages) - 1:
-            for x in sends[st.index]:
-                if split(x) and x in grad:
-                    traffic.setdefault(st.units[-1].units[0], []).append(("all_gather", "bwd", float(val_bytes(x))))
-
-
-def _scatter_gather(t: int, rw: tp_rewrite.Rewrite):
-    """Which values crossing a stage boundary go as each TP rank's 1/t part (`partc.collectives.
-    scatter_to_next_stage`): with tp > 1, a tensor every TP rank holds whole whose size divides by t. The cost model
-    charges every boundary so (`partc.passes.cost.pp_bytes`)."""
-    def split(x: torch.fx.Node) -> bool:
-        val = x.meta.get("val")
-        return t > 1 and x not in rw.split and isinstance(val, torch.Tensor) and val.numel() % t == 0
-    return split
-
-
-def _needs_grad(ep: torch.export.ExportedProgram, io: _GraphIO) -> set[torch.fx.Node]:
-    """The nodes whose value needs a gradient: a floating-point value computed from a floating-point parameter
-    (what `partc.passes.cuts` counts as a boundary's gradient; buffers, constants and inputs need none)."""
-    def floating(n: torch.fx.Node) -> bool:
-        val = n.meta.get("val")
-        return any(isinstance(v, torch.Tensor) and v.is_floating_point()
-                   for v in (val if isinstance(val, (list, tuple)) else [val]))
-    grad = {n for n in io.params if floating(n)}
-    for n in ep.graph.nodes:
-        if n.op == "call_function" and floating(n) and n.target not in NO_GRADIENT and \
-                any(x in grad for x in n.all_input_nodes):
-            grad.add(n)
-    return grad
-
-
-_aten = torch.ops.aten
-NO_GRADIENT = {_aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default, _aten.full_like.default,
-               _aten.rand_like.default, _aten.randn_like.default, _aten.new_zeros.default, _aten.new_ones.default,
-               _aten.new_empty.default, _aten.new_full.default}
-"""Ops whose floating output autograd does not track whatever their input (a value of the input's shape made
-anew, `torch.zeros_like(x)`): no TP collective's backward runs for it (`_tp_traffic`)."""
 
 
 def _graph_io(ep: torch.export.ExportedProgram) -> _GraphIO:
@@ -516,224 +393,3 @@ def _manifest(ep: torch.export.ExportedProgram, a: Assignment, io: _GraphIO, rw:
         "inputs": [names[n] for n in io.user_inputs],
         "input_keys": [flat_keys[user_input_names.index(n.name)] for n in io.user_inputs],
     }
-
-
-# --- the source -----------------------------------------------------------------------------------------------
-
-def _source_line(node: torch.fx.Node) -> str:
-    """``file:line  code`` of the model's source for this node: its innermost frame of model code."""
-    return _stack_source_line(node.meta.get("stack_trace"))
-
-
-@functools.lru_cache(maxsize=4096)
-def _stack_source_line(stack_trace: str | None) -> str:
-    """`_source_line` of a stack trace (the identical blocks of a model share theirs)."""
-    frame = innermost(stack_trace_frames(stack_trace))
-    return "" if frame is None else f"{os.path.basename(frame.filename)}:{frame.lineno}  {frame.line}"
-
-
-def _frees(reads: list[list], *, keep: set, order: list) -> list[list]:
-    """For each statement of a function (the values it reads, and the one it makes), the values to ``del`` after it:
-    those no later statement reads, in `order`, less `keep` (what the function returns). None after the last
-    statement: the ``return`` that follows lets them go."""
-    last = {x: i for i, xs in enumerate(reads) for x in xs}
-    out: list[list] = [[] for _ in reads]
-    for x in order:
-        if x in last and x not in keep and last[x] < len(reads) - 1:
-            out[last[x]].append(x)
-    return out
-
-
-def _unit_lines(unit: UnitCode, em: Emitter, names: dict[torch.fx.Node, str], selective: bool,
-                fusing: tuple[set, set] | None = None) -> list[str]:
-    """The body of one unit's function: a comment with the module and the model's source line above each run of
-    statements from one line, one statement a line, and after a statement a ``del`` of the values it read last (as
-    eager PyTorch lets them go: a unit holds no more than its outputs and what autograd saves). `fusing` (the
-    parameters' values and the values needing a gradient, under `fuse_pointwise`): each pointwise region
-    (`partc.passes.fuse.regions`) is a function of its own, called through ``fused.pointwise``."""
-    values = unit.inputs + unit.nodes
-    local = set(values)
-    found = [] if fusing is None else fuse.regions(unit.nodes, params=fusing[0], needs_grad=fusing[1].__contains__)
-    inside = {n: r for r in found for n in r.nodes}
-    stmts = [inside.get(n, n) for n in unit.nodes if n not in inside or n is inside[n].output]
-    reads = [[x for x in (*s.inputs, s.output) if x in local] if isinstance(s, fuse.Region) else
-             [x for x in (*s.all_input_nodes, s) if x in local] for s in stmts]
-    frees = _frees(reads, keep=set(unit.outputs), order=values)
-    lines, prev, mode = [], None, None
-    for s, gone in zip(stmts, frees):
-        n = s.output if isinstance(s, fuse.Region) else s
-        # An op of the model's no_grad / set_grad_enabled region (`partc.passes.export.inline_grad_regions`) runs
-        # in a ``with torch.set_grad_enabled(...)`` block; consecutive ones share it.
-        want = n.meta.get(GRAD_ENABLED)
-        if want != mode:
-            mode, prev = want, None
-            if want is not None:
-                lines.append("with torch.no_grad():" if want is False else "with torch.enable_grad():")
-        pad = "    " if mode is not None else ""
-        module = (stack_fqns(n) or [""])[-1]
-        src = _source_line(n)
-        text = "# " + comment(f"{module or '(model)'}" + (f"  {src}" if src else ""))
-        if text != prev:
-            lines.append(pad + text)
-            prev = text
-        if "partc_why" in n.meta:
-            lines.append(pad + "# " + comment(f"TP: {n.meta['partc_why']}"))
-        if isinstance(s, fuse.Region):
-            lines += [pad + line for line in _region_lines(s, em, names)]
-        elif selective and n.target in CORE_OPS and mode is not False:
-            # Selective recomputation (Korthikanti et al. 2022): keep only the attention core's inputs and
-            # recompute the core in backward.
-            lines.append(pad + "# recompute=selective: the attention core runs again in backward instead of keeping "
-                         "its activations")
-            lines.append(pad + f"{names[n]} = checkpoint({em.function(n)}, {em.args(n)}, use_reentrant=False)")
-            em.needs.add("checkpoint")
-        elif EP_LOCAL in n.meta:
-            lines += [pad + line for line in _expert_lines(n, em, names)]
-        else:
-            lines.append(pad + f"{names[n]} = {em.call(n)}")
-        if gone:
-            lines.append(pad + f"del {', '.join(names[x] for x in gone)}")
-    lines.append(f"return {tuple_expr([names[x] for x in unit.outputs])}" if unit.outputs else "return ()")
-    return lines
-
-
-def _region_lines(region: fuse.Region, em: Emitter, names: dict[torch.fx.Node, str]) -> list[str]:
-    """A pointwise region (`partc.passes.fuse`): its ops as a function of its inputs, and the call that keeps only
-    those for backward and runs the function again there."""
-    fn = f"{names[region.output]}_region"
-    inner = Emitter({**names, **{x: f"x{i}" for i, x in enumerate(region.inputs)}})
-    lines = ["# fuse_pointwise: kept at its inputs, replayed in backward (a fused kernel's memory)",
-             f"def {fn}({', '.join(f'x{i}' for i in range(len(region.inputs)))}):"]
-    lines += [f"    {names[n]} = {inner.call(n)}" for n in region.nodes]
-    lines.append(f"    return {names[region.output]}")
-    em.needs |= inner.needs | {"fused"}
-    lines.append(f"{names[region.output]} = fused.pointwise({fn}, {', '.join(em.arg(x) for x in region.inputs)})")
-    return lines
-
-
-def _expert_lines(node: torch.fx.Node, em: Emitter, names: dict[torch.fx.Node, str]) -> list[str]:
-    """A layer of packed experts under ep (`partc.passes.experts.rewrite_for_ep`): its experts' own computation as
-    a function of the rows sent to this rank, their offsets and this rank's part of the packed parameters, and the
-    call that sends each token's rows to its experts' ranks and brings the results back."""
-    local = node.meta[EP_LOCAL]
-    fn = f"{names[node]}_experts"
-    inner = Emitter({n: n.name for n in local.graph.nodes})
-    args = [n.name for n in local.graph.nodes if n.op == "placeholder"]
-    lines = ["# ep: each (token, expert) pair computed on its expert's rank (all-to-all there and back)",
-             f"def {fn}({', '.join(args)}):"]
-    for n in local.graph.nodes:
-        if n.op == "call_function":
-            lines.append(f"    {n.name} = {inner.call(n)}")
-        elif n.op == "output":
-            lines.append(f"    return {inner.arg(n.args[0])}")
-    em.needs |= inner.needs
-    hidden, index, weights, *params = (em.arg(a) for a in node.args)
-    if EP_ROUTED in node.meta:  # experts written as modules: this rank's experts looked up, each run on its rows
-        experts, held = node.meta[EP_ROUTED]
-        per = len(held[0])
-        lines[0] = (f"# ep: each (token, expert) pair computed on its expert's rank (all-to-all there and back); this "
-                    f"rank holds {len(experts)}/ep of the experts {experts[0]} ... {experts[-1]}")
-        listed = ", ".join(repr(n) for e in held for n in e)
-        lines.append(f"{names[node]} = {em.function(node)}({hidden}, {index}, {weights}, "
-                     f"tp.each_expert({fn}, {per}), *tp.held_experts(p, [{listed}], {per}), "
-                     f"num_experts={node.kwargs['num_experts']}, sizes=True)")
-        em.needs.add("tp")
-        return lines
-    lines.append(f"{names[node]} = {em.function(node)}({hidden}, {index}, {weights}, {fn}, {', '.join(params)}, "
-                 f"num_experts={node.kwargs['num_experts']})")
-    return lines
-
-
-def _render(code: StageCode, plan: Plan, names: dict[torch.fx.Node, str], model_path: str, out_spec,
-            fusing: tuple[set, set] | None = None) -> str:
-    par = plan.parallel
-    em = Emitter(names)
-    selective = par.recompute == "selective"
-    functions = []
-    for unit in code.units:
-        params = "".join(f", {names[x]}" for x in unit.inputs)
-        what = ", ".join(repr(u) for u in unit.units)
-        body = _unit_lines(unit, em, names, selective, fusing)
-        functions += ["", "", f"def {unit.name}(p{params}, *, device):",
-                      f'    """Unit{"s" if len(unit.units) > 1 else ""} {doc_text(what)}."""',
-                      *(f"    {line}" for line in body)]
-    calls = []
-    held = code.inputs + [names[x] for unit in code.units for x in unit.outputs]  # what forward holds, in order
-    frees = _frees([[names[x] for x in (*unit.inputs, *unit.outputs)] for unit in code.units],
-                   keep=set(code.outputs), order=held)
-    for unit, gone in zip(code.units, frees):
-        args = "".join(f", {names[x]}" for x in unit.inputs)
-        key = repr(unit.units[0]) if len(unit.units) == 1 else repr(tuple(unit.units))
-        call = f"run({key}, {unit.name}, p{args}, device=device)"
-        calls.append(f"    {tuple_expr([names[x] for x in unit.outputs])} = {call}" if unit.outputs else f"    {call}")
-        if gone:
-            calls.append(f"    del {', '.join(gone)}")
-    inputs = "".join(n + ", " for n in code.inputs)
-    receive = []
-    for name, shape in code.gathered.items():
-        receive += ["    # pipeline: the previous stage sent each TP rank's part of this tensor (scatter/gather): "
-                    "all-gather it over tp", f"    {name} = tp.gather_from_previous_stage({name}, {shape!r})"]
-    sent = [f"tp.scatter_to_next_stage({n})" if n in code.scattered else n for n in code.outputs]
-    if code.scattered:
-        calls.append("    # pipeline: every TP rank holds these whole; each sends its 1/tp part (scatter/gather)")
-    if code.gathered or code.scattered:
-        em.needs.add("tp")
-    forward = ["", "", f"def forward(p, {inputs}*, device, run=call):",
-               '    """This stage for one micro-batch: its units in order; `run(unit, fn, *args)` runs one."""',
-               *receive, *calls, f"    return {tuple_expr(sent)}"]
-    tail = []
-    if out_spec is not None:
-        expr = structure_expr(out_spec, [f"flat[{i}]" for i in range(len(code.outputs))])
-        if "importlib." in expr:
-            em.needs.add("importlib")
-        tail = ["", "", "def outputs(flat):", '    """The model\'s output structure, for loss_fn(outputs, targets)."""',
-                f"    return {expr}"]
-    st = plan.stages[code.index]
-    pred = st.predicted or {}
-    header = [
-        f'"""partc program: stage {code.index} of {len(plan.stages)} (pipeline rank {st.rank}), generated by '
-        f"`partc compile` from {doc_text(os.path.basename(model_path))}.",
-        "",
-        f"Plan: {par.summary()}; {par.num_microbatches} micro-batch{'es' if par.num_microbatches != 1 else ''} "
-        f"of {par.micro_batch_size} per step",
-        f"Modules: {doc_text(', '.join(code.modules))}",
-    ]
-    if pred:
-        header.append(f"Predicted: {pred.get('time_s', 0) * 1e3:.2f} ms per micro-batch (forward + backward, this "
-                      f"pipeline rank), {pred.get('memory_bytes', 0) / 2**30:.2f} GiB per GPU")
-    header += [
-        "",
-        "Generated code: edit the model or plan.json and compile again rather than this file.",
-        "forward(p, *inputs, device): p maps parameter and buffer FQNs to tensors; inputs are INPUTS in order.",
-        '"""',
-        "",
-    ]
-    imports = ["import torch"] + [f"import {m}" for m in sorted(em.needs - {"tp", "checkpoint", "fused"})]
-    if "checkpoint" in em.needs:
-        imports.append("from torch.utils.checkpoint import checkpoint")
-    if "tp" in em.needs:
-        imports.append("from partc import collectives as tp")
-    if "fused" in em.needs:
-        imports.append("from partc import fused")
-    units = [u.units[0] if len(u.units) == 1 else tuple(u.units) for u in code.units]
-    body = [
-        *imports,
-        "",
-        "aten = torch.ops.aten",
-        "",
-        f"MODULES = {code.modules!r}",
-        f"UNITS = {units!r}",
-        f"INPUTS = {code.inputs!r}",
-        f"OUTPUTS = {code.outputs!r}",
-        f"PARAMETERS = {code.parameters!r}",
-        f"BUFFERS = {code.buffers!r}",
-        "",
-        "",
-        "def call(unit, fn, *args, **kwargs):",
-        '    """Run one unit: fn(*args, **kwargs). The runtime passes its own `run`, which runs the unit as a module."""',
-        "    return fn(*args, **kwargs)",
-        *functions,
-        *forward,
-        *tail,
-    ]
-    return "\n".join(header + body) + "\n"

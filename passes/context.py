@@ -127,7 +127,7 @@ def analyze(full: torch.export.ExportedProgram, local: torch.export.ExportedProg
     rewrite replaces (module docstring), comparing it with the graph at `seq_len` tokens (`full`); PartcError
     names the first op that mixes positions otherwise. `token_wise`: names of `local`'s nodes proven elsewhere to
     compute each token's output from that token alone, whatever their ops (the layers of experts whose routing
-    `partc.passes.experts.token_wise_nodes` follows: they sort and gather the tokens by expert); only their
+    `partc.passes.experts_ep.token_wise_nodes` follows: they sort and gather the tokens by expert); only their
     sequence dims are read."""
     fn, ln = list(full.graph.nodes), list(local.graph.nodes)
     why = "context parallelism (--cp {}) is not proven for this model: ".format(cp)

@@ -1,5 +1,5 @@
-"""The cost model's terms of the context-parallel and expert-parallel axes (`passes.cost` re-exports them): what
-one GPU passes over cp (its keys and values all-gathered, their gradients reduce-scattered;
+"""The cost model's terms of the context-parallel and expert-parallel axes: what one
+GPU passes over cp (its keys and values all-gathered, their gradients reduce-scattered;
 `partc.collectives.cp_attention`) and over ep (the all-to-alls to the routed experts and back;
 `partc.collectives.expert_parallel`), their time, and the model states of the packed experts ep divides."""
 

@@ -2,8 +2,9 @@
 its terms read a plan (a layer's TP style, whether a unit is split, its recomputation, which mesh axes cross nodes,
 the samples one GPU computes of a micro-batch).
 
-The formulas live in `passes.cost`, `passes.memory` and `passes.cost_axes`; `passes.cost` re-exports these names
-(``cost.Memory``, ``cost.style_of``...).
+The formulas live in `passes.cost` (a unit's time), `passes.cost_tp` (its TP collectives), `passes.cost_step` (the
+pipeline, data-parallel and optimizer terms), `passes.memory` and `passes.cost_axes`; each imports these names from
+here, as do their callers.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class Cuts:
     layer_outputs: list[dict[str, tuple[int, int, int]]]
     """Per boundary: layer FQN -> (bytes per sample, per micro-batch, of those along the sequence) of that layer's
     own output crossing it (`layer_outputs`; empty where none does), as `per_sample`, `fixed` and `fixed_seq` count
-    it. A colwise layer's output crosses as each TP rank's part (`passes.cost.gather_bytes`)."""
+    it. A colwise layer's output crosses as each TP rank's part (`passes.cost_step.gather_bytes`)."""
 
 
 def batched_nodes(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:

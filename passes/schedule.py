@@ -5,7 +5,7 @@ the most memory that the micro-batches in flight hold at once on that rank.
 With v chunks a rank, the chunks in flight at any moment are not an even mix: the warm-up runs (v - 1)·r' forwards
 of the first v - 1 chunks (r' micro-batches a round) before the first forward of the last chunk, whose backward comes
 first. When the chunks hold unequal activations (the first rank's embedding, the last rank's head), the peak is not
-the average chunk times the number in flight (`partc.passes.cost.in_flight`): on the first rank of a GPT it is more
+the average chunk times the number in flight (`partc.passes.memory.in_flight`): on the first rank of a GPT it is more
 (its heavy first chunk is all in flight during the warm-up), on the last less. `peak_bytes` walks the order with each
 chunk's bytes per micro-batch: what it saves for backward, the input it received and the output it sent (the
 pipeline stage keeps both until the micro-batch's backward), and, while a backward runs, the gradient buffer it

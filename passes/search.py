@@ -24,7 +24,7 @@ from partc.cluster import Cluster
 from partc.errors import PartcError
 from partc.ir import ModelGraph
 from partc.parallel import Parallel, Pins, check_pins
-from partc.passes import cost
+from partc.passes import cost_step, cost_types
 from partc.passes.search_costs import _Costs
 from partc.passes.search_space import _config_values, max_stages
 from partc.passes.tp import TPSolution
@@ -35,7 +35,7 @@ class Candidate:
     parallel: Parallel
     tp: TPSolution
     bounds: list[tuple[int, int]]
-    prediction: cost.Prediction
+    prediction: cost_types.Prediction
 
     @property
     def step_time_s(self) -> float:
@@ -101,7 +101,7 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
     # The candidates that do not fit, in the order evaluated: the one needing the least memory (the first of
     # equals) is reported when nothing fits. A least-time split found not to fit by `fits_memory` is predicted only
     # then (until something fits: after that, no such candidate is reported).
-    unfit: list[tuple[_Costs, Parallel, TPSolution, list[tuple[int, int]], cost.Prediction | None]] = []
+    unfit: list[tuple[_Costs, Parallel, TPSolution, list[tuple[int, int]], cost_types.Prediction | None]] = []
     while queue:
         lb, i, k, stage, item = heapq.heappop(queue)
         if prune and len(best) >= keep and lb > -best[0][0]:
@@ -135,7 +135,7 @@ def _run(costs: _Costs, configs: list[dict], *, mem_limit: float, keep: int, pru
         if prune and len(best) >= keep and costs_k.split_bound(par, bounds) * (1 - 1e-9) > -best[0][0]:
             continue  # this split cannot beat the k-th best (the margin keeps float rounding on the safe side)
         pred = costs_k.predict(par, bounds)
-        if not cost.fits(costs.cluster, pred.memory_per_gpu):
+        if not cost_step.fits(costs.cluster, pred.memory_per_gpu):
             unfit.append((costs_k, par, tp, bounds, pred))
             continue
         cand = Candidate(parallel=par, tp=tp, bounds=bounds, prediction=pred)

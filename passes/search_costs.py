@@ -18,7 +18,7 @@ from partc.cluster import Cluster
 from partc.ir import ModelGraph
 from partc.parallel import Parallel
 from partc.reads import Reads
-from partc.passes import assemble, cost
+from partc.passes import assemble, cost, cost_step, cost_types, memory
 from partc.passes.stages import FreeSplits, partition_stages, stage_memory
 from partc.passes.tp import SolveCache, TPSolution
 from partc.passes.tp_solve import solve_tp_choices
@@ -86,7 +86,7 @@ class _Costs:
     def tp(self, par: Parallel) -> TPSolution:
         return self.tp_choices(par)[self.variant]
 
-    def parts(self, par: Parallel) -> list[cost.UnitTime]:
+    def parts(self, par: Parallel) -> list[cost_types.UnitTime]:
         return self._get(PARTS, par, lambda: cost.unit_time_parts(
             self.graph, self.cluster, par, self.tp(par),
             collectives=assemble.collectives_of(self.graph, par, self.tp(par), self._memo)))
@@ -95,15 +95,15 @@ class _Costs:
         return self._get(PARTS, par, lambda: [u.compute_s + u.tp_comm_s for u in self.parts(par)], "times")
 
     def shards(self, par: Parallel) -> list[dict[str, int]]:
-        return self._get(SHARDS, par, lambda: cost.unit_param_shards(self.graph, par, self.tp(par)))
+        return self._get(SHARDS, par, lambda: memory.unit_param_shards(self.graph, par, self.tp(par)))
 
     def local_shapes(self, par: Parallel) -> list[dict[str, tuple]]:
-        return self._get(SHARDS, par, lambda: cost.unit_local_shapes(self.graph, par, self.tp(par)), "shapes")
+        return self._get(SHARDS, par, lambda: memory.unit_local_shapes(self.graph, par, self.tp(par)), "shapes")
 
     def params(self, par: Parallel) -> list[int]:
         return self._get(SHARDS, par, lambda: [sum(d.values()) for d in self.shards(par)], "params")
 
-    def predict(self, par: Parallel, bounds: list[tuple[int, int]]) -> cost.Prediction:
+    def predict(self, par: Parallel, bounds: list[tuple[int, int]]) -> cost_types.Prediction:
         return assemble.predict(self.graph, self.cluster, par, self.tp(par), bounds, parts=self.parts(par),
                             acts=self.acts(par), shards=self.shards(par), local_shapes=self.local_shapes(par),
                             memo=self._memo)
@@ -116,11 +116,11 @@ class _Costs:
     def params_all(self, par: Parallel) -> int:
         """Parameters of the whole model on one GPU after TP sharding, a tied tensor counted once: no more than the
         sum over pipeline ranks of what each holds (a rank holding both ends of a tie holds the tensor once)."""
-        return self._get(SHARDS, par, lambda: cost.stage_param_count(self.graph, par, self.tp(par),
+        return self._get(SHARDS, par, lambda: memory.stage_param_count(self.graph, par, self.tp(par),
                                                                        range(len(self.graph.units))), "all")
 
     def acts(self, par: Parallel) -> list[float]:
-        return self._get(ACTS, par, lambda: cost.unit_activation_bytes(self.graph, par, self.tp(par)))
+        return self._get(ACTS, par, lambda: memory.unit_activation_bytes(self.graph, par, self.tp(par)))
 
     def extra(self, par: Parallel) -> tuple[float, float]:
         """Transient stage memory: (any stage, the last stage), bounded over all units."""
@@ -128,9 +128,9 @@ class _Costs:
 
         def make() -> tuple[float, float]:
             backward = assemble.backward_of(self.graph, par, self.tp(par), self._memo)
-            return (cost.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units, self.shards(par),
+            return (memory.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units, self.shards(par),
                                            backward=backward),
-                    cost.stage_extra_bytes(self.graph, par, self.tp(par), units, self.shards(par), backward=backward))
+                    memory.stage_extra_bytes(self.graph, par, self.tp(par), units, self.shards(par), backward=backward))
 
         return self._get(EXTRA, par, make)
 
@@ -138,7 +138,7 @@ class _Costs:
         spans = par.spans_nodes("pp", self.cluster.gpus_per_node)
         graph = self.graph
         ok = graph.cut_ok or [True] * len(graph.cut_bytes)  # a cut the program cannot make costs inf
-        b = cost.tokens(par)
+        b = cost_types.tokens(par)
 
         def make() -> list[float]:
             once: dict[tuple[int, int], float] = {}  # the boundaries of identical blocks carry the same bytes
@@ -146,7 +146,7 @@ class _Costs:
             for i in range(len(graph.cut_bytes)):
                 sizes = (graph.boundary_bytes(i, b, par.cp), graph.boundary_grad_bytes(i, b, par.cp))
                 if sizes not in once:
-                    once[sizes] = cost.p2p_round_trip(self.cluster, par, sizes[0], spans, sizes[1])
+                    once[sizes] = cost_step.p2p_round_trip(self.cluster, par, sizes[0], spans, sizes[1])
                 out.append(once[sizes] if ok[i] else math.inf)
             return out
 
@@ -179,8 +179,8 @@ class _Costs:
             par = make()
             params = self._floor_params(par) / p
             spans = par.spans_nodes("dp", self.cluster.gpus_per_node)
-            dp_term = self._cache[key] = (cost.dp_comm_time(self.cluster, par, params, spans)
-                                          + cost.optimizer_time(self.cluster, par, params))
+            dp_term = self._cache[key] = (cost_step.dp_comm_time(self.cluster, par, params, spans)
+                                          + cost_step.optimizer_time(self.cluster, par, params))
         return ((m + (p - 1) / v) * per_rank + dp_term) * (1 - 1e-9)
 
     def _floor_rank(self, par: Parallel) -> tuple[float, float]:
@@ -203,7 +203,7 @@ class _Costs:
         """Parameters on one GPU with every layer sharded t ways (the fewest a TP plan leaves)."""
         key = FLOOR_PARAMS.key(par)
         if key not in self._cache:
-            self._cache[key] = cost.stage_param_count(self.graph, par, self._all_sharded, range(len(self.graph.units)))
+            self._cache[key] = memory.stage_param_count(self.graph, par, self._all_sharded, range(len(self.graph.units)))
         return self._cache[key]
 
     def state_floor(self, get, make) -> float:
@@ -215,11 +215,11 @@ class _Costs:
         floor = self._cache.get(key)
         if floor is None:
             par = make()
-            states = cost.model_state_bytes(self._floor_params(par) / par.pp, par)
+            states = memory.model_state_bytes(self._floor_params(par) / par.pp, par)
             if par.zero == 1 and par.chunks_per_rank > 1:  # at least its largest chunk's accumulation at once
                 states.grads /= par.chunks_per_rank  # (`schedule.most_gradient_bytes`)
             floor = self._cache[key] = (states.total
-                                        + self.cluster.communicator_bytes * cost.communicators(par, False))
+                                        + self.cluster.communicator_bytes * cost_step.communicators(par, False))
         return floor
 
     def lower_bound(self, par: Parallel) -> float:
@@ -254,27 +254,27 @@ class _Costs:
         p, v, m = par.pp, par.chunks_per_rank, par.num_microbatches
         params = self.params_all(par) / p  # the most loaded rank holds at least the average
         spans = par.spans_nodes("dp", self.cluster.gpus_per_node)
-        return ((m + (p - 1) / v) * per_rank + cost.dp_comm_time(self.cluster, par, params, spans)
-                + cost.optimizer_time(self.cluster, par, params))
+        return ((m + (p - 1) / v) * per_rank + cost_step.dp_comm_time(self.cluster, par, params, spans)
+                + cost_step.optimizer_time(self.cluster, par, params))
 
     def split_stages(self, par: Parallel, *, mem_limit: float) -> list[tuple[int, int]] | None:
         """Stage boundaries of least max time that fit `mem_limit` (None if none fits)."""
         graph = self.graph
         v = par.chunks_per_rank
         chunks = par.pp * v
-        per_param = cost.model_state_bytes(1, par).total  # ZeRO model states are linear in the parameters
+        per_param = memory.model_state_bytes(1, par).total  # ZeRO model states are linear in the parameters
         static = self._get(SHARDS, par, lambda: [per_param * n for n in self.params(par)], "static", per_param)
         extra_any, extra_last = self.extra(par)
         # Chunk k runs on rank k % p. With v chunks a rank, each chunk gets 1/v of the memory (`predict` checks
         # the rank's exact total afterwards).
-        per_rank = [cost.in_flight(par, r) for r in range(par.pp)]
+        per_rank = [memory.in_flight(par, r) for r in range(par.pp)]
         in_flight = [per_rank[k % par.pp] for k in range(chunks)]
         extra = [extra_any] * (chunks - 1) + [extra_last]
         # Two necessary conditions, cheap next to the DP, that rule out most configurations that cannot fit:
         # summed over the chunks, memory is at least all static memory plus all activations at the fewest
         # micro-batches in flight; and the largest unit must fit in some chunk on its own.
         # Every GPU also holds its communicators' buffers (at least those of its tp, dp and pp groups).
-        buffers = self.cluster.communicator_bytes * cost.communicators(par, shares_weights=False)
+        buffers = self.cluster.communicator_bytes * cost_step.communicators(par, shares_weights=False)
         acts, least, limit = self.acts(par), min(in_flight), (mem_limit - buffers) / v
         if sum(static) + least * sum(acts) + sum(extra) > chunks * limit * (1 + 1e-9):
             return None

@@ -77,11 +77,11 @@ class Collective:
     reader_units: tuple[str, ...] = ()
     """A backward all-reduce of partial input gradients (the backward of `copy_to_tp`): the units of the layers
     that hand them back. The program runs it once on each pipeline stage holding one of them (each stage copies the
-    value itself, `passes.codegen`), not on the source's stage: `passes.cost.copy_all_reduces` moves the charge."""
+    value itself, `passes.codegen`), not on the source's stage: `passes.cost_step.copy_all_reduces` moves the charge."""
     runs_in: str = ""
     """A forward all-gather of a split output for readers that need it whole: the unit of its first reader, whose
     code runs it (`passes.tp_rewrite` gathers before the first reader), so a recomputation of that unit runs it
-    again (`passes.cost.unit_collectives`). Empty where the loss reads it, or for other collectives."""
+    again (`passes.cost_tp.unit_collectives`). Empty where the loss reads it, or for other collectives."""
 
 
 @dataclass(kw_only=True, slots=True)

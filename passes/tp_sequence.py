@@ -167,7 +167,7 @@ class SequenceRewriter(LocalRewriter):
     def _pools(self, x: Node, user: Node) -> bool:
         """Whether gathering `x` (split along the sequence) for `user` is a classifier head's: the output of a norm
         read by an op outside the layers that is not per-position (the class token taken, the tokens averaged).
-        The plan charges it (`passes.cost.unit_collectives`): an all-gather forward, nothing backward (the head is
+        The plan charges it (`passes.cost_tp.unit_collectives`): an all-gather forward, nothing backward (the head is
         whole, its gradient the same on every rank)."""
         src = self.layers.get(self.node_layer.get(x, ""))
         return src is not None and src.kind == "norm" and self.node_layer.get(user) is None
@@ -175,7 +175,7 @@ class SequenceRewriter(LocalRewriter):
     def _heads(self, x: Node, user: Node) -> bool:
         """Whether gathering `x` (split along the sequence) for `user` is the edge of a rowwise output layer
         (`heads`): the output of a norm (the final norm) read by it. The plan charges it
-        (`passes.cost.unit_collectives`): an all-gather forward, nothing backward."""
+        (`passes.cost_tp.unit_collectives`): an all-gather forward, nothing backward."""
         src = self.layers.get(self.node_layer.get(x, ""))
         return user in self.heads and src is not None and src.kind == "norm"
 

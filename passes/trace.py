@@ -29,7 +29,8 @@ from partc.passes.assign import Assignment, assign, layer_outputs, owner
 from partc.value_sized import VALUE_SIZED, expected_sizes
 from partc.passes.context import is_causal_attention, kv_before_repeat
 from partc.passes.cuts import batched_nodes, pipeline_cuts, realizable_cuts, val_bytes
-from partc.passes.experts import mark_inner, param_placeholders, routed_experts
+from partc.passes.experts import mark_inner, param_placeholders
+from partc.passes.experts_routed import routed_experts
 from partc.passes.export import export_on_meta, norms_on_any_batch
 from partc.passes import fuse
 from partc.passes.measure import NodeStats, measure

@@ -8,7 +8,7 @@ parameters and buffers excluded. Recomputation as a runtime applies it: ``full``
 kind ``block``) in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, ``selective`` wraps every
 ``F.scaled_dot_product_attention`` call the same way (the attention core, Korthikanti et al.).
 
-Predicted: ``sum(cost.unit_activation_bytes(graph, Parallel(tp=1, micro_batch_size=b, recompute=...)))`` of the
+Predicted: ``sum(memory.unit_activation_bytes(graph, Parallel(tp=1, micro_batch_size=b, recompute=...)))`` of the
 graph partc traces on the meta device at one sample.
 
 Conventions, so that both sides count the same thing: both run at bf16 (the default precision: parameters and
@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from helpers import EXAMPLES
 from partc.parallel import Parallel
-from partc.passes import cost
+from partc.passes import memory
 from partc.passes.trace import trace
 from partc.precision import cast_floating, cast_parameters
 
@@ -173,7 +173,7 @@ def measure_saved_bytes(model: torch.nn.Module, args: tuple, kwargs: dict, *, re
 
 def predict_saved_bytes(graph, b: int, recompute: str) -> float:
     par = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=b, global_batch_size=b, recompute=recompute)
-    return sum(cost.unit_activation_bytes(graph, par, None))
+    return sum(memory.unit_activation_bytes(graph, par, None))
 
 
 # --- the models -----------------------------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def measure_backward_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("name", ["gpt", "gpt-nodropout", "llama"])
 def test_backward_gradients_of_a_block(name):
-    """What one block's backward holds besides its saved tensors (`cost.unit_backward_bytes`), measured on the CPU:
+    """What one block's backward holds besides its saved tensors (`memory.unit_backward_bytes`), measured on the CPU:
     the gradient of its output and the widest gradient made early on, while everything the block saved is held:
     GPT fc2's input gradient (4·b·s·h, b·s·h + 4·b·s·h in all); LLaMA's SwiGLU product, whose backward makes the
     gradients of gate and up (2·b·s·I) from down's, while down's saved input goes. Measured at least the prediction,
@@ -379,14 +379,14 @@ def test_backward_gradients_of_a_block(name):
     s, h = graph.seq_len, graph.info["hidden_size"]
     for b in (*MICRO_BATCHES, 8):
         par = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=b, global_batch_size=b)
-        predicted = cost.unit_backward_bytes(graph, par, None)[i]
+        predicted = memory.unit_backward_bytes(graph, par, None)[i]
         torch.manual_seed(b)
         measured = measure_backward_bytes(block, torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True))
         assert predicted <= measured <= predicted + 2 * graph.units[i].num_params, (b, measured, predicted)
         assert predicted >= 5 * b * s * h * 2  # the output's gradient and a 4h-wide one (GPT), 2 x 176 (LLaMA)
 
 def test_backward_of_a_layer_of_packed_experts(tmp_path):
-    """A Mixtral layer of packed experts (`cost.unit_backward_bytes`): its backward first holds the fp32 gradients
+    """A Mixtral layer of packed experts (`memory.unit_backward_bytes`): its backward first holds the fp32 gradients
     of its weighted sum (the routing weights are fp32), the sum's and three of its s·k rows': 7.5 times the rows'
     bf16 bytes at k = 2 with the output's gradient, measured on the CPU for Hugging Face's layer and for
     `expert_parallel`, which replaces it under ep. The plan charged the output's gradient and the widest other one
@@ -403,7 +403,7 @@ def test_backward_of_a_layer_of_packed_experts(tmp_path):
         args, kwargs = spec.inputs(1)
         graph = trace(spec.build(), args, kwargs, name=spec.name, seq_len=s, precision="bf16").graph
     i = next(k for k, u in enumerate(graph.units) if u.fqn == "model.layers.1")
-    predicted = cost.unit_backward_bytes(graph, Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=1,
+    predicted = memory.unit_backward_bytes(graph, Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=1,
                                                          global_batch_size=1), None)[i]
     torch.manual_seed(0)
     mlp = cast_parameters(spec.build().train(), torch.bfloat16).model.layers[1].mlp

@@ -464,7 +464,7 @@ def test_backward_gradients_of_a_one_block_rank_agree(tmp_path, monkeypatch):
     micro-batches of it. Its peak is in a backward, at fc2's: everything the block saved for both micro-batches, and
     the gradients of the block's output (received 1/t, gathered whole) and of fc2's input (4·b·s·h), 1.4 MB that the
     plan did not charge (8.98 MB predicted, 10.22 MB measured: 12% under). The plan charges one unit's backward
-    gradients on every rank (`partc.passes.cost.unit_backward_bytes`): every row of every rank agrees."""
+    gradients on every rank (`partc.passes.memory.unit_backward_bytes`): every row of every rank agrees."""
     monkeypatch.setenv("PARTC_GPT_SIZE", "tiny-deep")
     torch.set_num_threads(1)
     out = tmp_path / "mid"

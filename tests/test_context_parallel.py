@@ -173,7 +173,7 @@ def test_sequence_parallel_under_cp_splits_each_ranks_tokens(tmp_path):
 @pytest.mark.slow
 def test_check_measures_the_replayed_embedding_gather(tmp_path):
     """A colwise token embedding's output is all-gathered where it is first read, in the first block's code, so that
-    block's full recomputation runs the gather again: the plan charges the replay (`passes.cost.REPLAY`) and `partc
+    block's full recomputation runs the gather again: the plan charges the replay (`passes.cost_tp.REPLAY`) and `partc
     check` measures the plan's tp bytes to the byte (tiny LLaMA, cp 2 x tp 2, bf16)."""
     pins = dict(cp=2, tp=2, dp=1, pp=1, micro_batch_size=1, precision="bf16", recompute="full", zero=0)
     styles = lambda f, s: "colwise" if f == "tok" else megatron_style(f, vocab=True) or "replicate"  # noqa: E731

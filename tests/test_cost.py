@@ -14,7 +14,7 @@ from partc.cluster import PRESETS
 from partc.errors import PartcError
 from partc.ir import ACTIVATION_BYTES, Gemm, ModelGraph
 from partc.parallel import Parallel
-from partc.passes import assemble, cost, hw, schedule, zero
+from partc.passes import assemble, cost, cost_step, cost_tp, cost_types, hw, memory, schedule, zero
 
 A100 = PRESETS["a100-80g"]
 
@@ -74,7 +74,7 @@ def megatron_tp(graph: ModelGraph, *, s: int, h: int) -> FakeTP:
 # shards are reduced: never both at once), 2Ψ + 16Ψ/64, 16Ψ/64.
 @pytest.mark.parametrize("zero,gb", [(0, 135.0), (1, 46.40625), (2, 16.875), (3, 1.875)])
 def test_zero_table(zero, gb):
-    mem = cost.model_state_bytes(7.5e9, par(dp=64, zero=zero, global_batch_size=64))
+    mem = memory.model_state_bytes(7.5e9, par(dp=64, zero=zero, global_batch_size=64))
     assert mem.total / 1e9 == pytest.approx(gb)
     assert mem.activations == 0
     assert set(mem.to_dict()) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
@@ -82,11 +82,11 @@ def test_zero_table(zero, gb):
 
 def test_zero_split_by_kind():
     psi, nd = 1e9, 8
-    m3 = cost.model_state_bytes(psi, par(dp=nd, zero=3))
+    m3 = memory.model_state_bytes(psi, par(dp=nd, zero=3))
     assert (m3.params, m3.grads, m3.optimizer) == pytest.approx((4 * psi / nd, 4 * psi / nd, 8 * psi / nd))
-    m1 = cost.model_state_bytes(psi, par(dp=nd, zero=1))
+    m1 = memory.model_state_bytes(psi, par(dp=nd, zero=1))
     assert (m1.params, m1.grads, m1.optimizer) == pytest.approx((2 * psi + 4 * psi / nd, 4 * psi, 8 * psi / nd))
-    f0 = cost.model_state_bytes(psi, par(dp=nd, zero=0, precision="fp32"))  # no compute copy but FSDP's gather
+    f0 = memory.model_state_bytes(psi, par(dp=nd, zero=0, precision="fp32"))  # no compute copy but FSDP's gather
     assert (f0.params, f0.grads, f0.optimizer) == pytest.approx((8 * psi, 4 * psi, 8 * psi))
 
 
@@ -101,11 +101,11 @@ def test_edge_index_is_the_graph_s_own():
     assert g.edges_into["lm_head"] == ["ln_f"] and "lm_head" not in g.edges_out_of
     assert [e.dst for e in g.edges if e.src == "ln_f"] == g.edges_out_of["ln_f"]
     tp = SimpleNamespace(styles={"lm_head": "rowwise"}, collectives={})
-    assert cost.heads(g, tp, "lm_head")
+    assert cost_tp.heads(g, tp, "lm_head")
     extra = dataclasses.replace(g.edges[-1], src="lm_head", dst="ln_f")
     h = dataclasses.replace(g, edges=[*g.edges, extra])
     assert h.edges_out_of["lm_head"] == ["ln_f"] and "lm_head" not in g.edges_out_of
-    assert not cost.heads(h, tp, "lm_head")
+    assert not cost_tp.heads(h, tp, "lm_head")
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
@@ -116,14 +116,14 @@ def test_korthikanti_activations(t):
                        layers={x.fqn: x for x in layers}, edges=[], cut_bytes=[])
     tp = megatron_tp(graph, s=s, h=h)
     sbh = s * b * h
-    (none,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b), tp)
+    (none,) = memory.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b), tp)
     assert none == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
-    (sel,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="selective"), tp)
+    (sel,) = memory.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="selective"), tp)
     assert sel == pytest.approx(sbh * (10 + 24 / t))
-    (full,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="full"), tp)
+    (full,) = memory.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="full"), tp)
     assert full == pytest.approx(2 * sbh)
     # All-replicate: nothing is divided, even with t > 1.
-    (rep,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b), FakeTP())
+    (rep,) = memory.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b), FakeTP())
     assert rep == pytest.approx(sbh * (34 + 5 * a * s / h))
 
 
@@ -137,16 +137,16 @@ def test_sequence_parallel_activations(t):
                        layers={x.fqn: x for x in layers}, edges=[], cut_bytes=[])
     tp, sbh = megatron_tp(graph, s=s, h=h), s * b * h
     sp = par(tp=t, micro_batch_size=b, sequence_parallel=True)
-    (none,) = cost.unit_activation_bytes(graph, sp, tp)
+    (none,) = memory.unit_activation_bytes(graph, sp, tp)
     assert none == pytest.approx(sbh * (4 + 30 / t + 5 * a * s / (h * t)))
-    (sel,) = cost.unit_activation_bytes(graph, dataclasses.replace(sp, recompute="selective"), tp)
+    (sel,) = memory.unit_activation_bytes(graph, dataclasses.replace(sp, recompute="selective"), tp)
     assert sel == pytest.approx(sbh * (4 + 30 / t))
     assert sel - 4 * sbh * (1 - 1 / t) == pytest.approx(34 * sbh / t)  # Korthikanti et al.'s + the gathered inputs
-    (without,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="selective"), tp)
+    (without,) = memory.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="selective"), tp)
     assert without - sel == pytest.approx(sbh * 6 * (1 - 1 / t))
     # full recomputation keeps the block's input: 2·s·b·h, this rank's 1/t of the sequence under sequence parallelism
-    (full,) = cost.unit_activation_bytes(graph, dataclasses.replace(sp, recompute="full"), tp)
-    (full_tp,) = cost.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="full"), tp)
+    (full,) = memory.unit_activation_bytes(graph, dataclasses.replace(sp, recompute="full"), tp)
+    (full_tp,) = memory.unit_activation_bytes(graph, par(tp=t, micro_batch_size=b, recompute="full"), tp)
     assert full_tp == unit.input_bytes * b and full == pytest.approx(full_tp / t)
 
 
@@ -171,7 +171,7 @@ def test_sequence_parallel_collectives():
     g, tp = sp_gpt(s, h)
     for b in (1, 4):
         plain, sp = par(tp=t, micro_batch_size=b), par(tp=t, micro_batch_size=b, sequence_parallel=True)
-        colls = cost.unit_collectives(g, sp, tp, g.units[1])
+        colls = cost_tp.unit_collectives(g, sp, tp, g.units[1])
         params = (4 * h + 2 * h) * ACTIVATION_BYTES  # ln_1 and ln_2, and the biases of proj and fc2
         # the token embedding is replicated here: the stream enters blocks.0's ln_1 whole and is scattered along
         # the sequence there, its gradient all-gathered backward
@@ -182,12 +182,12 @@ def test_sequence_parallel_collectives():
                                        + [("all_reduce", "bwd", params), enter])
         later = sorted(colls)
         later.remove(enter)
-        assert sorted(cost.unit_collectives(g, sp, tp, g.units[2])) == later
+        assert sorted(cost_tp.unit_collectives(g, sp, tp, g.units[2])) == later
         assert cost.unit_time_parts(g, A100, sp, tp)[2].tp_comm_s == pytest.approx(
             cost.unit_time_parts(g, A100, plain, tp)[2].tp_comm_s + hw.collective_time(A100, "all_reduce", params, t))
         blocks = [i for i, u in enumerate(g.units) if u.kind == "block"]
-        assert cost.tp_bytes(g, sp, tp, blocks) == pytest.approx(
-            2 * cost.tp_bytes(g, plain, tp, blocks) + (len(blocks) * params + enter[2]) * sp.num_microbatches)
+        assert cost_step.tp_bytes(g, sp, tp, blocks) == pytest.approx(
+            2 * cost_step.tp_bytes(g, plain, tp, blocks) + (len(blocks) * params + enter[2]) * sp.num_microbatches)
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -202,12 +202,12 @@ def test_regather_activations(t):
     tp, sbh = megatron_tp(graph, s=s, h=h), s * b * h
     sp = par(tp=t, micro_batch_size=b, sequence_parallel=True, recompute="selective")
     rg = dataclasses.replace(sp, sp_regather=True)
-    (sel,), (sel_rg,) = cost.unit_activation_bytes(graph, sp, tp), cost.unit_activation_bytes(graph, rg, tp)
+    (sel,), (sel_rg,) = memory.unit_activation_bytes(graph, sp, tp), memory.unit_activation_bytes(graph, rg, tp)
     assert sel_rg == pytest.approx(34 * sbh / t) and sel - sel_rg == pytest.approx(4 * sbh * (1 - 1 / t))
     full = dataclasses.replace(sp, recompute="full")
-    assert cost.unit_activation_bytes(graph, full, tp) == cost.unit_activation_bytes(
+    assert memory.unit_activation_bytes(graph, full, tp) == memory.unit_activation_bytes(
         graph, dataclasses.replace(full, sp_regather=True), tp)  # a block recomputed in full keeps its input only
-    (back,), (back_rg,) = cost.unit_backward_bytes(graph, sp, tp), cost.unit_backward_bytes(graph, rg, tp)
+    (back,), (back_rg,) = memory.unit_backward_bytes(graph, sp, tp), memory.unit_backward_bytes(graph, rg, tp)
     # the largest gradient: fc2's input (4·h/t a token) or, re-gathered, a colwise input and its gradient (2·h)
     assert back_rg - back == pytest.approx(max(0.0, 2 * sbh * 2 - 4 * sbh * 2 / t))
 
@@ -221,12 +221,12 @@ def test_regather_collectives():
     sp = par(tp=t, micro_batch_size=b, sequence_parallel=True)
     rg = dataclasses.replace(sp, sp_regather=True)
     unit = g.units[1]
-    extra = sorted(set(cost.unit_collectives(g, rg, tp, unit)) - set(cost.unit_collectives(g, sp, tp, unit)))
-    assert extra == [("all_gather", cost.REGATHER, 2 * s * h * b)]
-    assert len(cost.unit_collectives(g, rg, tp, unit)) == len(cost.unit_collectives(g, sp, tp, unit)) + 2
+    extra = sorted(set(cost_tp.unit_collectives(g, rg, tp, unit)) - set(cost_tp.unit_collectives(g, sp, tp, unit)))
+    assert extra == [("all_gather", cost_tp.REGATHER, 2 * s * h * b)]
+    assert len(cost_tp.unit_collectives(g, rg, tp, unit)) == len(cost_tp.unit_collectives(g, sp, tp, unit)) + 2
     blocks = [i for i, u in enumerate(g.units) if u.kind == "block"]
-    assert cost.tp_bytes(g, rg, tp, blocks) == pytest.approx(
-        cost.tp_bytes(g, sp, tp, blocks) + len(blocks) * 2 * 2 * s * h * b * sp.num_microbatches)
+    assert cost_step.tp_bytes(g, rg, tp, blocks) == pytest.approx(
+        cost_step.tp_bytes(g, sp, tp, blocks) + len(blocks) * 2 * 2 * s * h * b * sp.num_microbatches)
     regather = 2 * hw.collective_time(A100, "all_gather", 2 * s * h * b, t)
     hidden = cost.regather_hidden_time(g, A100, rg, tp, unit)
     assert hidden > 0
@@ -253,7 +253,7 @@ def test_sequence_parallel_needs_tp():
 
 def test_recompute_only_blocks():
     g = gpt()
-    acts = cost.unit_activation_bytes(g, par(recompute="full"), None)
+    acts = memory.unit_activation_bytes(g, par(recompute="full"), None)
     assert acts[0] == 0 and acts[-1] == g.units[-1].saved_bytes  # embedding, head keep their own
     assert acts[1] == g.units[1].input_bytes
 
@@ -264,19 +264,19 @@ def test_recompute_only_blocks():
 def test_in_flight_and_bubble():
     p, m = 4, 16
     one = par(pp=p, global_batch_size=m)
-    assert [cost.in_flight(one, i) for i in range(p)] == [4, 3, 2, 1]
-    assert cost.in_flight(par(pp=8, global_batch_size=4), 0) == 4  # capped at m
+    assert [memory.in_flight(one, i) for i in range(p)] == [4, 3, 2, 1]
+    assert memory.in_flight(par(pp=8, global_batch_size=4), 0) == 4  # capped at m
     gp = par(pp=p, global_batch_size=m, schedule="gpipe")
-    assert [cost.in_flight(gp, i) for i in range(p)] == [m] * p
-    assert cost.bubble_fraction(one) == pytest.approx((p - 1) / (m + p - 1))
-    assert cost.bubble_fraction(gp) == pytest.approx((p - 1) / (m + p - 1))
+    assert [memory.in_flight(gp, i) for i in range(p)] == [m] * p
+    assert cost_step.bubble_fraction(one) == pytest.approx((p - 1) / (m + p - 1))
+    assert cost_step.bubble_fraction(gp) == pytest.approx((p - 1) / (m + p - 1))
     v = 2
     il = par(pp=p, global_batch_size=m, schedule="interleaved-1f1b", virtual_stages=v)
-    assert cost.bubble_fraction(il) == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
+    assert cost_step.bubble_fraction(il) == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
     # Rank 0: Korthikanti's p·(1 + (p - 1)/(p·v)); later ranks per Megatron's warmup count.
-    assert cost.in_flight(il, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
-    assert cost.in_flight(il, p - 1) == pytest.approx(((v - 1) * p + 1) / v)
-    assert all(cost.in_flight(il, i) >= cost.in_flight(il, i + 1) for i in range(p - 1))
+    assert memory.in_flight(il, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert memory.in_flight(il, p - 1) == pytest.approx(((v - 1) * p + 1) / v)
+    assert all(memory.in_flight(il, i) >= memory.in_flight(il, i + 1) for i in range(p - 1))
 
 
 # --- 4. Time ---------------------------------------------------------------------------------------------------
@@ -330,21 +330,21 @@ def test_unit_time_compute_and_recompute():
 def test_param_counts_tp_and_tied():
     h, V = 64, 512
     g = gpt(h=h, V=V)
-    counts = cost.unit_param_counts(g, par(), None)
+    counts = memory.unit_param_counts(g, par(), None)
     assert counts[0] == V * h and counts[-1] == V * h  # tied head counted on its unit too
     assert sum(counts) == g.num_params + V * h
-    assert cost.stage_param_count(g, par(), None, range(len(g.units))) == g.num_params  # once per stage
+    assert memory.stage_param_count(g, par(), None, range(len(g.units))) == g.num_params  # once per stage
     tp = megatron_tp(g, s=32, h=h)
     tp.styles["tok"], tp.styles["lm_head"] = "rowwise", "colwise"
     t = 4
-    block = cost.unit_param_counts(g, par(tp=t), tp)[1]
+    block = memory.unit_param_counts(g, par(tp=t), tp)[1]
     want = (2 * 2 * h                               # two norms, replicated
             + (3 * h * h + 3 * h) // t              # qkv colwise: weight and bias sharded
             + h * h // t + h                        # proj rowwise: bias replicated
             + (4 * h * h + 4 * h) // t
             + 4 * h * h // t + h)
     assert block == want
-    assert cost.unit_param_counts(g, par(tp=t), tp)[0] == V * h // t
+    assert memory.unit_param_counts(g, par(tp=t), tp)[0] == V * h // t
 
 
 # --- 6. Data parallel, p2p, fits -------------------------------------------------------------------------------
@@ -363,34 +363,34 @@ def test_dp_comm_volumes():
     assert zero.dp_bytes(par(zero=3, **step), psi, 0.9 * psi, 0.1 * psi) == pytest.approx(
         {"all_gather": m * 2 * (2 * 0.9 + 0.1) * psi, "reduce_scatter": m * 4 * psi})  # the root gathers once
     assert zero.dp_bytes(par(zero=1, dp=1), psi, psi, 0) == {}
-    t0 = cost.dp_comm_time(A100, par(zero=0, **step), psi, False)
-    t1 = cost.dp_comm_time(A100, par(zero=1, **step), psi, False)
+    t0 = cost_step.dp_comm_time(A100, par(zero=0, **step), psi, False)
+    t1 = cost_step.dp_comm_time(A100, par(zero=1, **step), psi, False)
     assert t0 == pytest.approx(hw.collective_time(A100, "all_reduce", 4 * psi, 8))
     assert t1 == pytest.approx(hw.collective_time(A100, "all_gather", 2 * psi, 8)
                                + hw.collective_time(A100, "reduce_scatter", 4 * psi, 8))
-    assert cost.dp_comm_time(A100, par(zero=2, **step), psi, False) == pytest.approx(
+    assert cost_step.dp_comm_time(A100, par(zero=2, **step), psi, False) == pytest.approx(
         m * t1, rel=0.01)  # m calls each: m times the bytes and the latency
-    assert cost.dp_comm_time(A100, par(dp=1), psi, False) == 0
+    assert cost_step.dp_comm_time(A100, par(dp=1), psi, False) == 0
     hidden = dataclasses.replace(A100, dp_overlap=0.75)
-    assert cost.dp_comm_time(hidden, par(zero=0, **step), psi, False) == pytest.approx(0.25 * t0)
-    assert cost.dp_comm_time(A100, par(zero=0, **step), psi, True) > t0
+    assert cost_step.dp_comm_time(hidden, par(zero=0, **step), psi, False) == pytest.approx(0.25 * t0)
+    assert cost_step.dp_comm_time(A100, par(zero=0, **step), psi, True) > t0
     # FSDP pads dim 0 of every parameter to a multiple of the ranks.
     assert zero.padded_numel((10, 3), 4) == 12 * 3 and zero.padded_numel((8, 3), 4) == 24
 
 
 def test_p2p_and_fits():
     n = 2 * 2 * 32 * 64  # a micro-batch of 2 samples
-    one = cost.p2p_time(A100, par(pp=2, micro_batch_size=2), n, False)
+    one = cost_step.p2p_time(A100, par(pp=2, micro_batch_size=2), n, False)
     assert one == pytest.approx(2 * hw.collective_time(A100, "p2p", n, 2))
     il = par(pp=2, micro_batch_size=2, schedule="interleaved-1f1b", virtual_stages=3)
-    assert cost.p2p_time(A100, il, n, False) == pytest.approx(3 * one)
-    assert cost.p2p_time(A100, par(), n, False) == 0
+    assert cost_step.p2p_time(A100, il, n, False) == pytest.approx(3 * one)
+    assert cost_step.p2p_time(A100, par(), n, False) == 0
     # A boundary whose tensors need no gradient crosses only forward.
-    assert cost.p2p_round_trip(A100, par(pp=2, micro_batch_size=2), n, False, 0.0) == pytest.approx(one / 2)
+    assert cost_step.p2p_round_trip(A100, par(pp=2, micro_batch_size=2), n, False, 0.0) == pytest.approx(one / 2)
     cap = A100.usable_memory_bytes
     assert cap == pytest.approx(A100.memory_bytes * 0.95 - 1024**3)
-    assert cost.fits(A100, cost.Memory(params=cap))
-    assert not cost.fits(A100, cost.Memory(params=cap, activations=1))
+    assert cost_step.fits(A100, cost_types.Memory(params=cap))
+    assert not cost_step.fits(A100, cost_types.Memory(params=cap, activations=1))
 
 
 # --- 7. The whole step -----------------------------------------------------------------------------------------
@@ -421,22 +421,22 @@ def test_predict_consistent():
     # the stage sends needs a gradient, and its data goes once sent) + extras. At ZeRO-1 the backwards before the last
     # micro-batch's fold a unit's bf16 gradient (2 bytes a parameter); the last one's, with one micro-batch in
     # flight, also makes the reduction's fp32 input (4 bytes a parameter, what `stage_extra_bytes` charges).
-    acts = cost.unit_activation_bytes(g, p_, tp)
+    acts = memory.unit_activation_bytes(g, p_, tp)
     st0 = pred.ranks[0]
-    states = cost.model_state_bytes(st0.num_params, p_)
-    extra = cost.stage_extra_bytes(g, p_, tp, [0, 1, 2])
-    largest = max(cost.unit_param_counts(g, p_, tp)[:3])
+    states = memory.model_state_bytes(st0.num_params, p_)
+    extra = memory.stage_extra_bytes(g, p_, tp, [0, 1, 2])
+    largest = max(memory.unit_param_counts(g, p_, tp)[:3])
     held = sum(acts[:3])
     assert st0.memory.total == pytest.approx(states.total + max(2 * held + extra - 2 * largest, held + extra)
                                              + st0.memory.buffers)
-    assert pred.ranks[1].memory.activations >= g.layers["lm_head"].out_bytes / 2 * 2 * cost.LOSS_BYTES  # the loss
+    assert pred.ranks[1].memory.activations >= g.layers["lm_head"].out_bytes / 2 * 2 * memory.LOSS_BYTES  # the loss
     assert st0.memory.buffers == 5 * A100.communicator_bytes  # world, tp, dp, pp, the tied embedding's group
     assert pred.to_dict()["memory_per_gpu"]["total"] == int(round(pred.memory_per_gpu.total))
 
 
 def test_copied_value_all_reduced_on_each_stage_that_reads_it():
     """A value read by colwise layers of two stages is copied (`copy_to_tp`) on each: its gradient's all-reduce runs
-    once on every stage holding a reader, not once on the source's stage (`cost.copy_moves`)."""
+    once on every stage holding a reader, not once on the source's stage (`cost_step.copy_moves`)."""
     s, h, n = 32, 64, 1000
     g = gpt(L=4, s=s, h=h)
     p_ = par(tp=2, pp=2, micro_batch_size=2, global_batch_size=8)
@@ -471,13 +471,13 @@ def test_predict_with_the_search_caches_equals_predict_without(zero_stage, bound
     p_ = par(dp=2, tp=2, pp=len(bounds), zero=zero_stage, micro_batch_size=2, global_batch_size=32)
     alone = assemble.predict(g, A100, p_, tp, bounds)
     cached = assemble.predict(g, A100, p_, tp, bounds, parts=cost.unit_time_parts(g, A100, p_, tp),
-                          acts=cost.unit_activation_bytes(g, p_, tp), shards=cost.unit_param_shards(g, p_, tp),
-                          local_shapes=cost.unit_local_shapes(g, p_, tp))
+                          acts=memory.unit_activation_bytes(g, p_, tp), shards=memory.unit_param_shards(g, p_, tp),
+                          local_shapes=memory.unit_local_shapes(g, p_, tp))
     assert cached.to_dict() == alone.to_dict()
     assert alone.ranks[0].comm_bytes["pp"] > 0 and alone.ranks[-1].memory.activations > 0
     units = list(range(bounds[0][0], bounds[0][1]))
-    assert (cost.stage_extra_bytes(g, p_, tp, units, cost.unit_param_shards(g, p_, tp))
-            == cost.stage_extra_bytes(g, p_, tp, units))
+    assert (memory.stage_extra_bytes(g, p_, tp, units, memory.unit_param_shards(g, p_, tp))
+            == memory.stage_extra_bytes(g, p_, tp, units))
 
 
 def test_predict_single_gpu_no_comm():
@@ -571,7 +571,7 @@ def test_collectives_across_nodes_use_every_adapter():
     assert par(dp=32, tp=8, global_batch_size=32).ranks_per_node("dp", A100.gpus_per_node) == 1
     assert par(dp=32, tp=2, global_batch_size=32).ranks_per_node("dp", A100.gpus_per_node) == 4
     assert par(dp=2, tp=2).ranks_per_node("dp", A100.gpus_per_node) == 2
-    assert cost.dp_comm_time(A100, par(dp=32, global_batch_size=32), 1e9, True) == pytest.approx(
+    assert cost_step.dp_comm_time(A100, par(dp=32, global_batch_size=32), 1e9, True) == pytest.approx(
         hw.collective_time(A100, "all_reduce", 4e9, 32, spans_nodes=True, ranks_per_node=8))
 
 
@@ -585,10 +585,10 @@ def test_p2p_scatter_gather():
     p_ = par(tp=8, pp=4, micro_batch_size=2, global_batch_size=8)
     want = 2 * (hw.collective_time(A100, "p2p", n / 8, 2, spans_nodes=True)
                 + hw.collective_time(A100, "all_gather", n, 8))
-    assert cost.p2p_time(A100, p_, n, True) == pytest.approx(want)
-    assert cost.p2p_time(A100, p_, n, True) < cost.p2p_time(A100, dataclasses.replace(p_, tp=1), n, True)
+    assert cost_step.p2p_time(A100, p_, n, True) == pytest.approx(want)
+    assert cost_step.p2p_time(A100, p_, n, True) < cost_step.p2p_time(A100, dataclasses.replace(p_, tp=1), n, True)
     il = dataclasses.replace(p_, schedule="interleaved-1f1b", virtual_stages=2)
-    assert cost.p2p_time(A100, il, n, True) == pytest.approx(2 * want)  # v times the traffic
+    assert cost_step.p2p_time(A100, il, n, True) == pytest.approx(2 * want)  # v times the traffic
 
 
 def test_scatter_gather_bytes():
@@ -596,9 +596,9 @@ def test_scatter_gather_bytes():
     all-gathers over tp what it receives forward and the gradient of what it sends backward."""
     graph = ModelGraph(name="g", num_params=0, seq_len=1, units=[], layers={}, edges=[], cut_bytes=[100, 200, 300])
     p_ = par(tp=2, pp=2, micro_batch_size=1, global_batch_size=4)  # m = 4
-    assert cost.pp_bytes(graph, p_, [(1, 2)]) == 4 * (100 + 200) * 2 / 2
-    assert cost.gather_bytes(graph, p_, [(1, 2)]) == 4 * (100 + 200)
-    assert cost.gather_bytes(graph, dataclasses.replace(p_, tp=1), [(1, 2)]) == 0
+    assert cost_step.pp_bytes(graph, p_, [(1, 2)]) == 4 * (100 + 200) * 2 / 2
+    assert cost_step.gather_bytes(graph, p_, [(1, 2)]) == 4 * (100 + 200)
+    assert cost_step.gather_bytes(graph, dataclasses.replace(p_, tp=1), [(1, 2)]) == 0
 
 
 def test_interleaved_bubble_and_microbatches():
@@ -608,8 +608,8 @@ def test_interleaved_bubble_and_microbatches():
     p, m = 4, 8
     for v in (2, 4):
         il = par(pp=p, global_batch_size=m, schedule="interleaved-1f1b", virtual_stages=v)
-        assert cost.bubble_fraction(il) * (m + (p - 1) / v) == pytest.approx((p - 1) / v)  # (1/v)(p-1)/m ideal
-        assert cost.bubble_fraction(il) < cost.bubble_fraction(par(pp=p, global_batch_size=m))
+        assert cost_step.bubble_fraction(il) * (m + (p - 1) / v) == pytest.approx((p - 1) / v)  # (1/v)(p-1)/m ideal
+        assert cost_step.bubble_fraction(il) < cost_step.bubble_fraction(par(pp=p, global_batch_size=m))
     with pytest.raises(PartcError, match="multiple of pp"):
         par(pp=4, global_batch_size=6, schedule="interleaved-1f1b", virtual_stages=2)
     g = gpt(L=8)
@@ -648,32 +648,32 @@ def test_predict_per_rank_sums_equal_the_stage_functions(pp, v):
             ends = [*cuts, n]
             bounds = list(zip([0, *cuts], ends))
             pred = assemble.predict(g, A100, p_, tp, bounds, memo=memo)
-            shared = cost.shared_weights(g, p_, tp, bounds)
+            shared = cost_step.shared_weights(g, p_, tp, bounds)
             for r in pred.ranks:
                 idx = [i for lo, hi in r.chunks for i in range(lo, hi)]
-                assert r.num_params == cost.stage_param_count(g, p_, tp, idx)
-                acts = cost.unit_activation_bytes(g, p_, tp)
-                want = cost._in_flight_bytes(g, p_, r.rank, r.chunks, acts) + cost.stage_extra_bytes(g, p_, tp, idx)
-                if zero_stage < 2 and v == 1 and cost.in_flight(p_, r.rank) > 1:  # the last micro-batch's peak
-                    want = max(cost._in_flight_bytes(g, p_, r.rank, r.chunks, acts)
-                               + cost.stage_extra_bytes(g, p_, tp, idx, last=False),
-                               cost._held_bytes(g, p_, r.chunks, acts)[0] + cost.stage_extra_bytes(g, p_, tp, idx))
+                assert r.num_params == memory.stage_param_count(g, p_, tp, idx)
+                acts = memory.unit_activation_bytes(g, p_, tp)
+                want = memory._in_flight_bytes(g, p_, r.rank, r.chunks, acts) + memory.stage_extra_bytes(g, p_, tp, idx)
+                if zero_stage < 2 and v == 1 and memory.in_flight(p_, r.rank) > 1:  # the last micro-batch's peak
+                    want = max(memory._in_flight_bytes(g, p_, r.rank, r.chunks, acts)
+                               + memory.stage_extra_bytes(g, p_, tp, idx, last=False),
+                               memory._held_bytes(g, p_, r.chunks, acts)[0] + memory.stage_extra_bytes(g, p_, tp, idx))
                 elif zero_stage < 2 and v > 1:  # each backward with its chunk's working memory; each reduction
-                    held = cost._held_bytes(g, p_, r.chunks, acts)
-                    own_extra = [cost.stage_extra_bytes(g, p_, tp, range(lo, hi), last=False) for lo, hi in r.chunks]
+                    held = memory._held_bytes(g, p_, r.chunks, acts)
+                    own_extra = [memory.stage_extra_bytes(g, p_, tp, range(lo, hi), last=False) for lo, hi in r.chunks]
                     at = schedule.held_at_reductions(pp, v, p_.num_microbatches, r.rank, held)
                     want = schedule.peak_bytes(pp, v, p_.num_microbatches, r.rank, held, [
-                        g.boundary_grad_bytes(hi - 1, cost.tokens(p_)) / p_.tp + e
+                        g.boundary_grad_bytes(hi - 1, cost_types.tokens(p_)) / p_.tp + e
                         for (lo, hi), e in zip(r.chunks, own_extra)])
                     for j, (lo, hi) in enumerate(r.chunks):
-                        own = [cost.stage_param_count(g, p_, tp, [i]) for i in range(lo, hi)]
+                        own = [memory.stage_param_count(g, p_, tp, [i]) for i in range(lo, hi)]
                         want = max(want, at[j] + own_extra[j] + zero.working_bytes(p_, own)
                                    - zero.working_bytes(p_, own, last=False))
                 assert r.memory.activations == pytest.approx(want, rel=1e-12)
-                groups = [cost.fsdp_groups(g, p_, tp, range(lo, hi)) for lo, hi in r.chunks]
+                groups = [memory.fsdp_groups(g, p_, tp, range(lo, hi)) for lo, hi in r.chunks]
                 padded = (sum(x[1] for x in groups), sum(x[2] for x in groups))
                 assert r.comm_bytes["dp"] == sum(zero.dp_bytes(p_, r.num_params, *padded).values())
-                assert r.comm_bytes["pp"] == cost.pp_bytes(g, p_, r.chunks) + shared.get(r.rank, 0.0)
+                assert r.comm_bytes["pp"] == cost_step.pp_bytes(g, p_, r.chunks) + shared.get(r.rank, 0.0)
                 checked += 1
     assert checked >= 2 * pp
 
@@ -689,8 +689,8 @@ def test_sequence_parallel_full_recompute_counts_the_received_input_once():
     i = next(k for k, u in enumerate(g.units) if k > 0 and u.kind == "block")
     for sp in (True, False):
         p_ = par(tp=2, pp=2, micro_batch_size=2, recompute="full", sequence_parallel=sp)
-        acts = cost.unit_activation_bytes(g, p_, tp)
-        received, sent = (g.boundary_bytes(k, cost.tokens(p_)) / 2 for k in (i - 1, i))
+        acts = memory.unit_activation_bytes(g, p_, tp)
+        received, sent = (g.boundary_bytes(k, cost_types.tokens(p_)) / 2 for k in (i - 1, i))
         assert acts[i] == (received if sp else 2 * received)
         assert sent > 0
-        assert cost._held_bytes(g, p_, [(i, i + 1)], acts) == [acts[i]], sp
+        assert memory._held_bytes(g, p_, [(i, i + 1)], acts) == [acts[i]], sp

@@ -1,6 +1,6 @@
 """Expert parallelism (issue #25), the layer: Hugging Face's packed experts divided by experts among ep ranks.
 
-`passes.experts.expert_split` finds the experts' own computation and the routing around it (or says why not);
+`passes.experts_ep.expert_split` finds the experts' own computation and the routing around it (or says why not);
 `partc.collectives.expert_parallel` sends each (token, expert) pair to its expert's rank with an uneven
 ``all_to_all_single`` and its result back. On 2 gloo ranks each holding 2 of 4 experts, the layer's output and every
 gradient equal one process's, and with a uniform routing the bytes counted equal the cost model's."""
@@ -17,8 +17,9 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 from helpers import HF_EXPERT_MODELS, launch
 from partc.collectives import expert_parallel
-from partc.passes.cost import ep_alltoall_bytes
-from partc.passes.experts import expert_split, local_experts, param_placeholders
+from partc.passes.cost_axes import ep_alltoall_bytes
+from partc.passes.experts import param_placeholders
+from partc.passes.experts_ep import expert_split, local_experts
 from partc.passes.export import export_on_meta
 
 T, H, I, E, K = 8, 16, 24, 4, 2
@@ -107,7 +108,7 @@ WORKER = """
     from test_expert_parallel import E, H, K, T, config, split_of, routing
     from transformers import MixtralForCausalLM
     from partc.collectives import expert_parallel
-    from partc.passes.experts import local_experts
+    from partc.passes.experts_ep import local_experts
     from partc.runtime.comm import CommCounter
 
     torch.set_num_threads(1)
@@ -289,7 +290,7 @@ UNIFORM = """
             layer.mlp.gate = UniformRouter(64, 4, 2)
         return m
 """
-# Mixtures of experts as plain PyTorch writes them (`passes.experts.routed_splits`): an nn.ModuleList of expert
+# Mixtures of experts as plain PyTorch writes them (`passes.experts_routed.routed_splits`): an nn.ModuleList of expert
 # modules, routed with nonzero(choice == e) and combined with index_add. "user_moe" is tests/user_models.py's (top-1,
 # index_select, index_add); "swiglu_top2" a second layout (SwiGLU experts without biases, top-2 renormalized, the
 # rows gathered by x[tok], the weights by weight[tok, slot], in-place index_add_).
@@ -521,7 +522,7 @@ def test_plain_experts_train_like_one_process(runs, model_files, model, name):
 @pytest.mark.slow  # uses the runs above
 def test_uniform_routing_sends_the_planned_bytes(runs):
     """With every expert getting the same share of every rank's tokens, each rank's measured all-to-all bytes in
-    every step equal the plan's ``predicted.ranks[].comm_bytes.ep`` (`passes.cost.ep_bytes`): per MoE layer and
+    every step equal the plan's ``predicted.ranks[].comm_bytes.ep`` (`passes.cost_axes.ep_bytes`): per MoE layer and
     micro-batch, half of the 16 x 2 (token, expert) rows of 64 fp32 leave, there and back, forward and backward, and
     half of the 4 split counts."""
     plan = json.loads((runs / "uniform_ep2" / "plan.json").read_text())
@@ -659,7 +660,7 @@ def test_check_agrees_on_experts_padded_by_fsdp(tmp_path, model_files):
     """dp 8, ep 2: each rank's 2 of Mixtral's 4 experts are sharded over the 4 ranks holding them, and FSDP cuts
     dim 0 (the experts), padded to 4 rows: each rank holds a whole expert of the padded tensor (half its experts,
     not a quarter), and under ZeRO 1 and 2 gathers the 4 padded rows. The plan prices the padded tensor
-    (`cost.expert_state_bytes`); `partc check` measures the same model states (it measured 62% more optimizer
+    (`cost_axes.expert_state_bytes`); `partc check` measures the same model states (it measured 62% more optimizer
     states than the plan priced unpadded). At ep 1 the 4 experts are in the ordinary dp groups, padded to 8 rows:
     each rank holds a whole expert (a quarter of them, not an eighth), priced padded as every parameter is
     (`zero.model_state_bytes`; `partc check` measured 62% more weights and optimizer states under ZeRO-3 than the
@@ -778,7 +779,7 @@ def test_plain_experts_are_followed(model_files, model):
     ops, run on another expert's parameters, compute that expert."""
     from helpers import trace_file
     from partc.model_file import load_model_file
-    from partc.passes.experts import routed_splits
+    from partc.passes.experts_routed import routed_splits
     from partc.passes.search_space import _expert_counts
 
     torch.manual_seed(0)
@@ -800,10 +801,10 @@ def test_plain_experts_are_followed(model_files, model):
 
     from partc.cluster import load_cluster
     from partc.parallel import Parallel
-    from partc.passes import cost
+    from partc.passes import cost, cost_axes, memory
 
     graph = traced.graph
-    assert cost.routed_rows_layers(graph) == {f for f in graph.layers if f.startswith("moe.experts.")} != set()
+    assert cost_axes.routed_rows_layers(graph) == {f for f in graph.layers if f.startswith("moe.experts.")} != set()
     base = Parallel(dp=4, tp=1, pp=1, zero=1, micro_batch_size=1, global_batch_size=8, ep=4, precision="fp32")
     skew = dataclasses.replace(base, expert_imbalance=2.0)
     cluster = load_cluster("a100-80g")
@@ -811,8 +812,8 @@ def test_plain_experts_are_followed(model_files, model):
         fwd = [cost._forward_times(graph, cluster, p, None, u)[0] for p in (base, skew)]
         experts = [f for f in u.layers if f.startswith("moe.experts.")]
         assert (fwd[1] > fwd[0]) == bool(experts), u.fqn
-    acts = [sum(cost.unit_activation_bytes(graph, p, None)) for p in (base, skew)]
-    assert acts[1] - acts[0] == sum(graph.layers[f].saved_bytes for f in cost.routed_rows_layers(graph))
+    acts = [sum(memory.unit_activation_bytes(graph, p, None)) for p in (base, skew)]
+    assert acts[1] - acts[0] == sum(graph.layers[f].saved_bytes for f in cost_axes.routed_rows_layers(graph))
 
 
 def test_plain_routing_it_cannot_follow_is_refused(tmp_path):
@@ -820,7 +821,7 @@ def test_plain_routing_it_cannot_follow_is_refused(tmp_path):
     mixture is refused in one line naming what it reads (and `--ep` says it, `test_ep_is_refused_where_it_cannot_
     apply`)."""
     from helpers import trace_file
-    from partc.passes.experts import routed_splits
+    from partc.passes.experts_routed import routed_splits
 
     path = plain_refused(tmp_path)
     _, traced = trace_file(path)
@@ -865,7 +866,7 @@ def test_search_tries_ep_where_the_experts_divide(model_files):
 def test_cp_takes_followed_experts_as_per_token(model_files):
     """A layer of packed experts sorts, gathers and counts its tokens by expert: ops that mix positions, one by
     one. The split ep follows proves that each token's output reads that token alone, so context parallelism's
-    analysis takes the layer's nodes as per position (`experts.token_wise_nodes`), and only those; without them it
+    analysis takes the layer's nodes as per position (`experts_ep.token_wise_nodes`), and only those; without them it
     refuses the model at the experts' sort. The router's ``topk`` over the experts (its dim left to the default)
     keeps the sequence where it is."""
     from partc.cluster import load_cluster
@@ -874,7 +875,7 @@ def test_cp_takes_followed_experts_as_per_token(model_files):
     from partc.model_file import build_on_meta, load_model_file
     from partc.passes.assign import assign
     from partc.passes.context import analyze
-    from partc.passes.experts import token_wise_nodes
+    from partc.passes.experts_ep import token_wise_nodes
     from partc.passes.trace import trace
 
     path = model_files["mixtral"]
@@ -940,7 +941,7 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
 
     from helpers import trace_file
     from partc.parallel import Parallel
-    from partc.passes import cost, hw
+    from partc.passes import cost, cost_axes, hw, memory
     from partc.passes.assemble import predict
     from partc.cluster import load_cluster
 
@@ -954,19 +955,19 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
     assert Parallel.from_dict(skew.to_dict()) == skew and Parallel.from_dict({**skew.to_dict(), "expert_imbalance": 2}) == skew
     rows, layers, m = S * 2, 2, 2  # (token, expert) rows per sample, MoE layers, micro-batches
     counts = 4 * 8 * 3 / 4
-    assert cost.ep_bytes(graph, base, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 2 + counts)
-    assert cost.ep_bytes(graph, skew, units) == layers * m * (rows * (1 - 2 / 4 + 2 * 3 / 4) * 64 * 4 * 2 + counts)
+    assert cost_axes.ep_bytes(graph, base, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 2 + counts)
+    assert cost_axes.ep_bytes(graph, skew, units) == layers * m * (rows * (1 - 2 / 4 + 2 * 3 / 4) * 64 * 4 * 2 + counts)
     full = dataclasses.replace(base, recompute="full")
-    assert cost.ep_bytes(graph, full, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 3 + 2 * counts)
+    assert cost_axes.ep_bytes(graph, full, units) == layers * m * (rows * 2 * 3 / 4 * 64 * 4 * 3 + 2 * counts)
     once = lambda f: 2 * hw.collective_time(cluster, "all_to_all", f * rows * 3 / 4 * 64 * 4, 4, spans_nodes=False,
                                             ranks_per_node=4)
-    assert cost.ep_time(graph, cluster, base, units) == pytest.approx((layers * once(1), layers * once(1)))
-    assert cost.ep_time(graph, cluster, skew, units) == pytest.approx((layers * once(2), layers * once(2)))
-    assert cost.ep_time(graph, cluster, full, units) == pytest.approx((layers * once(1), 2 * layers * once(1)))
+    assert cost_axes.ep_time(graph, cluster, base, units) == pytest.approx((layers * once(1), layers * once(1)))
+    assert cost_axes.ep_time(graph, cluster, skew, units) == pytest.approx((layers * once(2), layers * once(2)))
+    assert cost_axes.ep_time(graph, cluster, full, units) == pytest.approx((layers * once(1), 2 * layers * once(1)))
     # the experts' compute: a MoE block's forward grows by its experts layer's own time, and it keeps twice what
     # that layer saves (once more)
     tp = None  # every layer whole
-    acts = {p: cost.unit_activation_bytes(graph, p, tp) for p in (base, skew)}
+    acts = {p: memory.unit_activation_bytes(graph, p, tp) for p in (base, skew)}
     for i, u in enumerate(graph.units):
         experts = [graph.layers[f] for f in u.layers if graph.layers[f].inner]
         own = sum(hw.memory_time(cluster, e.memory_bytes) + sum(hw.gemm_time(cluster, g, micro_batch_size=1)
@@ -981,10 +982,10 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank(model_files):
     # under cp 4 each rank routes its s/4 tokens, inside an ep group of dp ranks 4 apart (cp x tp): 4 of them, on
     # 2 nodes of 8 GPUs, 2 a node (at cp 1 the 4 neighbours share a node)
     cp4 = dataclasses.replace(base, cp=4)
-    assert cost.ep_bytes(graph, cp4, units) == layers * m * (rows / 4 * 2 * 3 / 4 * 64 * 4 * 2 + counts)
+    assert cost_axes.ep_bytes(graph, cp4, units) == layers * m * (rows / 4 * 2 * 3 / 4 * 64 * 4 * 2 + counts)
     spread = 2 * hw.collective_time(cluster, "all_to_all", rows / 4 * 3 / 4 * 64 * 4, 4, spans_nodes=True,
                                     ranks_per_node=2)
-    assert cost.ep_time(graph, cluster, cp4, units) == pytest.approx((layers * spread, layers * spread))
+    assert cost_axes.ep_time(graph, cluster, cp4, units) == pytest.approx((layers * spread, layers * spread))
     assert spread > once(1) / 4
     # the whole plan: slower, more activations, more bytes on the busiest rank
     bounds = [(0, len(graph.units))]

@@ -20,7 +20,7 @@ from helpers import EXAMPLES, compile_program, llama_variant, megatron_style, tr
 from partc.cluster import PRESETS
 from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import Parallel
-from partc.passes import cost
+from partc.passes import cost, memory
 from partc.passes.trace import trace
 from partc.fused import pointwise
 from partc.runtime.check import check_program
@@ -62,7 +62,7 @@ def test_plan_activations_of_a_block_drop_by_the_hand_count():
     graph = _traced_fused(EXAMPLES / "llama.py")
     base = Parallel(dp=1, tp=1, pp=1, zero=0, micro_batch_size=2, global_batch_size=2)
     fused = dataclasses.replace(base, fuse_pointwise=True)
-    before, after = cost.unit_activation_bytes(graph, base, None), cost.unit_activation_bytes(graph, fused, None)
+    before, after = memory.unit_activation_bytes(graph, base, None), memory.unit_activation_bytes(graph, fused, None)
     gqa = 2 * (U - U * KV // HEADS)
     for u, b, a in zip(graph.units, before, after):
         if u.kind == "block":

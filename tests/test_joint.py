@@ -22,7 +22,7 @@ from ir_fixtures import MEGATRON, gpt_graph
 from partc.cluster import PRESETS, Cluster
 from partc.parallel import Pins
 from partc.passes import tp_solve as tp_mod
-from partc.passes import assemble, cost
+from partc.passes import assemble, cost_step
 from partc.passes.search import search
 from partc.passes.tp import SolveCache, allowed_styles
 from partc.passes.tp_solve import _layer_params, solve_tp, solve_tp_choices
@@ -69,7 +69,7 @@ def test_small_1t_takes_the_split_embedding_for_its_memory():
     assert max(r.time_s for r in before.prediction.ranks) > 1.2 * max(r.time_s for r in after.prediction.ranks)
     # Memory is the reason: the least-time styles do not fit on the joint plan's split.
     moved = assemble.predict(g, clus, before.parallel, before.tp, after.bounds)
-    assert not cost.fits(clus, moved.memory_per_gpu)
+    assert not cost_step.fits(clus, moved.memory_per_gpu)
 
 
 CASES = {  # (memory GiB, GPUs, pins): the least-time styles lose or do not fit in each

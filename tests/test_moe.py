@@ -157,7 +157,7 @@ def test_experts_under_sequence_parallelism_move_what_megatron_core_moves(mixtra
     with the tokens, and the router's and the norms' weights, applied to each rank's part of the sequence, have
     their gradients all-reduced."""
     from partc.parallel import Parallel
-    from partc.passes import cost
+    from partc.passes import cost_tp
     graph = trace_file(mixtral_file)
     styles = {f: megatron_styles(graph).get(f, "replicate") for f in graph.layers}
     sol = evaluate_tp(graph, 2, styles, PRESETS["h100-80g"], 1)
@@ -165,8 +165,8 @@ def test_experts_under_sequence_parallelism_move_what_megatron_core_moves(mixtra
     sp = Parallel(dp=1, tp=2, pp=1, zero=0, micro_batch_size=1, global_batch_size=1, precision="bf16",
                   sequence_parallel=True)
     block = graph.units[1]
-    tp_colls = cost.unit_collectives(graph, plain, sol, block)
-    sp_colls = cost.unit_collectives(graph, sp, sol, block)
+    tp_colls = cost_tp.unit_collectives(graph, plain, sol, block)
+    sp_colls = cost_tp.unit_collectives(graph, sp, sol, block)
     assert sorted(k for k, *_ in tp_colls) == ["all_reduce"] * 5
     assert {k for k, *_ in sp_colls} == {"all_gather", "reduce_scatter", "all_reduce"}
     norms_and_router = (2 * H + E * H) * 2  # input and post-attention RMSNorm weights, the router's [E, H], bf16

@@ -45,7 +45,7 @@ def test_peak_walks_the_order():
                 live -= held[j]
         assert schedule.peak_bytes(p, v, m, rank, held, grad) == pytest.approx(peak)
     # equal chunks: the number in flight at the peak times one chunk, the cost model's `in_flight` for v > 1
-    from partc.passes.cost import in_flight
+    from partc.passes.memory import in_flight
     from partc.parallel import Parallel
     par = Parallel(dp=1, tp=1, pp=p, zero=0, micro_batch_size=1, global_batch_size=m, schedule="interleaved-1f1b",
                    virtual_stages=v)

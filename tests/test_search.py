@@ -23,7 +23,7 @@ import torch
 
 from helpers import EXAMPLES, GiB
 from partc.cluster import PRESETS, Cluster
-from partc.passes import assemble, cost
+from partc.passes import assemble, cost, cost_step, memory
 from partc.model_file import build_on_meta, load_model_file
 from partc.parallel import TP_STYLES, Parallel, Pins
 from partc.reads import Reads
@@ -177,11 +177,11 @@ def test_cached_split_equals_the_constrained_dp(case_id):
     for par in _configs(graph, cluster, case.gpus, case.gbs, case.pins or Pins()):
         v = par.chunks_per_rank
         chunks = par.pp * v
-        static = [cost.model_state_bytes(1, par).total * n for n in costs.params(par)]
+        static = [memory.model_state_bytes(1, par).total * n for n in costs.params(par)]
         extra_any, extra_last = costs.extra(par)
-        buffers = cluster.communicator_bytes * cost.communicators(par, shares_weights=False)
+        buffers = cluster.communicator_bytes * cost_step.communicators(par, shares_weights=False)
         direct = partition_stages(costs.times(par), costs.cut_time(par), static, costs.acts(par),
-                                  num_stages=chunks, in_flight=[cost.in_flight(par, k % par.pp) for k in range(chunks)],
+                                  num_stages=chunks, in_flight=[memory.in_flight(par, k % par.pp) for k in range(chunks)],
                                   mem_limit=(limit - buffers) / v, extra_mem=[extra_any] * (chunks - 1) + [extra_last],
                                   first_required=len(graph.first_unit_required),
                                   last_required=len(graph.last_unit_required))
@@ -305,7 +305,7 @@ def test_fits_memory_equals_predict(name, mem_gib, gpus):
     for par in _configs(graph, cluster, gpus, 16, Pins()):
         loose = costs.free_split(par, par.num_stages)
         if loose is not None:
-            fits = cost.fits(cluster, costs.predict(par, loose).memory_per_gpu)
+            fits = cost_step.fits(cluster, costs.predict(par, loose).memory_per_gpu)
             assert costs.fits_memory(par, loose) == fits, par
             seen.add(fits)
     assert seen == {True, False}
@@ -452,7 +452,7 @@ def test_zero_stages_shrink_model_states(tied_tiny):
         mem = best.prediction.memory_per_gpu
         states.append(mem.params + mem.grads + mem.optimizer)
         psi = graph.num_params
-        assert states[-1] == pytest.approx(cost.model_state_bytes(psi, best.parallel).total)
+        assert states[-1] == pytest.approx(memory.model_state_bytes(psi, best.parallel).total)
     assert states[0] == pytest.approx(18 * graph.num_params)  # bf16 compute, fp32 master, grads and moments
     assert states[0] > states[1] > states[2] > states[3] == pytest.approx(16 * graph.num_params / 8)
 

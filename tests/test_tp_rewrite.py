@@ -597,7 +597,7 @@ def test_searched_sequence_parallel_gpt_keeps_the_split_and_the_plan_s_bytes(tmp
     """GPT-3's widths (h 12,288, 96 heads, s 2,048, V 50,257, which does not divide over tp: the token and position
     embeddings are split colwise, the output layer rowwise, as for GPT-3 175B), 2 layers, 4 GPUs at tp 2 and pp 2:
     with sequence parallelism (pinned: the plan without it is 0.03% faster here, its embeddings' outputs crossing
-    the cut split, `passes.cost.split_cut_bytes`), the program keeps the split everywhere: the embeddings' sum
+    the cut split, `passes.cost_step.split_cut_bytes`), the program keeps the split everywhere: the embeddings' sum
     enters it once (gathered over the features, each rank keeping its part of the sequence), the output layer reads
     the final norm's output all-gathered and all-reduces the logits (Megatron-LM's edges), so the plan is kept as
     searched. `partc check` measures the plan's bytes on every axis of both pipeline ranks, to the byte (the sum is
