@@ -1,5 +1,5 @@
 """The cost model's memory terms: the parameters and model states one GPU holds, the activations its
-micro-batches in flight keep, and a stage's transient working memory (`passes.cost` re-exports them; the sources
+micro-batches in flight keep, and a stage's transient working memory (the sources
 it cites apply: Korthikanti et al. 2022 for activations, section 4; Rajbhandari et al. 2020 for model states,
 Figure 1; Narayanan et al. 2021 for the micro-batches in flight)."""
 

@@ -82,7 +82,7 @@ def categories(zero: int) -> dict[str, tuple[str, ...]]:
     gradients, and below ZeRO-2 the unsharded fp32 accumulation (recorded as the tracker's sharded gradients, see
     `_Tracker`); ``activations`` everything transient, as the plan's activations hold saved activations,
     recomputation, ZeRO's working memory (a unit's compute-dtype gradient, at ZeRO-3 the gathered units) and the
-    loss (`partc.passes.cost.stage_extra_bytes`), and here also the model's buffers and the input micro-batches."""
+    loss (`partc.passes.memory.stage_extra_bytes`), and here also the model's buffers and the input micro-batches."""
     gathered = (FSDPRefType.UNSHARDED_PARAM,)
     params = (FSDPRefType.SHARDED_PARAM, *(gathered if zero < 3 else ()))
     transient = (FSDPRefType.ACT, FSDPRefType.TEMP, FSDPRefType.ALL_GATHER, FSDPRefType.REDUCE_SCATTER,

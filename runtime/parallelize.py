@@ -189,7 +189,7 @@ def apply_zero(stage: StageModule, mesh: DeviceMesh, *, zero: int, precision: st
     holds its own experts, their gradients reduced by `GradSync` over the ranks holding the same ones)."""
     mp = mixed_precision(precision)
     # A parameter shared by two units (a tied embedding and head on one stage) can be in one FSDP group only: those
-    # units stay in the stage's root group (as `partc.passes.cost.fsdp_groups` charges).
+    # units stay in the stage's root group (as `partc.passes.memory.fsdp_groups` charges).
     # So can a unit whose tensors other code of the stage reads (`StageFile.foreign_reads`).
     holders = Counter(id(p) for unit in stage.units.values() for p in unit.parameters())
     foreign = stage.foreign_reads
