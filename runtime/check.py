@@ -527,14 +527,7 @@ class _Tracker(FSDPMemTracker):
         experts, where they are a group of their own)."""
         params = list(group.fsdp_params) if group is not None else []
         for p in params:
-            def to_accumulated(*args: Any, _orig: Any = p.to_accumulated_grad_if_needed, **kwargs: Any) -> Any:
-                self._making_gradient = True
-                try:
-                    return _orig(*args, **kwargs)
-                finally:
-                    self._making_gradient = False
-
-            p.to_accumulated_grad_if_needed = to_accumulated
+            p.to_accumulated_grad_if_needed = self._as_gradient(p.to_accumulated_grad_if_needed, lambda: True)
         try:
             yield
         finally:
@@ -559,15 +552,11 @@ class _Tracker(FSDPMemTracker):
         folded = [weakref.ref(p.unsharded_accumulated_grad) for p in group.fsdp_params
                   if p.unsharded_accumulated_grad is not None]
 
-        def allocated(*args: Any, **kwargs: Any) -> Any:
+        def second_with_nothing_folded() -> bool:
             calls[0] += 1
-            self._making_gradient = calls[0] == 2 and all(ref() is None for ref in folded)
-            try:
-                return allocate(*args, **kwargs)
-            finally:
-                self._making_gradient = False
+            return calls[0] == 2 and all(ref() is None for ref in folded)
 
-        comm.allocate = allocated
+        comm.allocate = self._as_gradient(allocate, second_with_nothing_folded)
         try:
             yield
         finally:
@@ -575,6 +564,18 @@ class _Tracker(FSDPMemTracker):
                 del comm.allocate  # the class's method again
             else:
                 comm.allocate = own
+
+    def _as_gradient(self, fn: Callable, when: Callable[[], bool]) -> Callable:
+        """`fn`, whose allocations are filed as the plan's gradients (``grads``) in the calls where `when()` says so
+        (asked once a call, before it runs)."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._making_gradient = when()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._making_gradient = False
+
+        return call
 
     _making_gradient = False
     _propagating = 0
