@@ -21,8 +21,8 @@ from partc.compile import compile_model
 from partc.mesh_axes import MESH_AXES
 from partc.parallel import Pins
 from partc.plan import read_plan
-from partc.runtime.check import (SLACK_BYTES, TOLERANCE, Row, _failure, categories, check_program,
-                                 representatives)
+from partc.runtime.check import SLACK_BYTES, TOLERANCE, Row, _failure, check_program, representatives
+from partc.runtime.check_tracker import categories
 
 # name: (model, GPUs, pins, global batch): ZeRO 0, 1 and 3, tp, pp (1F1B and interleaved), selective recompute
 PLANS = {
