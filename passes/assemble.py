@@ -68,6 +68,17 @@ def backward_of(graph: ModelGraph, par: Parallel, tp: TPPlan | None, memo: dict 
     return _Memo(memo)(BACKWARD.key(par), lambda: unit_backward_bytes(graph, par, tp))
 
 
+def rebuilt_of(graph: ModelGraph, par: Parallel, tp: TPPlan | None, memo: dict | None) -> list[float]:
+    """What recomputation rebuilds of each unit (`_rebuilt_bytes`), once per key of what it reads in `memo`."""
+    return _Memo(memo)(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+
+
+def expert_groups_of(graph: ModelGraph, par: Parallel, local_shapes: list[dict[str, tuple]],
+                     memo: dict | None) -> list[zero.ExpertGroups]:
+    """`expert_groups` of each unit (its `unit_local_shapes` under `par`), once per key of what it reads in `memo`."""
+    return _Memo(memo)(EXPERT_GROUPS.key(par), lambda: [expert_groups(graph, par, s) for s in local_shapes])
+
+
 # --- 6. The whole step -------------------------------------------------------------------------------------------
 
 @dataclass(kw_only=True, slots=True)
@@ -104,9 +115,13 @@ class _Memo:
     def __call__(self, key: tuple, make):
         if self.store is None:
             return make()
-        if key not in self.store:
-            self.store[key] = make()
-        return self.store[key]
+        value = self.store.get(key, _MISSING)  # one lookup a hit
+        if value is _MISSING:
+            value = self.store[key] = make()
+        return value
+
+
+_MISSING = object()
 
 
 def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, int]]) -> None:
@@ -139,8 +154,8 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
     expert_padded = keep(EXPERT_PADDED.key(par), lambda: [0, *itertools.accumulate(  # over the dp / ep x cp holders
         sum(zero.padded_numel(x, par.expert_shard) for k, x in shapes.items() if k in experts)
         for shapes in local_shapes)])
-    rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
-    grouped = keep(EXPERT_GROUPS.key(par), lambda: [expert_groups(graph, par, s) for s in local_shapes])
+    rebuilt = rebuilt_of(graph, par, tp, keep.store)
+    grouped = expert_groups_of(graph, par, local_shapes, keep.store)
     backward = backward_of(graph, par, tp, keep.store)
     fsdp = par.dp_shard if par.zero else 1  # what FSDP pads over: the working memory's key besides the chunks
     shard = par.expert_shard if par.ep > 1 else 1  # and what it shards the packed experts' own groups over
@@ -184,17 +199,17 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
                                              [n for lo, hi in chunks for n in unit_padded(lo, hi)],
                                              [grouped[i] for i in idx]))
 
-        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra()
+        held_j = _held_bytes(graph, par, chunks, acts)
+        flight = _in_flight_bytes(graph, par, r, chunks, acts, held=held_j)
+        mem.activations = flight + extra()
         if v == 1 and par.zero < 2 and in_flight(par, r) > 1:
             # Below ZeRO-2 the reduction's fp32 input is made in the last micro-batch's backward, when only that
             # micro-batch is in flight; the backwards before it only fold a compute-dtype gradient.
-            mem.activations = max(_in_flight_bytes(graph, par, r, chunks, acts) + extra(last=False),
-                                  _held_bytes(graph, par, chunks, acts)[0] + extra())
+            mem.activations = max(flight + extra(last=False), held_j[0] + extra())
         elif v > 1 and par.zero < 2:  # the same, when torch reduces each chunk (`schedule.held_at_reductions`),
             # with that chunk's largest unit's reduction instead of its fold
             # with that chunk's largest unit's reduction instead of its fold; and each backward with the working
             # memory of its own chunk's units (the last rank's loss and head are not in flight in a block's backward)
-            held_j = _held_bytes(graph, par, chunks, acts)
             at = schedule.held_at_reductions(p, v, par.num_microbatches, r, held_j)
             b = tokens(par)
             own_extra = [keep(EXTRA.key(par, ((lo, hi),), False, fsdp, shard), lambda lo=lo, hi=hi: _extra_bytes(
@@ -211,7 +226,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
                                        [n for lo, hi in chunks for n in unit_padded(lo, hi)])
         if reduced:  # a group of experts reduced: in a micro-batch's backward (ZeRO 2, 3), or after the last one
             mem.activations = max(mem.activations, reduced + (
-                _in_flight_bytes(graph, par, r, chunks, acts) if par.zero >= 2 else 0.0))
+                flight if par.zero >= 2 else 0.0))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem, (held, held_padded)
 

@@ -138,13 +138,18 @@ class _Costs:
 
     def extra(self, par: Parallel) -> tuple[float, float]:
         """Transient stage memory: (any stage, the last stage), bounded over all units."""
-        units = list(range(len(self.graph.units)))
 
-        def make() -> tuple[float, float]:
-            backward = assemble.backward_of(self.graph, par, self.tp(par), self._memo)
-            return (memory.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units, self.shards(par),
-                                           backward=backward),
-                    memory.stage_extra_bytes(self.graph, par, self.tp(par), units, self.shards(par), backward=backward))
+        def make() -> tuple[float, float]:  # `memory.stage_extra_bytes` of all units but the last, and of all
+            graph, tp = self.graph, self.tp(par)  # (its per-unit lists read from the caches, not made again)
+            backward = assemble.backward_of(graph, par, tp, self._memo)
+            rebuilt = assemble.rebuilt_of(graph, par, tp, self._memo)
+            experts = assemble.expert_groups_of(graph, par, self.local_shapes(par), self._memo)
+            sizes = self.params(par)
+            whole = memory.stage_extra_bytes_of(graph, par, tp, rebuilt, sizes, True, backward, experts)
+            if len(sizes) == 1:
+                return whole, whole
+            return memory.stage_extra_bytes_of(graph, par, tp, rebuilt[:-1], sizes[:-1], False, backward[:-1],
+                                               experts[:-1]), whole
 
         return self._get(EXTRA, par, make)
 
