@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -224,7 +225,7 @@ class Parallel:
 
     def _stride(self, axis: str) -> int:
         """Distance in global ranks between neighbours of an `axis` group: the product of the inner axes."""
-        return math.prod(getattr(self, a) for a in MESH_AXES[MESH_BY_NAME[axis].position + 1:])
+        return math.prod(_inner_axes(axis)(self))
 
     def spans_nodes(self, axis: str, gpus_per_node: int) -> bool:
         """Whether a group of `axis` crosses nodes (ranks are placed on nodes in order, `gpus_per_node` each)."""
@@ -418,3 +419,11 @@ def check_pins(pins: Pins, gpus: int, *, num_units: int, max_stages: int | None 
                          f"{pins.pp or 1} pipeline rank(s), more than the model allows: its {num_units} units split "
                          f"into at most {max_stages} chunks, since the embeddings share the first and the final "
                          f"layers the last")
+
+
+@functools.cache
+def _inner_axes(axis: str):
+    """The degrees of the mesh axes inside `axis` (after it in `MESH_AXES`), read at once as a tuple."""
+    inner = MESH_AXES[MESH_BY_NAME[axis].position + 1:]
+    return (lambda par: ()) if not inner else (lambda par: (getattr(par, inner[0]),)) if len(inner) == 1 \
+        else operator.attrgetter(*inner)

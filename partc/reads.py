@@ -8,6 +8,7 @@ ignores, so configurations that differ only in those share it, and a field added
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -36,11 +37,41 @@ class Reads:
         assert not unknown, f"{self.name}: not fields of Parallel: {sorted(unknown)}"
 
     def key(self, par: Parallel, *derived: Any) -> tuple:
-        return (self.name, *_read_getter(type(par), self.ignores)(par), *derived)
+        # The search asks one configuration for many keys in a row: those of the last `Parallel` asked (the same
+        # object, frozen) are kept, so each is read once per configuration, not once per quantity.
+        last = _LAST_KEYS[0]
+        if last[0] is not par:
+            last = _LAST_KEYS[0] = (par, {})
+        known = last[1].get(self.name)
+        if known is None or known[0] is not self:
+            known = last[1][self.name] = (self, (self.name, _token(_read_getter(type(par), self.ignores)(par))))
+        return known[1] + derived if derived else known[1]
 
     def key_of(self, get, *derived: Any, cls: type | None = None) -> tuple:
         """`key` of the configuration whose field `f` is ``get(f)``."""
-        return (self.name, *map(get, _read_fields(cls or Parallel, self.ignores)), *derived)
+        return (self.name, _token(tuple(map(get, _read_fields(cls or Parallel, self.ignores)))), *derived)
+
+
+_LAST_KEYS: list[tuple[Any, dict[str, tuple[Reads, tuple]]]] = [(None, {})]
+"""The last `Parallel` `Reads.key` read, with its keys (one entry: a reference to that object keeps its id its
+own)."""
+
+
+_TOKENS: dict[tuple, int] = {}
+_NEXT_TOKEN = itertools.count()
+_MAX_TOKENS = 1 << 18  # a search of tiny-8 by brute force makes about 3,500
+
+
+def _token(values: tuple) -> int:
+    """A number for the field values `values` that no other values get, while this process runs: a key holds it
+    instead of the values, so the caches hash two items, not a dozen. When the table is full it starts again with
+    new numbers (values seen before get a new one: a cache misses, it never confuses two configurations)."""
+    token = _TOKENS.get(values)
+    if token is None:
+        if len(_TOKENS) >= _MAX_TOKENS:
+            _TOKENS.clear()
+        token = _TOKENS[values] = next(_NEXT_TOKEN)
+    return token
 
 
 @functools.cache

@@ -47,14 +47,17 @@ REBUILT = Reads("rebuilt", _PER_MICRO_BATCH)  # what recomputation rebuilds: (tp
 BACKWARD = Reads("backward", (*_PER_MICRO_BATCH, "recompute"))  # what a unit's backward holds: (tp, b)
 EXTRA = Reads("extra", ("dp", "pp", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks, FSDP's dp
 # and the ranks sharding the packed experts under ep (dp / ep x cp: their groups' reductions)
-TIME = Reads("time", _PER_MICRO_BATCH)  # + the chunks
-FWD_TIME = Reads("fwd_time", _PER_MICRO_BATCH)  # the forward's share of TIME, for the timeline: + the chunks
+TIME = Reads("time", _PER_MICRO_BATCH)  # + the chunks; with the forward's share, for the timeline
 TP_BYTES = Reads("tp_bytes", _PER_MICRO_BATCH)  # + the micro-batch count and the chunks
 CP_TIME = Reads("cp_time", ("dp", "zero", "global_batch_size", "schedule", "virtual_stages"))  # + the chunks
 DP_TIME = Reads("dp_time", ("pp", "schedule", "virtual_stages", "recompute"))  # + the rank's parameters and groups
 PP_TIME = Reads("pp_time", ("dp", "zero", "recompute", "global_batch_size", "schedule", "virtual_stages",
                             "fuse_pointwise"))  # + whether the pp groups cross nodes, and the chunks
 COLLECTIVES = Reads("collectives", (*_PER_MICRO_BATCH, "recompute", "fuse_pointwise"))  # each unit's TP collectives
+# All of `_RankTerms` at once, for a configuration: what every one of its terms reads (a lookup, not eight). Derived
+# from their own keys: a term added to `_RankTerms` joins `_BUNDLED`.
+_BUNDLED = (TIED, UNITS, PADDED, EXPERTS, EXPERT_PADDED, EXPERT_GROUPS, REBUILT, BACKWARD)
+RANK_TERMS = Reads("rank_terms", frozenset.intersection(*(r.ignores for r in _BUNDLED)))
 
 
 def collectives_of(graph: ModelGraph, par: Parallel, tp: TPPlan | None, memo: dict | None) -> list:
@@ -66,6 +69,17 @@ def collectives_of(graph: ModelGraph, par: Parallel, tp: TPPlan | None, memo: di
 def backward_of(graph: ModelGraph, par: Parallel, tp: TPPlan | None, memo: dict | None) -> list[float]:
     """`unit_backward_bytes` under `par` and `tp`, once per key of what it reads in `memo` (as `predict`'s)."""
     return _Memo(memo)(BACKWARD.key(par), lambda: unit_backward_bytes(graph, par, tp))
+
+
+def rebuilt_of(graph: ModelGraph, par: Parallel, tp: TPPlan | None, memo: dict | None) -> list[float]:
+    """What recomputation rebuilds of each unit (`_rebuilt_bytes`), once per key of what it reads in `memo`."""
+    return _Memo(memo)(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
+
+
+def expert_groups_of(graph: ModelGraph, par: Parallel, local_shapes: list[dict[str, tuple]],
+                     memo: dict | None) -> list[zero.ExpertGroups]:
+    """`expert_groups` of each unit (its `unit_local_shapes` under `par`), once per key of what it reads in `memo`."""
+    return _Memo(memo)(EXPERT_GROUPS.key(par), lambda: [expert_groups(graph, par, s) for s in local_shapes])
 
 
 # --- 6. The whole step -------------------------------------------------------------------------------------------
@@ -104,9 +118,13 @@ class _Memo:
     def __call__(self, key: tuple, make):
         if self.store is None:
             return make()
-        if key not in self.store:
-            self.store[key] = make()
-        return self.store[key]
+        value = self.store.get(key, _MISSING)  # one lookup a hit
+        if value is _MISSING:
+            value = self.store[key] = make()
+        return value
+
+
+_MISSING = object()
 
 
 def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, int]]) -> None:
@@ -123,12 +141,27 @@ def check_bounds(graph: ModelGraph, par: Parallel, bounds: Sequence[tuple[int, i
         raise PartcError(f"pipeline chunks cover {prev} of {len(graph.units)} units")
 
 
-def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
-                 bounds: Sequence[tuple[int, int]], acts: list[float], shards: list[dict[str, int]],
-                 local_shapes: list[dict[str, tuple]], shared: dict[int, float], keep: _Memo):
-    """Per pipeline rank, in order: (rank, its chunks, its units, parameters on one GPU, FSDP's padded elements
-    (in groups of their own, in the root group), FSDP groups, memory), as `predict` counts them."""
-    p, v = par.pp, par.chunks_per_rank
+@dataclass(kw_only=True, slots=True)
+class _RankTerms:
+    """`_rank_memory`'s per-unit terms of one configuration and TP plan (each memoized by its own key too)."""
+
+    tied: list
+    units: _UnitSizes
+    padded_sums: list
+    expert_sums: list
+    expert_padded: list
+    grouped: list[zero.ExpertGroups]
+    rebuilt: list[float]
+    backward: list[float]
+
+
+def _rank_terms(graph: ModelGraph, par: Parallel, tp: TPPlan | None, shards: list[dict[str, int]],
+                local_shapes: list[dict[str, tuple]], keep: _Memo) -> _RankTerms:
+    return keep(RANK_TERMS.key(par), lambda: _make_rank_terms(graph, par, tp, shards, local_shapes, keep))
+
+
+def _make_rank_terms(graph: ModelGraph, par: Parallel, tp: TPPlan | None, shards: list[dict[str, int]],
+                     local_shapes: list[dict[str, tuple]], keep: _Memo) -> _RankTerms:
     tied = keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes))
     units = keep(UNITS.key(par), lambda: _UnitSizes.of(shards, local_shapes))
     experts = expert_keys(graph, par)  # FSDP leaves them out of its groups
@@ -139,9 +172,21 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
     expert_padded = keep(EXPERT_PADDED.key(par), lambda: [0, *itertools.accumulate(  # over the dp / ep x cp holders
         sum(zero.padded_numel(x, par.expert_shard) for k, x in shapes.items() if k in experts)
         for shapes in local_shapes)])
-    rebuilt = keep(REBUILT.key(par), lambda: [_rebuilt_bytes(par, tp, u) for u in graph.units])
-    grouped = keep(EXPERT_GROUPS.key(par), lambda: [expert_groups(graph, par, s) for s in local_shapes])
+    rebuilt = rebuilt_of(graph, par, tp, keep.store)
+    grouped = expert_groups_of(graph, par, local_shapes, keep.store)
     backward = backward_of(graph, par, tp, keep.store)
+    return _RankTerms(tied=tied, units=units, padded_sums=padded_sums, expert_sums=expert_sums,
+                      expert_padded=expert_padded, grouped=grouped, rebuilt=rebuilt, backward=backward)
+
+
+def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
+                 bounds: Sequence[tuple[int, int]], acts: list[float], shards: list[dict[str, int]],
+                 local_shapes: list[dict[str, tuple]], shared: dict[int, float], keep: _Memo, terms: _RankTerms):
+    """Per pipeline rank, in order: (rank, its chunks, its units, parameters on one GPU, FSDP's padded elements
+    (in groups of their own, in the root group), FSDP groups, memory), as `predict` counts them."""
+    p, v = par.pp, par.chunks_per_rank
+    tied, units, padded_sums, expert_sums = terms.tied, terms.units, terms.padded_sums, terms.expert_sums
+    expert_padded, grouped, rebuilt, backward = terms.expert_padded, terms.grouped, terms.rebuilt, terms.backward
     fsdp = par.dp_shard if par.zero else 1  # what FSDP pads over: the working memory's key besides the chunks
     shard = par.expert_shard if par.ep > 1 else 1  # and what it shards the packed experts' own groups over
 
@@ -184,17 +229,17 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
                                              [n for lo, hi in chunks for n in unit_padded(lo, hi)],
                                              [grouped[i] for i in idx]))
 
-        mem.activations = _in_flight_bytes(graph, par, r, chunks, acts) + extra()
+        held_j = _held_bytes(graph, par, chunks, acts)
+        flight = _in_flight_bytes(graph, par, r, chunks, acts, held=held_j)
+        mem.activations = flight + extra()
         if v == 1 and par.zero < 2 and in_flight(par, r) > 1:
             # Below ZeRO-2 the reduction's fp32 input is made in the last micro-batch's backward, when only that
             # micro-batch is in flight; the backwards before it only fold a compute-dtype gradient.
-            mem.activations = max(_in_flight_bytes(graph, par, r, chunks, acts) + extra(last=False),
-                                  _held_bytes(graph, par, chunks, acts)[0] + extra())
+            mem.activations = max(flight + extra(last=False), held_j[0] + extra())
         elif v > 1 and par.zero < 2:  # the same, when torch reduces each chunk (`schedule.held_at_reductions`),
             # with that chunk's largest unit's reduction instead of its fold
             # with that chunk's largest unit's reduction instead of its fold; and each backward with the working
             # memory of its own chunk's units (the last rank's loss and head are not in flight in a block's backward)
-            held_j = _held_bytes(graph, par, chunks, acts)
             at = schedule.held_at_reductions(p, v, par.num_microbatches, r, held_j)
             b = tokens(par)
             own_extra = [keep(EXTRA.key(par, ((lo, hi),), False, fsdp, shard), lambda lo=lo, hi=hi: _extra_bytes(
@@ -211,7 +256,7 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan 
                                        [n for lo, hi in chunks for n in unit_padded(lo, hi)])
         if reduced:  # a group of experts reduced: in a micro-batch's backward (ZeRO 2, 3), or after the last one
             mem.activations = max(mem.activations, reduced + (
-                _in_flight_bytes(graph, par, r, chunks, acts) if par.zero >= 2 else 0.0))
+                flight if par.zero >= 2 else 0.0))
         mem.buffers = cluster.communicator_bytes * communicators(par, bool(shared.get(r)))
         yield r, chunks, idx, params, padded, groups_n, mem, (held, held_padded)
 
@@ -223,10 +268,10 @@ def fits_memory(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan |
     same memory, computed the same way; arguments as `predict`'s)."""
     check_bounds(graph, par, bounds)
     keep = _Memo(memo)
-    shared = shared_weights(graph, par, tp, bounds, local_shapes,
-                            tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
+    terms = _rank_terms(graph, par, tp, shards, local_shapes, keep)
+    shared = shared_weights(graph, par, tp, bounds, local_shapes, tied=terms.tied)
     return all(fits(cluster, mem) for *_, mem, _ in _rank_memory(graph, cluster, par, tp, bounds, acts, shards,
-                                                              local_shapes, shared, keep))
+                                                              local_shapes, shared, keep, terms))
 
 
 def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | None,
@@ -259,13 +304,16 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
 
     ranks, comps, dp_times, opt_times = [], [], [], []
     keep = _Memo(memo)
-    shared = shared_weights(graph, par, tp, bounds, local_shapes,
-                            tied=keep(TIED.key(par), lambda: _tied_holders(graph, par, local_shapes)))
+    terms = _rank_terms(graph, par, tp, shards, local_shapes, keep)
+    shared = shared_weights(graph, par, tp, bounds, local_shapes, tied=terms.tied)
+    copies = keep(COPIES.key(par), lambda: copy_all_reduces(graph, tp)) if par.tp > 1 else None
+    in_use = tuple(a.name for a in AXES if a.in_use(par))
     for r, chunks, idx, params, padded, groups_n, mem, (held, held_padded) in _rank_memory(
-            graph, cluster, par, tp, bounds, acts, shards, local_shapes, shared, keep):
+            graph, cluster, par, tp, bounds, acts, shards, local_shapes, shared, keep, terms):
         ck = tuple(chunks)  # the memo's key of the rank's units
-        compute, tp_comm = keep(TIME.key(par, ck), lambda: (
-            sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx)))
+        compute, tp_comm, fwd_compute, fwd_tp = keep(TIME.key(par, ck), lambda: (
+            sum(parts[i].compute_s for i in idx), sum(parts[i].tp_comm_s for i in idx),
+            sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
         # Per chunk, the boundary in and the one out run concurrently (full-duplex links): the larger counts.
         def hop(lo: int, hi: int) -> tuple[float, float, float]:  # (bytes, gradient bytes, of them split over tp)
             into, out = graph.boundary_bytes(lo - 1, b, par.cp), graph.boundary_bytes(hi - 1, b, par.cp)
@@ -279,8 +327,6 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                     sum(p2p_round_trip(cluster, par, n, spans["pp"], 0.0, split) for n, _, split in hops))
 
         pp_comm, pp_fwd = keep(PP_TIME.key(par, spans["pp"], ck), pp_time)
-        fwd_compute, fwd_tp = keep(FWD_TIME.key(par, ck), lambda: (
-            sum(parts[i].fwd_compute_s for i in idx), sum(parts[i].fwd_tp_comm_s for i in idx)))
         # The cp collectives (keys and values of each attention) are exposed, with the tp ones inside a
         # micro-batch (`cp_time`).
         cp_s, cp_fwd = keep(CP_TIME.key(par, ck), lambda: cp_time(graph, cluster, par, tp, idx))
@@ -288,8 +334,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
         tp_payload = keep(TP_BYTES.key(par, par.num_microbatches, ck),
                           lambda: tp_bytes(graph, par, tp, idx, collectives_of(graph, par, tp, memo)))
         if par.tp > 1:  # a copied value's gradient all-reduced on each stage that reads it (`copy_moves`)
-            for count, nbytes in copy_moves(keep(COPIES.key(par), lambda: copy_all_reduces(graph, tp)), bounds,
-                                            chunks):
+            for count, nbytes in copy_moves(copies, bounds, chunks):
                 once = hw.collective_time(cluster, "all_reduce", nbytes * b, par.tp, spans_nodes=spans["tp"],
                                           ranks_per_node=par.ranks_per_node("tp", cluster.gpus_per_node))
                 tp_comm += count * once
@@ -306,7 +351,7 @@ def predict(graph: ModelGraph, cluster: Cluster, par: Parallel, tp: TPPlan | Non
                 "tp": tp_payload + gather_bytes(graph, par, chunks, tp)}
         if par.ep > 1:  # the experts' all-to-alls over the ep groups carved from dp, inside a cp coordinate
             comm["ep"] = ep_bytes(graph, par, idx)
-        assert tuple(comm) == tuple(a.name for a in AXES if a.in_use(par)), tuple(comm)
+        assert tuple(comm) == in_use, tuple(comm)
         comps.append((compute, tp_comm, pp_comm))
         dp_time = keep(DP_TIME.key(par, spans["dp"], params, padded, groups_n),
                        lambda: dp_comm_time(cluster, par, params, spans["dp"], padded=padded, groups=groups_n))

@@ -272,14 +272,14 @@ def _held_bytes(graph: ModelGraph, par: Parallel, chunks: Sequence[tuple[int, in
 
 
 def _in_flight_bytes(graph: ModelGraph, par: Parallel, rank: int, chunks: Sequence[tuple[int, int]],
-                     acts: Sequence[float]) -> float:
+                     acts: Sequence[float], held: list[float] | None = None) -> float:
     """What the micro-batches in flight on pipeline rank `rank` hold at its peak: each forward in flight holds its
     chunk's saved activations and what the pipeline stage keeps of the boundaries it received and sent until the
     micro-batch's backward (`_held_bytes`). One chunk a rank: `in_flight` micro-batches of that. Interleaved: the
     peak of the schedule's own order (`partc.passes.schedule`), where a backward also holds the gradient it
-    received."""
+    received. `held`: `_held_bytes` of the same chunks, when the caller has it."""
     b, t = tokens(par), par.tp
-    held = _held_bytes(graph, par, chunks, acts)
+    held = _held_bytes(graph, par, chunks, acts) if held is None else held
     if par.chunks_per_rank == 1:
         return in_flight(par, rank) * held[0]
     grad = [graph.boundary_grad_bytes(hi - 1, b, par.cp) / t for lo, hi in chunks]
@@ -314,9 +314,17 @@ def stage_extra_bytes(graph: ModelGraph, par: Parallel, tp: TPPlan | None,
     last_unit = graph.units[-1]
     backward = unit_backward_bytes(graph, par, tp) if backward is None else backward
     experts = [expert_groups(graph, par, _param_local_shapes(graph, par, tp, u)) for u in units]
-    extra = _extra_bytes(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
-                         any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units], last,
-                         experts=experts)
+    return stage_extra_bytes_of(graph, par, tp, [_rebuilt_bytes(par, tp, u) for u in units], sizes,
+                                any(u.fqn == last_unit.fqn for u in units), [backward[index[u.fqn]] for u in units],
+                                experts, last=last)
+
+
+def stage_extra_bytes_of(graph: ModelGraph, par: Parallel, tp: TPPlan | None, rebuilt: Sequence[float],
+                         sizes: Sequence[float], holds_last: bool, backward: Sequence[float],
+                         experts: Sequence[zero.ExpertGroups], *, last: bool = True) -> float:
+    """`stage_extra_bytes` from its units' lists (`_extra_bytes`'s, and `expert_groups` of each unit): what the
+    search computes from the lists it caches per configuration, not made again per stage."""
+    extra = _extra_bytes(graph, par, tp, rebuilt, sizes, holds_last, backward, last, experts=experts)
     return max(extra, zero.reduction_bytes(par, sizes, experts))  # the experts' reduction: a moment of its own
 
 

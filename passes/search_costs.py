@@ -46,6 +46,8 @@ FLOOR_PARAMS = Reads("floor_params", ("dp", "pp", "zero", "micro_batch_size", "r
 STATE_FLOOR = Reads("state_floor", ("micro_batch_size", "recompute", "global_batch_size", *_SP))  # model states
 # at 1/p (ZeRO-1's gradients read the chunks a rank: `_Costs.state_floor`), and the communicators
 
+_MISSING = object()
+
 
 class _Costs:
     """The search's caches: each quantity is computed once per key (its `Reads`)."""
@@ -54,6 +56,7 @@ class _Costs:
         self.graph, self.cluster, self.tp_pins = graph, cluster, tp_pins
         self._cache: dict[tuple, object] = {}
         self._memo: dict[tuple, object] = {}  # `assemble.predict`'s per-chunk terms (the TP solve is one per (tp, b))
+        self._last: tuple[Parallel | None, dict] = (None, {})  # `_get`'s answers for the last configuration asked
         self._tp_cache = SolveCache(graph, cluster)
         self.variant = 0
         """Which of `tp_choices` this object prices: each other one is a view (`at`) with caches of its own."""
@@ -62,17 +65,28 @@ class _Costs:
         self._all_sharded = SimpleNamespace(styles={fqn: "colwise" for fqn in graph.layers}, collectives={})
 
     def _get(self, reads: Reads, par: Parallel, make, *derived):
+        # The search asks one configuration (the same `Parallel` object, frozen) for the same quantities many times
+        # in a row: what it got for the last one is at hand, under the quantity's name and derived values alone.
+        last = self._last
+        if last[0] is not par:
+            last = self._last = (par, {})
+        asked = (reads.name, *derived)  # the names tell the quantities apart, as in the keys
+        value = last[1].get(asked, _MISSING)
+        if value is not _MISSING:
+            return value
         key = reads.key(par, *derived)
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
+        value = self._cache.get(key, _MISSING)  # one lookup: hashing a key tuple is most of the cost
+        if value is _MISSING:
+            value = self._cache[key] = make()
+        last[1][asked] = value
+        return value
 
     def at(self, variant: int) -> _Costs:
         """The same caches for style map `variant` of `tp_choices`: a view sharing the TP solve and the
         variant-free terms (the floors), with its own caches of everything the style map changes."""
         if variant not in self._views:
             view = copy.copy(self)
-            view.variant, view._cache, view._memo = variant, {}, {}
+            view.variant, view._cache, view._memo, view._last = variant, {}, {}, (None, {})
             self._views[variant] = view
         return self._views[variant]
 
@@ -124,13 +138,18 @@ class _Costs:
 
     def extra(self, par: Parallel) -> tuple[float, float]:
         """Transient stage memory: (any stage, the last stage), bounded over all units."""
-        units = list(range(len(self.graph.units)))
 
-        def make() -> tuple[float, float]:
-            backward = assemble.backward_of(self.graph, par, self.tp(par), self._memo)
-            return (memory.stage_extra_bytes(self.graph, par, self.tp(par), units[:-1] or units, self.shards(par),
-                                           backward=backward),
-                    memory.stage_extra_bytes(self.graph, par, self.tp(par), units, self.shards(par), backward=backward))
+        def make() -> tuple[float, float]:  # `memory.stage_extra_bytes` of all units but the last, and of all
+            graph, tp = self.graph, self.tp(par)  # (its per-unit lists read from the caches, not made again)
+            backward = assemble.backward_of(graph, par, tp, self._memo)
+            rebuilt = assemble.rebuilt_of(graph, par, tp, self._memo)
+            experts = assemble.expert_groups_of(graph, par, self.local_shapes(par), self._memo)
+            sizes = self.params(par)
+            whole = memory.stage_extra_bytes_of(graph, par, tp, rebuilt, sizes, True, backward, experts)
+            if len(sizes) == 1:
+                return whole, whole
+            return memory.stage_extra_bytes_of(graph, par, tp, rebuilt[:-1], sizes[:-1], False, backward[:-1],
+                                               experts[:-1]), whole
 
         return self._get(EXTRA, par, make)
 
